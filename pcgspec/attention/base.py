@@ -1,0 +1,42 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pcgspec.attention.kv_cache import KVCache
+    from pcgspec.runners.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model. ``init_forward_metadata`` runs once per forward pass,
+    before the model; ``forward`` runs once per layer inside ``pcgspec::attention``.
+    """
+
+    def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int, scale: float) -> None:
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.num_kv_heads = kv_cache.spec.num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Precompute whatever every layer of this pass shares (index maps, masks, ...)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KV, D]
+        v: torch.Tensor,  # [T, KV, D]
+        out: torch.Tensor,  # [T, H, D]
+        layer_id: int,
+    ) -> None:
+        """Write ``k``/``v`` to the slots ``batch.out_cache_loc`` (skipping -1), then attend:
+        token ``t`` of request ``b`` sees the first ``prefix_len[b] + i_t + 1`` cache entries.
+        """

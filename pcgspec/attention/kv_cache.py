@@ -1,0 +1,43 @@
+"""The paged KV cache tensors: one K and one V buffer per layer, indexed by slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+class KVCache:
+    """``k[layer]`` and ``v[layer]`` are ``[num_slots + 1, KV, D]``; slot = page * page_size + off.
+
+    NOTE: the extra last row is a scratch slot. Backends that cannot skip padded tokens
+    (``out_cache_loc == -1``) without a host sync write them there; nothing ever reads it.
+    """
+
+    def __init__(
+        self, spec: KVCacheSpec, num_pages: int, page_size: int, device: torch.device
+    ) -> None:
+        self.spec = spec
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        shape = (self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots

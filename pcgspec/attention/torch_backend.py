@@ -1,0 +1,84 @@
+"""Attention in plain PyTorch: SDPA over KV gathered from the paged cache.
+
+It is the oracle in tests and the CPU serving path. Requests are batched by padding to
+``[B, max_new, ...]`` queries and ``[B, max_seq, ...]`` keys; there is no per-request loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pcgspec.attention.base import AttentionBackend
+from pcgspec.runners.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    q_rows: torch.Tensor  # [B, L] flat row of each padded query; T_real for padding
+    kv_slots: torch.Tensor  # [B, S] cache slot of each key; the scratch slot for padding
+    mask: torch.Tensor  # [B, 1, L, S] bool, True = may attend
+    out_rows: torch.Tensor  # [T_real] index into the flattened [B * L] result
+    store_loc: torch.Tensor  # [T] slot to write each token's K/V (padding -> scratch)
+    num_real: int
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        device = batch.device
+        ext = batch.extend_lens.to(device=device, dtype=torch.int64)
+        seq = batch.seq_lens.to(device=device, dtype=torch.int64)
+        num_real = sum(batch.extend_lens_cpu)
+        max_new, max_seq = max(batch.extend_lens_cpu), max(batch.seq_lens_cpu)
+        starts = torch.cumsum(ext, 0) - ext  # [B]
+
+        i = torch.arange(max_new, device=device)[None, :]  # [1, L]
+        q_valid = i < ext[:, None]
+        q_rows = torch.where(q_valid, starts[:, None] + i, num_real)
+
+        page = self.kv_cache.page_size
+        j = torch.arange(max_seq, device=device)[None, :]  # [1, S]
+        cols = (j // page).clamp(max=batch.page_table.shape[1] - 1)
+        pages = torch.gather(batch.page_table.long(), 1, cols.expand(len(seq), -1))
+        kv_valid = j < seq[:, None]
+        kv_slots = torch.where(kv_valid, pages * page + j % page, self.kv_cache.scratch_slot)
+
+        prefix = seq - ext
+        causal = j[:, None, :] <= (prefix[:, None] + i)[:, :, None]  # [B, L, S]
+        mask = causal & kv_valid[:, None, :]
+        # NOTE: padded query rows see key 0 so SDPA never softmaxes an all-masked row.
+        mask[:, :, 0] |= ~q_valid
+        b_of_t = torch.repeat_interleave(
+            torch.arange(len(seq), device=device), ext, output_size=num_real
+        )
+        out_rows = b_of_t * max_new + torch.arange(num_real, device=device) - starts[b_of_t]
+        loc = batch.out_cache_loc
+        store_loc = torch.where(loc < 0, self.kv_cache.scratch_slot, loc)
+        self.metadata = _Metadata(q_rows, kv_slots, mask[:, None], out_rows, store_loc, num_real)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        layer_id: int,
+    ) -> None:
+        md = self.metadata
+        k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
+        k_cache.index_copy_(0, md.store_loc, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, md.store_loc, v.to(v_cache.dtype))
+
+        q_pad = torch.cat([q[: md.num_real], q.new_zeros(1, *q.shape[1:])])
+        qb = q_pad[md.q_rows].transpose(1, 2)  # [B, H, L, D]
+        kb = k_cache[md.kv_slots].transpose(1, 2).to(q.dtype)  # [B, KV, S, D]
+        vb = v_cache[md.kv_slots].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=md.mask, scale=self.scale, enable_gqa=True
+        )  # [B, H, L, D]
+        o = o.transpose(1, 2).reshape(-1, *q.shape[1:])  # [B * L, H, D]
+        out[: md.num_real] = o[md.out_rows]
+        if out.shape[0] > md.num_real:
+            out[md.num_real :] = 0

@@ -1,0 +1,22 @@
+"""Every environment flag pcgspec reads, typed, with the ``PCGSPEC_`` prefix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _path(name: str, default: Path) -> Path:
+    value = os.environ.get(name)
+    return Path(value).expanduser() if value else default
+
+
+def cache_dir() -> Path:
+    """Where converted models and compile caches live (``PCGSPEC_CACHE_DIR``)."""
+    xdg = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
+    return _path("PCGSPEC_CACHE_DIR", xdg / "pcgspec")
+
+
+def log_level() -> str:
+    """Log level of the ``pcgspec`` logger (``PCGSPEC_LOG_LEVEL``, default INFO)."""
+    return os.environ.get("PCGSPEC_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,73 @@
+"""Build a ``ForwardBatch`` from per-request chunks of new tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one request for one pass: positions ``start .. start + len(token_ids)``."""
+
+    token_ids: Sequence[int]
+    start: int  # tokens of this request already in the KV cache
+    pages: Sequence[int]  # the request's pages, covering at least start + len(token_ids) slots
+    sample: bool = True  # compute logits for the last new token
+
+
+def build_forward_batch(
+    mode: ForwardMode,
+    chunks: Sequence[SeqChunk],
+    page_size: int,
+    device: torch.device | str,
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
+    logits_rows: Sequence[int] | None = None,
+    **extra: object,
+) -> ForwardBatch:
+    """Flatten ``chunks`` into one batch. By default the sampled rows are the last new token
+    of each chunk with ``sample=True``; ``logits_rows`` overrides that (e.g. every verify row).
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sampled: list[int] = []
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        if chunk.start + n > len(chunk.pages) * page_size:
+            raise ValueError(
+                f"chunk needs {chunk.start + n} KV slots but owns {len(chunk.pages)} pages"
+            )
+        pos = range(chunk.start, chunk.start + n)
+        input_ids.extend(chunk.token_ids)
+        positions.extend(pos)
+        slots.extend(chunk.pages[p // page_size] * page_size + p % page_size for p in pos)
+        if chunk.sample:
+            sampled.append(len(input_ids) - 1)
+    seq_lens = tuple(c.start + len(c.token_ids) for c in chunks)
+    extend_lens = tuple(len(c.token_ids) for c in chunks)
+    max_pages = max(len(c.pages) for c in chunks)
+    table = [list(c.pages) + [0] * (max_pages - len(c.pages)) for c in chunks]
+
+    def tensor(data: object, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        forward_mode=mode,
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        out_cache_loc=tensor(slots, torch.int64),
+        seq_lens=tensor(seq_lens, torch.int32),
+        extend_lens=tensor(extend_lens, torch.int32),
+        page_table=tensor(table, torch.int32),
+        page_size=page_size,
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=extend_lens,
+        logits_indices=tensor(sampled if logits_rows is None else list(logits_rows), torch.int64),
+        capture_hidden_mode=capture_hidden_mode,
+        **extra,  # type: ignore[arg-type]
+    )
