@@ -35,8 +35,9 @@ class KVCache:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         shape = (self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        layers = range(spec.num_layers)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in layers]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in layers]
 
     @property
     def scratch_slot(self) -> int:

@@ -22,7 +22,9 @@ _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(batch: ForwardBatch, attn_backend: AttentionBackend) -> Iterator[ForwardContext]:
+def forward_context(
+    batch: ForwardBatch, attn_backend: AttentionBackend
+) -> Iterator[ForwardContext]:
     """Make ``batch`` the one the attention op sees; nesting is a bug and raises."""
     global _current
     if _current is not None:

@@ -1,0 +1,5 @@
+import sys
+
+from pcgspec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,98 @@
+"""Engine configuration: one frozen dataclass, validated, with SGLang's option names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. ``None`` means "pick the default for the device"."""
+
+    model: str | None = None  # HF folder or .gguf file; None = the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    context_length: int | None = None
+    page_size: int = 16
+    mem_fraction_static: float = 0.85  # CUDA: share of GPU memory for weights + KV + graphs
+    cpu_kv_cache_bytes: int = 1 << 30  # CPU: byte budget of the KV cache
+    max_total_tokens: int | None = None  # caps the KV pool (SGLang's --max-total-tokens)
+    max_running_requests: int = 256
+    chunked_prefill_size: int | None = None  # 2048 on CUDA, 1024 on CPU; -1 disables chunking
+    max_prefill_tokens: int = 16384  # token budget of one prefill step
+    attention_backend: str | None = None  # "triton" on CUDA, "torch" elsewhere
+    random_seed: int = 0
+    log_level: str | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                raise ValueError(
+                    f"unknown engine option {name!r}; known: {', '.join(sorted(known))}"
+                )
+        return cls(**kwargs)
+
+    def _validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("context_length", "page_size", "max_total_tokens", "max_running_requests",
+                     "max_prefill_tokens", "cpu_kv_cache_bytes"):
+            positive(name)
+        if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
+            raise ValueError(
+                f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
+        size = self.chunked_prefill_size
+        if size is not None and size != -1 and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {size!r}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be torch or triton, got {self.attention_backend!r}")
+
+    # Resolved values -------------------------------------------------------------------------
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[_DTYPE_ALIASES.get(self.dtype, self.dtype)]
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.torch_device.type == "cuda" else "torch"
+
+    @property
+    def resolved_chunked_prefill_size(self) -> int | None:
+        """Largest prefill chunk of one request; None = no chunking."""
+        if self.chunked_prefill_size == -1:
+            return None
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return 2048 if self.torch_device.type == "cuda" else 1024
+

@@ -1,0 +1,150 @@
+"""The engine: requests in, one scheduled forward pass per ``step()``, tokens out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from pcgspec.config import EngineConfig
+from pcgspec.engine.detokenizer import IncrementalDetokenizer
+from pcgspec.engine.kv_pool import PagePool
+from pcgspec.engine.request import Request, TokenLogprobs
+from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
+from pcgspec.models.loader import load_tokenizer, resolve_model_dir
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.forward_batch import ForwardBatch
+from pcgspec.runners.model_runner import ModelRunner
+from pcgspec.sampling.batch import SamplingBatch
+from pcgspec.sampling.sampler import SamplerOutput
+from pcgspec.sampling_params import SamplingParams
+
+logger = logging.getLogger("pcgspec")
+_SEED_MASK = (1 << 63) - 1
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir: Path = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir)
+        self.page_size = self.runner.page_size
+        self.pages = PagePool(self.runner.kv_cache.num_pages)
+        budget = config.max_prefill_tokens
+        chunk = config.resolved_chunked_prefill_size
+        self.scheduler = Scheduler(self.pages, self.page_size, config.max_running_requests,
+                                   min(budget, chunk) if chunk else budget)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
+        self._seeds = random.Random(config.random_seed)
+        self._ids = itertools.count()
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.context_length
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> list[Request]:
+        """Queue ``params.n`` sequences for one prompt; returns them."""
+        ids = list(prompt_token_ids)
+        self._check_prompt(ids)
+        group = request_id if request_id is not None else str(next(self._ids))
+        base = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        reqs = []
+        for i in range(params.n):
+            seed = base if i == 0 else hash((base, i)) & _SEED_MASK
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            req = Request(f"{group}-{i}", ids, params, seed, detok, self.context_length,
+                          group_id=group, index=i)
+            self.scheduler.add(req)
+            reqs.append(req)
+        return reqs
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.context_length:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context length is {self.context_length}; "
+                "it must leave room for at least one output token"
+            )
+        capacity = self.pages.num_pages * self.page_size
+        if len(ids) >= capacity:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the KV cache holds only {capacity}"
+            )
+        vocab = self.runner.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Request]:
+        """Schedule, run the model, sample, commit. Returns the requests that took part."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        forward_batch = self._build_forward_batch(batch)
+        out = self.runner.forward(forward_batch)
+        sampled = self.runner.sample(out.logits, forward_batch.sampling)
+        self._commit(batch, sampled)
+        self.scheduler.update(batch)
+        return batch.requests
+
+    def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        chunks = []
+        for req, n, sample in zip(batch.requests, batch.num_new_tokens, batch.samples):
+            start = req.num_computed_tokens
+            chunks.append(SeqChunk(req.token_ids[start : start + n], start, req.pages, sample))
+        rows = batch.sampled_requests
+        sampling = SamplingBatch.build(
+            params=[r.params for r in rows],
+            seeds=[r.seed for r in rows],
+            positions=[r.num_output_tokens for r in rows],
+            prompt_ids=[r.prompt_token_ids for r in rows],
+            output_ids=[r.output_token_ids for r in rows],
+            vocab_size=self.runner.vocab_size,
+            device=self.runner.device,
+        )
+        return build_forward_batch(batch.mode, chunks, self.page_size, self.runner.device,
+                                   sampling=sampling)
+
+    def _commit(self, batch: ScheduledBatch, sampled: SamplerOutput) -> None:
+        rows = batch.sampled_requests
+        tokens = sampled.tokens.tolist()
+        logprobs = _logprob_rows(sampled, rows)
+        for row, (req, token) in enumerate(zip(rows, tokens)):
+            if logprobs is not None:
+                req.logprobs.append(logprobs[row])
+            req.append_token(token, self.eos_token_ids)
+
+
+def _logprob_rows(sampled: SamplerOutput, rows: list[Request]) -> list[TokenLogprobs] | None:
+    if sampled.logprobs is None:
+        return None
+    lp = sampled.logprobs
+    token_lp = lp.token_logprobs.tolist()
+    top_ids, top_lp = lp.top_ids.tolist(), lp.top_logprobs.tolist()
+    tokens = sampled.tokens.tolist()
+    out = []
+    for i, req in enumerate(rows):
+        n = req.params.logprobs or 0
+        out.append(TokenLogprobs(tokens[i], token_lp[i], tuple(zip(top_ids[i][:n],
+                                                                   top_lp[i][:n]))))
+    return out
+
+
+def _eos_token_ids(tokenizer: object, hf_config: object) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(hf_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(source)
+    return frozenset(ids)

@@ -1,0 +1,111 @@
+"""One sequence being generated: its tokens, KV pages, progress and stop state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pcgspec.engine.detokenizer import IncrementalDetokenizer
+from pcgspec.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()  # not (fully) prefilled: queued, mid chunked prefill, or preempted
+    RUNNING = enum.auto()  # decoding
+    FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of one output token: the sampled one first, then the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    max_len: int  # the model's context length
+    group_id: str = ""  # the user-facing request this sequence belongs to (n > 1)
+    index: int = 0  # which of the group's n sequences
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(init=False)
+    pages: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, eos_token_ids: frozenset[int]) -> None:
+        """Add one output token, extend the text and check every stop condition."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.token_ids.append(token_id)
+        params = self.params
+        if not params.ignore_eos and token_id in eos_token_ids:
+            self.finish("stop", token_id)
+        elif params.stop_token_ids and token_id in params.stop_token_ids:
+            self.finish("stop", token_id)
+        else:
+            delta = self.detokenizer.add_token(token_id)
+            if delta and params.stop_strings:
+                self._check_stop_strings(len(delta))
+        if self.finished:
+            return
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            self.finish("length")
+        elif len(self.token_ids) >= self.max_len:
+            self.finish("length")
+
+    def _check_stop_strings(self, delta_len: int) -> None:
+        text = self.detokenizer.text
+        longest = max(len(s) for s in self.params.stop_strings)
+        start = max(0, len(text) - delta_len - longest + 1)
+        hits = [(text.find(s, start), s) for s in self.params.stop_strings]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        index, stop = min(hits)
+        end = index + len(stop) if self.params.include_stop_str_in_output else index
+        self.detokenizer.text = text[:end]
+        self.finish("stop", stop)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.perf_counter()

@@ -1,0 +1,91 @@
+"""What ``LLM.generate`` returns, shaped like vLLM's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pcgspec.engine.request import Request, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per token: sampled token, then top-N
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    ttft: float | None  # seconds from arrival to the first output token
+    e2e_latency: float | None
+    num_output_tokens: int
+    tokens_per_s: float | None  # output tokens / e2e latency
+    num_preemptions: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+    @classmethod
+    def from_requests(cls, prompt: str | None, reqs: list[Request]) -> RequestOutput:
+        first = reqs[0]
+        wants_logprobs = first.params.logprobs is not None
+        outputs = [
+            CompletionOutput(
+                index=r.index,
+                text=r.text,
+                token_ids=r.output_token_ids,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+                logprobs=[_as_dict(lp) for lp in r.logprobs] if wants_logprobs else None,
+            )
+            for r in reqs
+        ]
+        return cls(first.group_id, prompt, first.prompt_token_ids, outputs,
+                   all(r.finished for r in reqs), _metrics(reqs))
+
+
+def _as_dict(lp: TokenLogprobs) -> dict[int, float]:
+    return {lp.token_id: lp.logprob, **{t: v for t, v in lp.top if t != lp.token_id}}
+
+
+def _metrics(reqs: list[Request]) -> RequestMetrics:
+    first = reqs[0]
+    firsts = [r.first_token_time for r in reqs if r.first_token_time is not None]
+    ends = [r.finish_time for r in reqs if r.finish_time is not None]
+    ttft = min(firsts) - first.arrival_time if firsts else None
+    e2e = max(ends) - first.arrival_time if len(ends) == len(reqs) else None
+    num = sum(r.num_output_tokens for r in reqs)
+    return RequestMetrics(
+        ttft=ttft,
+        e2e_latency=e2e,
+        num_output_tokens=num,
+        tokens_per_s=num / e2e if e2e else None,
+        num_preemptions=sum(r.num_preemptions for r in reqs),
+    )

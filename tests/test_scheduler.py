@@ -1,0 +1,97 @@
+"""Scheduler and page pool, driven without a model: every sampled row gets token 7."""
+
+from __future__ import annotations
+
+import pytest
+
+from pcgspec.engine.kv_pool import PagePool
+from pcgspec.engine.request import Request, RequestStatus
+from pcgspec.engine.scheduler import Scheduler
+from pcgspec.runners.forward_batch import ForwardMode
+from pcgspec.sampling_params import SamplingParams
+
+
+class _NoText:
+    text = ""
+
+    def add_token(self, token_id: int) -> str:
+        return ""
+
+
+def _request(name: str, prompt_len: int, max_tokens: int) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(name, list(range(prompt_len)), params, 0, _NoText(), max_len=10_000)
+
+
+def _step(sched: Scheduler):
+    batch = sched.schedule()
+    if batch is None:
+        return None
+    for req in batch.sampled_requests:
+        req.append_token(7, frozenset())
+    sched.update(batch)
+    return batch
+
+
+def test_page_pool_refcounts():
+    pool = PagePool(4)
+    a = pool.alloc(2)
+    pool.incref(a)
+    pool.free(a)
+    assert pool.num_free == 2  # still held once
+    pool.free(a)
+    assert pool.num_free == 4
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(a[:1])
+    with pytest.raises(MemoryError):
+        pool.alloc(5)
+
+
+def test_chunked_prefill_then_decode():
+    sched = Scheduler(PagePool(64), page_size=4, max_running_requests=8, prefill_token_budget=32)
+    req = _request("a", 100, max_tokens=3)
+    sched.add(req)
+    sizes = [_step(sched).num_new_tokens[0] for _ in range(4)]
+    assert sizes == [32, 32, 32, 4]
+    assert req.status is RequestStatus.RUNNING and req.num_output_tokens == 1
+    batch = _step(sched)
+    assert batch.mode is ForwardMode.DECODE and batch.num_new_tokens == [1]
+    _step(sched)
+    assert req.finished and req.num_output_tokens == 3
+    assert sched.pages.num_free == 64 and not sched.has_work
+
+
+def test_prefill_budget_is_shared_and_order_kept():
+    sched = Scheduler(PagePool(64), page_size=4, max_running_requests=8, prefill_token_budget=20)
+    reqs = [_request(str(i), 8, max_tokens=2) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    batch = _step(sched)
+    assert [r.request_id for r in batch.requests] == ["0", "1", "2"]
+    assert batch.num_new_tokens == [8, 8, 4]
+    assert batch.samples == [True, True, False]
+
+
+def test_decode_preempts_newest_and_recomputes():
+    # 6 pages of 4 tokens; two requests of 8 prompt tokens need 3 pages each after 4 outputs.
+    sched = Scheduler(PagePool(6), page_size=4, max_running_requests=8, prefill_token_budget=64)
+    old, new = _request("old", 8, max_tokens=10), _request("new", 8, max_tokens=10)
+    sched.add(old)
+    sched.add(new)
+    while not old.finished:
+        _step(sched)
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    while sched.has_work:
+        _step(sched)
+    assert new.finished and new.num_output_tokens == 10 and old.num_output_tokens == 10
+    assert sched.pages.num_free == 6
+
+
+def test_request_alone_larger_than_pool_finishes_with_length():
+    sched = Scheduler(PagePool(2), page_size=4, max_running_requests=8, prefill_token_budget=64)
+    req = _request("big", 6, max_tokens=50)
+    sched.add(req)
+    while sched.has_work:
+        _step(sched)
+    assert req.finish_reason == "length" and req.num_output_tokens == 3
+    assert sched.pages.num_free == 2
