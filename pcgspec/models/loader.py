@@ -1,0 +1,123 @@
+"""Load a model (and its tokenizer) from a Hugging Face folder or a ``.gguf`` file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from pcgspec import envs
+from pcgspec.models.registry import model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """The Hugging Face folder for ``path``; a ``.gguf`` file is converted once into
+    ``cache_dir()/models/<stem>``.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist (expected a Hugging Face folder with "
+            f"{CONFIG_FILE} and *.safetensors, or a .gguf file)"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model path {str(path)!r} is a file but not a .gguf file")
+        return _converted_gguf(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in model folder {str(path)!r}")
+    return path
+
+
+def _converted_gguf(gguf_path: Path) -> Path:
+    from pcgspec.models.gguf import convert_gguf
+
+    out_dir = envs.cache_dir() / "models" / gguf_path.stem
+    if (out_dir / CONFIG_FILE).is_file():
+        logger.info("Using %s, converted earlier from %s", out_dir, gguf_path)
+        return out_dir
+    return convert_gguf(gguf_path, out_dir)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: those the index names, else every ``*.safetensors``."""
+    index = folder / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards missing from {folder}: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no weights in model folder {str(folder)!r}: looked for {WEIGHTS_INDEX_FILE} "
+            "and *.safetensors"
+        )
+    return files
+
+
+def iter_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every ``(name, tensor)`` of the shards, on the CPU, with a progress bar."""
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update()
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_dir(path))
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Build the model for ``path``'s architecture on the meta device, allocate it on ``device``
+    in ``dtype``, and load every weight. Returned in eval mode without gradients.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    start = time.perf_counter()
+    folder = resolve_model_dir(path)
+    config = load_config(folder)
+    cls = model_class(config)
+    files = safetensors_files(folder)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights(iter_safetensors(files))
+    model.requires_grad_(False).eval()
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    what = f"{cls.__name__} ({millions:.1f}M params, {dtype})"
+    logger.info("Loaded %s from %s in %.1f s", what, folder, time.perf_counter() - start)
+    return model
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``path`` (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(path))

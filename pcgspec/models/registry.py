@@ -1,0 +1,28 @@
+"""Hugging Face architecture name -> model class, imported on first use."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from pcgspec.registry import Registry
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+MODEL_REGISTRY: Registry[type[nn.Module]] = Registry("model architecture")
+MODEL_REGISTRY.register("LlamaForCausalLM", "pcgspec.models.llama:LlamaForCausalLM")
+MODEL_REGISTRY.register("Qwen2ForCausalLM", "pcgspec.models.qwen2:Qwen2ForCausalLM")
+MODEL_REGISTRY.register("Qwen3ForCausalLM", "pcgspec.models.qwen3:Qwen3ForCausalLM")
+
+
+def model_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The class for the first of ``config.architectures`` we support; ``ValueError`` listing
+    the supported ones when there is none.
+    """
+    architectures = list(getattr(config, "architectures", None) or [])
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY.get(name)
+    return MODEL_REGISTRY.get(" / ".join(architectures) or "<none in config.architectures>")
