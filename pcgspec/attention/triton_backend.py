@@ -1,0 +1,117 @@
+"""Paged attention on Triton kernels: store K/V, then extend or split-KV decode / verify."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from pcgspec.attention.base import AttentionBackend
+from pcgspec.kernels.attention import (
+    decode_attention,
+    decode_workspace,
+    extend_attention,
+    store_kv,
+)
+from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata:
+    """What every layer of one pass shares: device tensors the kernels read, host ints that
+    size the grids.
+
+    NOTE: a CUDA-graph runner replaces this whole object with one built over static buffers:
+    fixed-size ``page_table``/``seq_lens``/``extend_lens``/``extend_start``/``out_cache_loc``
+    (padded requests: ``seq_len`` 0, padded tokens: slot -1), ``max_extend_len`` at the
+    captured bound, and per captured batch size a fixed ``num_kv_splits`` with its workspace.
+    """
+
+    tokens_per_seq: int  # > 0: split-KV path (DECODE: 1, TARGET_VERIFY: k+1); 0: extend path
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    extend_lens: torch.Tensor  # [B] int32
+    extend_start: torch.Tensor  # [B] int32, first row of each request (exclusive cumsum)
+    out_cache_loc: torch.Tensor  # [T] int64, -1 = padding
+    num_real_tokens: int  # sum(extend_lens); rows past it are padding, zeroed
+    max_extend_len: int
+    num_kv_splits: int
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # split-KV: [rows, H, S, D], [rows, H, S]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention on Triton kernels. The new tokens' K/V are stored first, so every key
+    is read through the page table. DECODE and TARGET_VERIFY (k+1 tokens per request) use
+    flash-decoding over KV splits, which fills the GPU at small batch; EXTEND, chunked prefill
+    and DRAFT_EXTEND use the causal flash-attention kernel.
+    """
+
+    max_kv_splits: int = 32
+    min_kv_split_len: int = 256  # keys; shorter splits cost more in the reduce than they save
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        mode, ext_cpu = batch.forward_mode, batch.extend_lens_cpu
+        if mode.is_decode() and any(n != 1 for n in ext_cpu):
+            raise ValueError(f"DECODE needs one new token per request, got {ext_cpu}")
+        split_kv = mode.is_decode() or mode is ForwardMode.TARGET_VERIFY
+        tokens_per_seq = ext_cpu[0] if split_kv and len(set(ext_cpu)) == 1 else 0
+        num_real = sum(ext_cpu)
+        num_splits = self._num_kv_splits(batch.batch_size, max(batch.seq_lens_cpu, default=0))
+        workspace = None
+        if tokens_per_seq:
+            shape = (num_real, self.num_heads, self.head_dim, num_splits)
+            workspace = decode_workspace(*shape, batch.device)
+        self.metadata = TritonAttentionMetadata(
+            tokens_per_seq=tokens_per_seq,
+            page_table=batch.page_table,
+            seq_lens=batch.seq_lens,
+            extend_lens=batch.extend_lens,
+            extend_start=torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens,
+            out_cache_loc=batch.out_cache_loc,
+            num_real_tokens=num_real,
+            max_extend_len=max(ext_cpu, default=0),
+            num_kv_splits=num_splits,
+            workspace=workspace,
+        )
+
+    def _num_kv_splits(self, batch_size: int, max_seq_len: int) -> int:
+        """Enough splits for about two waves of programs, none shorter than the minimum."""
+        programs = max(1, batch_size * self.num_kv_heads)
+        by_occupancy = -(-2 * _num_sms(self.kv_cache.k[0].device) // programs)
+        by_length = -(-max_seq_len // self.min_kv_split_len)
+        return max(1, min(self.max_kv_splits, by_occupancy, by_length))
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KV, D]
+        v: torch.Tensor,  # [T, KV, D]
+        out: torch.Tensor,  # [T, H, D]
+        layer_id: int,
+    ) -> None:
+        md = self.metadata
+        k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
+        store_kv(k, v, k_cache, v_cache, md.out_cache_loc)
+        n = md.num_real_tokens
+        page_size = self.kv_cache.page_size
+        if md.tokens_per_seq:
+            decode_attention(
+                q[:n], k_cache, v_cache, out[:n], md.page_table, md.seq_lens, page_size,
+                self.scale, md.num_kv_splits, tokens_per_seq=md.tokens_per_seq,
+                workspace=md.workspace,
+            )  # fmt: skip
+        else:
+            extend_attention(
+                q, k_cache, v_cache, out, md.page_table, md.seq_lens, md.extend_lens,
+                md.extend_start, page_size, self.scale, md.max_extend_len,
+            )  # fmt: skip
+        if out.shape[0] > n:
+            out[n:].zero_()
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter runs: enough to exercise the split path

@@ -1,0 +1,417 @@
+"""Paged attention in Triton: KV store, causal extend (prefill, chunked prefill, draft extend)
+and split-KV decode (also TARGET_VERIFY's k+1 tokens), each with a checking wrapper and a
+plain torch reference.
+
+Cache layout: ``k_cache``/``v_cache`` are ``[num_slots + 1, KV, D]``; position ``p`` of request
+``b`` lives in slot ``page_table[b, p // page_size] * page_size + p % page_size``.
+Every launch is sized from host ints only (no ``.item()``), so all of it is graph-capturable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KCache, VCache, Loc,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    loc = tl.load(Loc + t).to(tl.int64)
+    if loc < 0:
+        return
+    h = tl.arange(0, BLOCK_KV)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV) & (d < HEAD_DIM)
+    dst = loc * stride_cs + h * HEAD_DIM + d
+    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, KCache, VCache, page_row, n0, kv_end, causal_lim, kv_head, qk_scale,
+    stride_cs,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys ``n0 .. n0 + BLOCK_N`` read through the page table."""
+    j = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    j_ok = j < kv_end
+    if MASK_KV:
+        page = tl.load(page_row + j // PAGE_SIZE, mask=j_ok, other=0)
+    else:
+        page = tl.load(page_row + j // PAGE_SIZE)
+    slot = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
+    offs = slot[:, None] * stride_cs + kv_head * HEAD_DIM + d[None, :]
+    mask = (d < HEAD_DIM)[None, :]
+    if MASK_KV:
+        mask = mask & j_ok[:, None]
+    k = tl.load(KCache + offs, mask=mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(VCache + offs, mask=mask, other=0.0).to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [ROWS, BLOCK_N], log2
+    if MASK_KV:
+        qk = tl.where(j_ok[None, :], qk, float("-inf"))
+    if CAUSAL:
+        qk = tl.where(j[None, :] <= causal_lim[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q, KCache, VCache, Out, PageTable, SeqLens, ExtendLens, ExtendStart, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cs,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    # Rows of a tile are (token, head-in-group) pairs, so one K/V read serves the whole group.
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    r0 = tl.program_id(2) * BLOCK_M
+    ext_len = tl.load(ExtendLens + b)
+    if r0 >= ext_len * GROUP:
+        return
+    prefix = tl.load(SeqLens + b) - ext_len
+    start = tl.load(ExtendStart + b).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    mask = (tok < ext_len)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(
+        Q + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    page_row = PageTable + b.to(tl.int64) * stride_pt
+    causal_lim = prefix + tok  # [BLOCK_M] last key position each row sees
+    # NOTE: keys below prefix + (first token of the tile) + 1 are visible to every row.
+    full_end = (prefix + r0 // GROUP + 1) // BLOCK_N * BLOCK_N
+    kv_end = prefix + tl.minimum((r0 + BLOCK_M - 1) // GROUP, ext_len - 1) + 1
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, KCache, VCache, page_row, n0, kv_end, causal_lim, kv_head,
+            qk_scale, stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, DOT_PREC,
+        )  # fmt: skip
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, KCache, VCache, page_row, n0, kv_end, causal_lim, kv_head,
+            qk_scale, stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, True, DOT_PREC,
+        )  # fmt: skip
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offs = (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(Out + o_offs, o.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_kv_kernel(
+    Q, KCache, VCache, MidO, MidLse, PageTable, SeqLens, qk_scale, num_heads, num_splits,
+    stride_qt, stride_qh, stride_pt, stride_cs,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    # One program: the TOKENS last positions x GROUP query heads of one kv head of one
+    # request, over one split of its keys. Rows are (token, head-in-group) pairs.
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    rows = tl.arange(0, BLOCK_M)
+    t = b.to(tl.int64) * TOKENS + rows // GROUP  # [BLOCK_M] flat token row
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    mask = (rows < TOKENS * GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q_offs = t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(Q + q_offs, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    page_row = PageTable + b.to(tl.int64) * stride_pt
+    causal_lim = seq_len - TOKENS + rows // GROUP
+    for n0 in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, KCache, VCache, page_row, n0, hi, causal_lim, kv_head, qk_scale,
+            stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, TOKENS > 1, DOT_PREC,
+        )  # fmt: skip
+    # NOTE: a row that sees no key of this split stores o = 0, lse = -inf: the reduce weighs it 0.
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    mid = (t * num_heads + head) * num_splits + split  # [BLOCK_M] row of MidO / MidLse
+    tl.store(MidO + mid[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
+    tl.store(MidLse + mid, lse, mask=rows < TOKENS * GROUP)
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    MidO, MidLse, Out, num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    mid = (t * num_heads + head) * num_splits + s  # [BLOCK_S]
+    lse = tl.load(MidLse + mid, mask=s < num_splits, other=float("-inf"))
+    w = tl.exp2(lse - tl.maximum(tl.max(lse, 0), -1e30))  # [BLOCK_S]
+    mask = (s < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
+    o = tl.load(MidO + mid[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        Out + t * stride_ot + head * stride_oh + d, o.to(Out.dtype.element_ty), mask=d < HEAD_DIM
+    )
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _check_rows(name: str, x: torch.Tensor, cache: torch.Tensor, heads: int | None) -> None:
+    """``x`` is ``[rows, heads, D]`` with unit stride along D (a view of a fused qkv is fine)."""
+    shape = f"[rows, {heads or 'H'}, {cache.shape[2]}]"
+    ok = x.dim() == 3 and x.shape[2] == cache.shape[2] and heads in (None, x.shape[1])
+    _require(ok, f"{name} must be {shape}, got {tuple(x.shape)}")
+    _require(x.dtype in _DTYPES, f"{name} dtype must be one of {_DTYPES}, got {x.dtype}")
+    _require(x.stride(2) == 1, f"{name} must have unit stride along the head dim")
+    _require(x.device == cache.device, f"{name} is on {x.device}, the cache on {cache.device}")
+
+
+def _check_index(name: str, x: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+    ok = x.dim() == len(shape) and all(n in (None, m) for n, m in zip(shape, x.shape))
+    _require(ok, f"{name} must have shape {shape} (None = any), got {tuple(x.shape)}")
+    _require(x.dtype in _INDEX_DTYPES, f"{name} must be int32 or int64, got {x.dtype}")
+    _require(x.is_contiguous(), f"{name} must be contiguous")
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _require(k_cache.dim() == 3, f"k_cache must be [slots, KV, D], got {tuple(k_cache.shape)}")
+    _require(v_cache.shape == k_cache.shape, "v_cache shape must equal k_cache shape")
+    dtypes = f"{k_cache.dtype}/{v_cache.dtype}"
+    ok = k_cache.dtype in _DTYPES and v_cache.dtype == k_cache.dtype
+    _require(ok, f"caches must share a dtype in {_DTYPES}, got {dtypes}")
+    _require(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
+
+
+def _check_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+) -> None:  # fmt: skip
+    _check_cache(k_cache, v_cache)
+    _check_rows("q", q, k_cache, None)
+    _check_rows("out", out, k_cache, q.shape[1])
+    _require(out.shape == q.shape and out.dtype == q.dtype, "out must match q in shape and dtype")
+    num_heads, num_kv = q.shape[1], k_cache.shape[1]
+    _require(
+        num_heads % num_kv == 0, f"query heads {num_heads} must be a multiple of kv heads {num_kv}"
+    )
+    _require(k_cache.shape[2] <= 256, f"head dim {k_cache.shape[2]} > 256 is not supported")
+    _require(page_size >= 1, f"page_size must be >= 1, got {page_size}")
+    _check_index("seq_lens", seq_lens, (None,))
+    _check_index("page_table", page_table, (len(seq_lens), None))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # NOTE: fp32 inputs would otherwise run on tf32 tensor cores, ~1e-3 off the reference.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, KV, D]
+    v: torch.Tensor,  # [T, KV, D]
+    k_cache: torch.Tensor,  # [slots, KV, D]
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,  # [T] slot per token, -1 = write nothing
+) -> None:
+    """Scatter the new tokens' K/V into the cache, skipping rows whose slot is -1."""
+    _check_cache(k_cache, v_cache)
+    num_kv, head_dim = k_cache.shape[1:]
+    _check_rows("k", k, k_cache, num_kv)
+    _check_rows("v", v, k_cache, num_kv)
+    _require(v.shape == k.shape, "k and v must have the same shape")
+    _check_index("out_cache_loc", out_cache_loc, (k.shape[0],))
+    if k.shape[0] == 0:
+        return
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, out_cache_loc,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+        NUM_KV=num_kv, HEAD_DIM=head_dim,
+        BLOCK_KV=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [slots, KV, D], already holding this pass's new tokens
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, H, D]; rows past sum(extend_lens) are left untouched
+    page_table: torch.Tensor,  # [B, max_pages]
+    seq_lens: torch.Tensor,  # [B] prefix + new
+    extend_lens: torch.Tensor,  # [B] new tokens
+    extend_start: torch.Tensor,  # [B] first row of each request in q/out
+    page_size: int,
+    scale: float,
+    max_extend_len: int,  # host-known upper bound of extend_lens; sizes the grid
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Causal attention of each request's new tokens over its cached prefix and themselves."""
+    _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
+    _check_index("extend_lens", extend_lens, seq_lens.shape)
+    _check_index("extend_start", extend_start, seq_lens.shape)
+    num_kv, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    wide = block_d * q.element_size() > 256  # fp32 x 128 or bf16 x 256: halve the tiles
+    rows = max(16, triton.next_power_of_2(max_extend_len * group))
+    block_m = block_m or min(64 if wide else 128, rows)
+    block_n = block_n or (32 if wide else 64)
+    grid = (len(seq_lens), num_kv, triton.cdiv(max_extend_len * group, block_m))
+    if math.prod(grid) == 0:
+        return
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start,
+        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), k_cache.stride(0),
+        PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_PREC=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+
+def decode_workspace(
+    num_rows: int, num_heads: int, head_dim: int, num_kv_splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split partial outputs ``[rows, H, S, D]`` and their log2-sum-exp ``[rows, H, S]``."""
+    shape = (num_rows, num_heads, num_kv_splits)
+    mid_o = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
+    return mid_o, torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B * N, H, D], the last N positions of each request
+    k_cache: torch.Tensor,  # [slots, KV, D], already holding this pass's new tokens
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [B * N, H, D]
+    page_table: torch.Tensor,  # [B, max_pages]
+    seq_lens: torch.Tensor,  # [B]
+    page_size: int,
+    scale: float,
+    num_kv_splits: int,
+    *,
+    tokens_per_seq: int = 1,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = 64,
+) -> None:
+    """Flash-decoding: each request's keys are cut into ``num_kv_splits`` pieces attended in
+    parallel (per kv head, all its query heads at once), then merged by their softmax mass.
+    ``tokens_per_seq`` > 1 (TARGET_VERIFY: k+1) attends that many last positions causally.
+    """
+    _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
+    num_rows, num_heads, head_dim = q.shape
+    _require(tokens_per_seq >= 1, f"tokens_per_seq must be >= 1, got {tokens_per_seq}")
+    _require(num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    _require(num_rows == len(seq_lens) * tokens_per_seq, f"q must have {len(seq_lens)} x "
+             f"{tokens_per_seq} rows, got {num_rows}")  # fmt: skip
+    if workspace is None:
+        workspace = decode_workspace(num_rows, num_heads, head_dim, num_kv_splits, q.device)
+    mid_o, mid_lse = workspace
+    ok = mid_o.shape[0] >= num_rows and mid_o.shape[1:] == (num_heads, num_kv_splits, head_dim)
+    ok &= mid_lse.shape == mid_o.shape[:3] and mid_o.is_contiguous() and mid_lse.is_contiguous()
+    ok &= mid_o.dtype == mid_lse.dtype == torch.float32
+    _require(ok, f"workspace must be decode_workspace(>={num_rows}, {num_heads}, {head_dim}, "
+             f"{num_kv_splits})")  # fmt: skip
+    if num_rows == 0:
+        return
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _split_kv_kernel[(len(seq_lens), num_kv, num_kv_splits)](
+        q, k_cache, v_cache, mid_o, mid_lse, page_table, seq_lens, scale * _LOG2E,
+        num_heads, num_kv_splits, q.stride(0), q.stride(1), page_table.stride(0),
+        k_cache.stride(0),
+        PAGE_SIZE=page_size, GROUP=group, TOKENS=tokens_per_seq, HEAD_DIM=head_dim,
+        BLOCK_M=max(16, triton.next_power_of_2(tokens_per_seq * group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_PREC=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _split_kv_reduce_kernel[(num_rows, num_heads)](
+        mid_o, mid_lse, out, num_heads, num_kv_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+    )  # fmt: skip
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:  # fmt: skip
+    keep = out_cache_loc >= 0
+    k_cache[out_cache_loc[keep]] = k[keep].to(k_cache.dtype)
+    v_cache[out_cache_loc[keep]] = v[keep].to(v_cache.dtype)
+
+
+def _attend_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+    seq_len: int, page_size: int, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """The last ``len(q)`` positions of one sequence of ``seq_len`` attending causally."""
+    pos = torch.arange(seq_len, device=q.device)
+    slots = pages.long()[pos // page_size] * page_size + pos % page_size
+    group = q.shape[1] // k_cache.shape[1]
+    k = k_cache[slots].float().repeat_interleave(group, 1)  # [S, H, D]
+    v = v_cache[slots].float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = pos[seq_len - len(q) :]
+    scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [L, H, D]
+
+
+def extend_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+    extend_start: torch.Tensor, page_size: int, scale: float,
+) -> None:  # fmt: skip
+    for b, (seq, n, start) in enumerate(
+        zip(seq_lens.tolist(), extend_lens.tolist(), extend_start.tolist())
+    ):
+        o = _attend_ref(
+            q[start : start + n], k_cache, v_cache, page_table[b], seq, page_size, scale
+        )
+        out[start : start + n] = o.to(out.dtype)
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
+    tokens_per_seq: int = 1,
+) -> None:  # fmt: skip
+    n = tokens_per_seq
+    for b, seq in enumerate(seq_lens.tolist()):
+        rows = slice(b * n, (b + 1) * n)
+        out[rows] = _attend_ref(q[rows], k_cache, v_cache, page_table[b], seq, page_size, scale)
