@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 _GREEDY_EPS = 1e-5
@@ -43,10 +44,11 @@ class SamplingParams:
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> SamplingParams:
         known = {f.name for f in fields(cls) if f.init}
-        for name in kwargs:
+        for name, value in kwargs.items():
             if name not in known:
                 raise ValueError(
-                    f"unknown sampling parameter {name!r}; known: {', '.join(sorted(known))}"
+                    f"unknown sampling parameter {name}={value!r}; "
+                    f"known: {', '.join(sorted(known))}"
                 )
         return cls(**kwargs)  # type: ignore[arg-type]
 
@@ -64,8 +66,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
+        if not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", "must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
@@ -74,8 +76,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "must be a finite number > 0")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

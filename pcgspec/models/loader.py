@@ -26,10 +26,14 @@ CONFIG_FILE = "config.json"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
-def resolve_model_dir(path: str | Path) -> Path:
+def resolve_model_dir(path: str | Path | None) -> Path:
     """The Hugging Face folder for ``path``; a ``.gguf`` file is converted once into
-    ``cache_dir()/models/<stem>``.
+    ``cache_dir()/models/<stem>``; ``None`` is the embedded default model.
     """
+    if path is None:
+        from pcgspec.models.default_model import default_model_path
+
+        return default_model_path()
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
