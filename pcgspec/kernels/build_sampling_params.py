@@ -1,0 +1,284 @@
+"""Per-request sampling parameters -> per-row tensors, the device-side output-position counter,
+and the counter-based RNG of ``pcgspec.sampling.rng`` in Triton.
+
+A request contributes ``rows_per_request[b]`` consecutive rows from ``row_start[b]`` on: k+1
+when it verifies k drafts, 1 when it decodes or ends a prefill. Row ``j`` of a request chooses
+its output token number ``position + j`` and draws from ``uniform(seed, position + j, stream)``,
+so a seeded request samples the same tokens with or without speculation.
+
+One step is two launches, both sized from host ints only (no host sync, graph-capturable):
+``build_sampling_params`` before sampling reads the counter and expands the rows;
+``advance_positions`` after sampling/verification adds what each request emitted (1 for a
+decode, accept_len + 1 for a verify, 0 for a prefill chunk that samples nothing). The split
+exists because a verify step's advance is only known after verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+import triton.language as tl
+
+from pcgspec.sampling.rng import STREAM_TOKEN
+
+# The constants of pcgspec.sampling.rng (its docstring has the math).
+_SEED_SALT = tl.constexpr(0x9E3779B9)
+_MUL1 = tl.constexpr(0x21F0AAAD)
+_MUL2 = tl.constexpr(0x735A2D97)
+_ROW_BLOCK = 16  # rows of one request written per loop iteration
+_ADVANCE_BLOCK = 128
+
+
+@triton.jit
+def _mix32(x):
+    """Wellons' two-round permutation on uint32 (multiplies wrap mod 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * _MUL1
+    x = x ^ (x >> 15)
+    x = x * _MUL2
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def rng_hash32(seed, position, stream):
+    """``pcgspec.sampling.rng.hash32`` as uint32: ``seed``/``position`` int64, ``stream`` an int
+    (constexpr or tensor). Bit-exact with the torch version.
+    """
+    h = _mix32(seed.to(tl.uint32) ^ _SEED_SALT)  # NOTE: int64 -> uint32 keeps bits 0-31
+    h = _mix32(h ^ (seed >> 32).to(tl.uint32))
+    # NOTE: Triton turns an int argument equal to 1 into a constexpr, which has no .to():
+    # build the uint32 stream value by arithmetic on h instead.
+    h = _mix32(h ^ (h * 0 + stream))
+    return _mix32(h ^ position.to(tl.uint32))
+
+
+@triton.jit
+def rng_uniform(seed, position, stream):
+    """``pcgspec.sampling.rng.uniform``: float32 in (0, 1), bit-exact with the torch version."""
+    h = rng_hash32(seed, position, stream)
+    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+
+
+@triton.jit
+def _uniform_kernel(Seed, Pos, Out, n, STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    seed = tl.load(Seed + i, mask=mask, other=0)
+    pos = tl.load(Pos + i, mask=mask, other=0)
+    tl.store(Out + i, rng_uniform(seed, pos, STREAM), mask=mask)
+
+
+@triton.jit
+def _build_kernel(
+    Temp, TopP, TopK, MinP, Seed, Pos, Slots, RowsPer, RowStart,
+    OTemp, OTopP, OTopK, OMinP, OSeed, OPos,
+    HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    slot = b.to(tl.int64)
+    if HAS_SLOTS:
+        slot = tl.load(Slots + b).to(tl.int64)
+    if slot < 0:
+        return
+    n = tl.load(RowsPer + b)
+    start = tl.load(RowStart + b).to(tl.int64)
+    temp = tl.load(Temp + slot)
+    top_p = tl.load(TopP + slot)
+    top_k = tl.load(TopK + slot)
+    min_p = tl.load(MinP + slot)
+    seed = tl.load(Seed + slot)
+    pos = tl.load(Pos + slot)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        mask = j < n
+        rows = start + j
+        zero_f = tl.zeros([BLOCK], dtype=tl.float32)
+        zero_i = tl.zeros([BLOCK], dtype=tl.int64)
+        tl.store(OTemp + rows, zero_f + temp, mask=mask)
+        tl.store(OTopP + rows, zero_f + top_p, mask=mask)
+        tl.store(OTopK + rows, zero_i + top_k, mask=mask)
+        tl.store(OMinP + rows, zero_f + min_p, mask=mask)
+        tl.store(OSeed + rows, zero_i + seed, mask=mask)
+        tl.store(OPos + rows, pos + j, mask=mask)
+
+
+@triton.jit
+def _advance_kernel(
+    Pos, Slots, Emitted, num_requests, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr
+):
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = b < num_requests
+    slot = b.to(tl.int64)
+    if HAS_SLOTS:
+        slot = tl.load(Slots + b, mask=mask, other=-1).to(tl.int64)
+        mask = mask & (slot >= 0)
+    emitted = tl.load(Emitted + b, mask=mask, other=0).to(tl.int64)
+    pos = tl.load(Pos + slot, mask=mask, other=0)
+    tl.store(Pos + slot, pos + emitted, mask=mask)
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Sampling parameters, one entry per request (a request table, where ``position`` is the
+    counter: the output index of the request's next token) or per row (``position`` = the output
+    index of the token the row chooses). Greedy entries carry temperature 0.
+    """
+
+    temperature: torch.Tensor  # [N] f32
+    top_p: torch.Tensor  # [N] f32
+    top_k: torch.Tensor  # [N] int64
+    min_p: torch.Tensor  # [N] f32
+    seed: torch.Tensor  # [N] int64
+    position: torch.Tensor  # [N] int64
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device | str) -> SamplingTensors:
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(
+            torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **i64),
+            torch.empty(n, **f32), torch.empty(n, **i64), torch.empty(n, **i64),
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def check(self, name: str) -> None:
+        n, device = len(self), self.temperature.device
+        for f, t in zip(fields(self), self.tensors()):
+            want = torch.float32 if f.name in ("temperature", "top_p", "min_p") else torch.int64
+            ok = t.shape == (n,) and t.dtype == want and t.device == device and t.is_contiguous()
+            _require(ok, f"{name}.{f.name} must be contiguous [{n}] {want} on {device}, "
+                     f"got {tuple(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _check_index(name: str, x: torch.Tensor | None, n: int, device: torch.device) -> None:
+    if x is None:
+        return
+    ok = x.shape == (n,) and x.dtype in (torch.int32, torch.int64) and x.is_contiguous()
+    _require(ok, f"{name} must be contiguous [{n}] int32/int64, got {tuple(x.shape)} {x.dtype}")
+    _require(x.device == device, f"{name} is on {x.device}, the request table on {device}")
+
+
+def uniform_triton(
+    seed: torch.Tensor, position: torch.Tensor, stream: int = STREAM_TOKEN
+) -> torch.Tensor:
+    """``pcgspec.sampling.rng.uniform`` through the Triton hash; seed/position [N] int64."""
+    _require(seed.shape == position.shape and seed.dim() == 1, "seed, position must be [N]")
+    _require(seed.dtype == position.dtype == torch.int64, "seed and position must be int64")
+    out = torch.empty(seed.shape, dtype=torch.float32, device=seed.device)
+    n = seed.numel()
+    if n:
+        block = 256
+        _uniform_kernel[(triton.cdiv(n, block),)](
+            seed.contiguous(), position.contiguous(), out, n, STREAM=stream & 0xFFFFFFFF,
+            BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+def build_sampling_params(
+    requests: SamplingTensors,  # [N] per request; .position is the counter
+    rows_per_request: torch.Tensor,  # [B] k+1 to verify k drafts, 1 to decode
+    num_rows: int,  # R, host-known: the size of the outputs
+    *,
+    req_slots: torch.Tensor | None = None,  # [B] entry of request b in `requests`; < 0 = padding
+    row_start: torch.Tensor | None = None,  # [B] exclusive cumsum of rows_per_request
+    out: SamplingTensors | None = None,  # [R] static buffers (CUDA graphs)
+) -> SamplingTensors:
+    """Expand the request table into ``num_rows`` rows: row ``row_start[b] + j`` gets request
+    b's parameters and position ``requests.position[slot] + j``. Rows no request covers (and
+    the rows of padding requests) are left as they are in ``out``. Reads the counter only.
+    """
+    requests.check("requests")
+    device = requests.temperature.device
+    num_requests = rows_per_request.shape[0] if rows_per_request.dim() == 1 else -1
+    _check_index("rows_per_request", rows_per_request, num_requests, device)
+    _check_index("req_slots", req_slots, num_requests, device)
+    _check_index("row_start", row_start, num_requests, device)
+    if req_slots is None:
+        _require(num_requests <= len(requests), f"{num_requests} requests without req_slots "
+                 f"need a table of >= {num_requests} entries, got {len(requests)}")  # fmt: skip
+    if out is None:
+        out = SamplingTensors.empty(num_rows, device)
+    out.check("out")
+    _require(len(out) == num_rows, f"out has {len(out)} rows, num_rows is {num_rows}")
+    _require(out.temperature.device == device, "out must be on the request table's device")
+    if num_requests == 0:
+        return out
+    if row_start is None:
+        row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
+    slots = req_slots if req_slots is not None else rows_per_request  # unused when no slots
+    _build_kernel[(num_requests,)](
+        *requests.tensors(), slots, rows_per_request, row_start, *out.tensors(),
+        HAS_SLOTS=req_slots is not None, BLOCK=_ROW_BLOCK,
+    )  # fmt: skip
+    return out
+
+
+def advance_positions(
+    positions: torch.Tensor,  # [N] int64 counter, updated in place
+    num_emitted: torch.Tensor,  # [B] tokens request b emitted this step
+    req_slots: torch.Tensor | None = None,  # [B] unique entries of `positions`; < 0 = padding
+) -> None:
+    """``positions[req_slots[b]] += num_emitted[b]`` on the device, no host sync."""
+    _require(positions.dim() == 1 and positions.dtype == torch.int64, "positions must be [N] int64")
+    _require(positions.is_contiguous(), "positions must be contiguous")
+    num_requests = num_emitted.shape[0] if num_emitted.dim() == 1 else -1
+    _check_index("num_emitted", num_emitted, num_requests, positions.device)
+    _check_index("req_slots", req_slots, num_requests, positions.device)
+    if req_slots is None:
+        _require(num_requests <= positions.shape[0], "num_emitted is longer than positions")
+    if num_requests == 0:
+        return
+    _advance_kernel[(triton.cdiv(num_requests, _ADVANCE_BLOCK),)](
+        positions, req_slots if req_slots is not None else num_emitted, num_emitted,
+        num_requests, HAS_SLOTS=req_slots is not None, BLOCK=_ADVANCE_BLOCK,
+    )  # fmt: skip
+
+
+def _slots(req_slots: torch.Tensor | None, num_requests: int) -> list[int]:
+    return req_slots.tolist() if req_slots is not None else list(range(num_requests))
+
+
+def build_sampling_params_ref(
+    requests: SamplingTensors,
+    rows_per_request: torch.Tensor,
+    num_rows: int,
+    *,
+    req_slots: torch.Tensor | None = None,
+    row_start: torch.Tensor | None = None,
+    out: SamplingTensors | None = None,
+) -> SamplingTensors:
+    if out is None:
+        out = SamplingTensors.empty(num_rows, requests.temperature.device)
+    if row_start is None:
+        row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
+    spans = zip(_slots(req_slots, len(rows_per_request)), row_start.tolist(),
+                rows_per_request.tolist())  # fmt: skip
+    for slot, start, n in spans:
+        if slot < 0:
+            continue
+        for src, dst in zip(requests.tensors()[:-1], out.tensors()[:-1]):
+            dst[start : start + n] = src[slot]
+        steps = torch.arange(n, device=out.position.device)
+        out.position[start : start + n] = requests.position[slot] + steps
+    return out
+
+
+def advance_positions_ref(
+    positions: torch.Tensor, num_emitted: torch.Tensor, req_slots: torch.Tensor | None = None
+) -> None:
+    for b, slot in enumerate(_slots(req_slots, len(num_emitted))):
+        if slot >= 0:
+            positions[slot] += num_emitted[b]

@@ -1,0 +1,69 @@
+"""What every drafter shares: its input, its output (``DraftProposal``) and the ``Proposer``
+interface. A speculative step is propose -> verify -> accept -> commit/rollback; a proposer
+does the first phase only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+FILLER_TOKEN = 0  # pads a request's drafts past num_tokens; any valid id works (see below)
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """k draft tokens per request, of which the first ``num_tokens[b]`` are real.
+
+    Padding entries hold ``FILLER_TOKEN``: the target still runs on them (k+1 tokens per request
+    keep verify shapes static), and ``verify_draft_tokens(num_draft=num_tokens)`` caps the
+    accepted length, so a filler is never accepted whatever it matches.
+    """
+
+    tokens: torch.Tensor  # [B, k] int64
+    num_tokens: torch.Tensor  # [B] int64 in 0..k
+    probs: torch.Tensor | None = None  # [B, k, V] f32 draft distributions; None: deterministic
+
+    def __post_init__(self) -> None:
+        tokens, num = self.tokens, self.num_tokens
+        if tokens.dim() != 2 or tokens.dtype != torch.int64:
+            raise ValueError(f"tokens must be [B, k] int64, got {list(tokens.shape)} "
+                             f"{tokens.dtype}")  # fmt: skip
+        if num.shape != tokens.shape[:1] or num.dtype != torch.int64:
+            raise ValueError(f"num_tokens must be [{tokens.shape[0]}] int64, got "
+                             f"{list(num.shape)} {num.dtype}")  # fmt: skip
+        if self.probs is not None and (self.probs.dim() != 3
+                                       or self.probs.shape[:2] != tokens.shape):  # fmt: skip
+            raise ValueError(f"probs must be [{tokens.shape[0]}, {tokens.shape[1]}, V], got "
+                             f"{list(self.probs.shape)}")  # fmt: skip
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        """k."""
+        return self.tokens.shape[1]
+
+
+@dataclass(frozen=True)
+class ProposeInput:
+    """What a proposer sees of the running batch. Model drafters will add their fields here
+    (the target's captured hidden states, the draft ForwardBatch) as they land.
+    """
+
+    token_ids: Sequence[Sequence[int] | torch.Tensor]  # per request: prompt + output so far
+
+
+class Proposer(ABC):
+    """Drafts ``num_steps`` (k) tokens per request; deterministic for a given input."""
+
+    num_steps: int
+
+    @abstractmethod
+    def propose(self, batch: ProposeInput) -> DraftProposal:
+        """One ``DraftProposal`` for the batch's requests, in order."""
