@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = None if f.default is MISSING else f.default
         if kind == "bool":
             group.add_argument(flag, dest=f.name, action="store_true", default=default)
+        elif kind.startswith("tuple"):
+            group.add_argument(flag, dest=f.name, type=str, default=default,
+                               help="comma-separated integers")
         else:
             group.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default)
 

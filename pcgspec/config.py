@@ -29,6 +29,13 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # 2048 on CUDA, 1024 on CPU; -1 disables chunking
     max_prefill_tokens: int = 16384  # token budget of one prefill step
     attention_backend: str | None = None  # "triton" on CUDA, "torch" elsewhere
+    disable_piecewise_cuda_graph: bool = False  # run extend batches eagerly
+    piecewise_cuda_graph_max_tokens: int | None = None  # largest bucket; default chunked size
+    piecewise_cuda_graph_tokens: tuple[int, ...] | None = None  # explicit bucket list
+    piecewise_cuda_graph_compiler: str | None = None  # "inductor" on CUDA, "eager" elsewhere
+    aux_hidden_state_layers: tuple[int, ...] | None = None  # FULL capture: these layers' inputs
+    disable_cuda_graph: bool = False  # run decode batches without CUDA graphs
+    cuda_graph_max_bs: int = 32  # largest decode batch captured
     random_seed: int = 0
     log_level: str | None = None
 
@@ -52,7 +59,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("context_length", "page_size", "max_total_tokens", "max_running_requests",
-                     "max_prefill_tokens", "cpu_kv_cache_bytes"):
+                     "max_prefill_tokens", "cpu_kv_cache_bytes", "piecewise_cuda_graph_max_tokens",
+                     "cuda_graph_max_bs"):
             positive(name)
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(
@@ -63,9 +71,25 @@ class EngineConfig:
         size = self.chunked_prefill_size
         if size is not None and size != -1 and (not isinstance(size, int) or size < 1):
             raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {size!r}")
+        self._int_tuple_field("piecewise_cuda_graph_tokens", minimum=1)
+        self._int_tuple_field("aux_hidden_state_layers", minimum=0)
+        if self.piecewise_cuda_graph_compiler not in (None, "eager", "inductor"):
+            raise ValueError("piecewise_cuda_graph_compiler must be eager or inductor, got "
+                             f"{self.piecewise_cuda_graph_compiler!r}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be torch or triton, got {self.attention_backend!r}")
+
+    def _int_tuple_field(self, name: str, minimum: int) -> None:
+        """Accept ``"4,8,16"`` or a list for a tuple-of-ints field; store the tuple."""
+        value = getattr(self, name)
+        if value is None:
+            return
+        if isinstance(value, (list, str)):
+            value = _int_tuple(name, value)
+            object.__setattr__(self, name, value)
+        if not value or any(not isinstance(v, int) or v < minimum for v in value):
+            raise ValueError(f"{name} must be integers >= {minimum}, got {value!r}")
 
     # Resolved values -------------------------------------------------------------------------
 
@@ -95,4 +119,26 @@ class EngineConfig:
         if self.chunked_prefill_size is not None:
             return self.chunked_prefill_size
         return 2048 if self.torch_device.type == "cuda" else 1024
+
+    @property
+    def resolved_piecewise_max_tokens(self) -> int:
+        """The largest piecewise bucket: the flag, else the chunked-prefill size."""
+        if self.piecewise_cuda_graph_max_tokens is not None:
+            return self.piecewise_cuda_graph_max_tokens
+        return min(self.resolved_chunked_prefill_size or 4096, self.max_prefill_tokens)
+
+    @property
+    def resolved_piecewise_compiler(self) -> str:
+        if self.piecewise_cuda_graph_compiler is not None:
+            return self.piecewise_cuda_graph_compiler
+        return "inductor" if self.torch_device.type == "cuda" else "eager"
+
+
+def _int_tuple(name: str, value: list[object] | str) -> tuple[int, ...]:
+    """``"4,8,16"`` or ``[4, 8, 16]`` as a tuple of ints; bad entries raise ValueError."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        return tuple(int(x) for x in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be integers, got {value!r}") from None
 

@@ -111,8 +111,10 @@ class Engine:
             vocab_size=self.runner.vocab_size,
             device=self.runner.device,
         )
-        return build_forward_batch(batch.mode, chunks, self.page_size, self.runner.device,
-                                   sampling=sampling)
+        return build_forward_batch(
+            batch.mode, chunks, self.page_size, self.runner.device,
+            capture_hidden_mode=self.runner.capture_hidden_mode(batch.mode), sampling=sampling,
+        )
 
     def _commit(self, batch: ScheduledBatch, sampled: SamplerOutput) -> None:
         rows = batch.sampled_requests

@@ -1,0 +1,185 @@
+"""Piecewise CUDA graphs at the runner level: one compiled decoder, one graph set per token bucket.
+
+A batch of ``n`` tokens is padded to ``bucket = pad_to_bucket(n, buckets)``: padded tokens have
+input id 0, position 0 and ``out_cache_loc = -1`` (they write no KV), and the per-request
+tensors are unchanged, so attention treats every row past ``sum(extend_lens)`` as padding and
+``logits_indices`` still point at real rows. Batch composition is free; only the token count
+is padded. Off CUDA the compiled pieces run directly, for any token count: padding only costs
+there (a one-token decode step padded to 4 rows is ~1.5x slower on CPU), so it is off unless
+``pad_without_graphs`` is set, as the tests do to run the CUDA path's padding on CPU.
+
+``can_run`` is the guard in front of ``run`` (SGLang's runner-level check instead of a global
+disable): TARGET_VERIFY, a hidden mode other than the captured one, input embeddings, input
+logprobs and batches over the largest bucket run eagerly, and a counter records why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pcgspec.compile.backend import CompiledDecoder, PiecewiseBackend
+from pcgspec.compile.buckets import capture_buckets, pad_to_bucket
+from pcgspec.compile.forward_context import forward_context
+from pcgspec.compile.piecewise import PiecewiseGraphs
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from pcgspec.runners.model_runner import ModelRunner
+
+logger = logging.getLogger("pcgspec")
+
+RUNS = "piecewise_runs"
+FALLBACKS = (
+    "fallback_target_verify",
+    "fallback_hidden_mode",
+    "fallback_input_embeds",
+    "fallback_input_logprobs",
+    "fallback_too_many_tokens",
+    "fallback_empty",
+)
+# NOTE: every engine adds a Dynamo cache entry to the decoder's code object, and with the
+# guards dropped all of them count against recompile_limit (8), so a process could build
+# only 8 engines per architecture. A trace is never a recompile here: lift the limit for it.
+_TRACE_LIMITS = {"recompile_limit": 1 << 20, "accumulated_recompile_limit": 1 << 20}
+
+
+class PiecewiseRunner:
+    """Runs the decoder stack of ``model_runner`` through the piecewise backend.
+
+    Decoder outputs of ``run`` are graph memory on CUDA, overwritten by the next ``run``:
+    consume or copy them before the next forward (``ModelRunner.forward`` does).
+    """
+
+    def __init__(self, model_runner: ModelRunner) -> None:
+        config = model_runner.config
+        self.device = model_runner.device
+        self.page_size = model_runner.page_size
+        self.attn_backend = model_runner.attn_backend
+        self.hidden_mode = model_runner.extend_capture_hidden_mode
+        self.buckets = capture_buckets(
+            config.resolved_piecewise_max_tokens, config.piecewise_cuda_graph_tokens
+        )
+        if not self.buckets:
+            raise ValueError(
+                f"piecewise_cuda_graph_tokens {config.piecewise_cuda_graph_tokens} has no bucket "
+                f"<= piecewise_cuda_graph_max_tokens ({config.resolved_piecewise_max_tokens})"
+            )
+        self.max_tokens = self.buckets[-1]
+        self.use_graphs = self.device.type == "cuda"
+        self.pad_without_graphs = False
+        self.graphs = PiecewiseGraphs(self.device)
+        self.backend = PiecewiseBackend(config.resolved_piecewise_compiler, graphs=self.graphs)
+        self.decoder = CompiledDecoder(model_runner.model.model, self.backend)
+        # Static inputs: every compiled call reads views of these, so replays copy nothing.
+        size = max(2, self.max_tokens)
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self._stats: Counter[str] = Counter(dict.fromkeys((RUNS, *FALLBACKS), 0))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Trace the decoder once, then (CUDA) capture every bucket, largest first."""
+        start = time.perf_counter()
+        # NOTE: the first call's size is the hint inductor tunes its kernels for: the largest
+        # bucket when graphs are captured; a small (cheap) one when the pieces just run.
+        size = self.max_tokens if self.use_graphs else self.buckets[0]
+        with torch._dynamo.config.patch(_TRACE_LIMITS):
+            self._forward(self._dummy_batch(max(2, size)))
+        traced = time.perf_counter()
+        if self.use_graphs:
+            self.graphs.capture(self.buckets, lambda b: self._forward(self._dummy_batch(b)))
+        logger.info(
+            "Piecewise runner: %d buckets (%d..%d tokens), hidden mode %s, pieces %s; "
+            "trace and compile %.1f s, %s",
+            len(self.buckets),
+            self.buckets[0],
+            self.max_tokens,
+            self.hidden_mode.name,
+            self.backend.piece_compiler,
+            traced - start,
+            f"capture {time.perf_counter() - traced:.1f} s" if self.use_graphs else "no graphs",
+        )
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether ``run`` serves ``batch``; a rejection is counted by reason (call once per
+        forward).
+        """
+        reason = self._rejection(batch)
+        if reason is not None:
+            self._stats[reason] += 1
+        return reason is None
+
+    def _rejection(self, batch: ForwardBatch) -> str | None:
+        if batch.num_tokens == 0 or batch.forward_mode is ForwardMode.IDLE:
+            return "fallback_empty"
+        if batch.forward_mode is ForwardMode.TARGET_VERIFY:
+            return "fallback_target_verify"
+        if batch.capture_hidden_mode is not self.hidden_mode:
+            return "fallback_hidden_mode"
+        if batch.input_embeds is not None:
+            return "fallback_input_embeds"
+        if batch.return_input_logprobs:
+            return "fallback_input_logprobs"
+        if batch.num_tokens > self.max_tokens:
+            return "fallback_too_many_tokens"
+        return None
+
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder outputs for the real rows: hidden ``[n, H]`` and aux ``[n, C]`` or None.
+
+        On CUDA these are views of graph memory, valid until the next forward.
+        """
+        n = batch.num_tokens
+        bucket = pad_to_bucket(n, self.buckets)
+        if bucket is None:
+            raise ValueError(f"{n} tokens exceed the largest piecewise bucket {self.max_tokens}")
+        padded = self._pad(batch, bucket if self.use_graphs or self.pad_without_graphs else n)
+        with self.graphs.replaying(bucket) if self.use_graphs else nullcontext():
+            hidden, aux = self._forward(padded)
+        self._stats[RUNS] += 1
+        return hidden[:n], None if aux is None else aux[:n]
+
+    def stats(self) -> dict[str, int]:
+        """Piecewise runs and eager fallbacks by reason, since start."""
+        return dict(self._stats)
+
+    def _forward(self, padded: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.attn_backend.init_forward_metadata(padded)
+        with forward_context(padded, self.attn_backend):
+            return self.decoder(padded.input_ids, padded.positions)
+
+    def _pad(self, batch: ForwardBatch, bucket: int) -> ForwardBatch:
+        """``batch`` with ``bucket`` tokens whose ids and positions are views of the static
+        buffers; the padded tokens are id 0, position 0, KV slot -1.
+        """
+        n = batch.num_tokens
+        input_ids, positions = self.input_ids[:bucket], self.positions[:bucket]
+        input_ids[:n].copy_(batch.input_ids)
+        positions[:n].copy_(batch.positions)
+        if bucket > n:
+            input_ids[n:].zero_()
+            positions[n:].zero_()
+        out_cache_loc = F.pad(batch.out_cache_loc, (0, bucket - n), value=-1)
+        return dataclasses.replace(
+            batch, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc
+        )
+
+    def _dummy_batch(self, num_tokens: int) -> ForwardBatch:
+        """One token reading page 0, padded to ``num_tokens``; nothing is written to the KV
+        cache.
+        """
+        one = build_forward_batch(
+            ForwardMode.EXTEND, [SeqChunk([0], 0, [0])], self.page_size, self.device,
+            capture_hidden_mode=self.hidden_mode,
+        )  # fmt: skip
+        one = dataclasses.replace(one, out_cache_loc=torch.full_like(one.out_cache_loc, -1))
+        return self._pad(one, num_tokens)
