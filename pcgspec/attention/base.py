@@ -28,6 +28,18 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Precompute whatever every layer of this pass shares (index maps, masks, ...)."""
 
+    def init_capture_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
+        """``init_forward_metadata`` for a batch that a CUDA-graph runner captures and replays.
+
+        ``batch``'s device tensors are the runner's static buffers: fixed shapes, contents that
+        change between replays. Padded requests have ``seq_len`` 0 and write no KV; their output
+        rows may hold anything finite. Host ints come from shapes, ``extend_lens_cpu`` (fixed for
+        the graph) and ``max_seq_len`` (a bound of every ``seq_len``) only, never from the
+        contents. The runner calls this inside the captured region, so the device work must be
+        capturable (no host sync); every replay re-runs it on the new contents.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
+
     @abstractmethod
     def forward(
         self,

@@ -27,11 +27,21 @@ class _Metadata:
 
 class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        ext_cpu = batch.extend_lens_cpu
+        self.metadata = self._metadata(batch, sum(ext_cpu), max(ext_cpu), max(batch.seq_lens_cpu))
+
+    def init_capture_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
+        """Keys padded to ``max_seq_len`` and masked; every row of ``batch`` is real."""
+        self.metadata = self._metadata(
+            batch, batch.num_tokens, max(batch.extend_lens_cpu), max_seq_len
+        )
+
+    def _metadata(
+        self, batch: ForwardBatch, num_real: int, max_new: int, max_seq: int
+    ) -> _Metadata:
         device = batch.device
         ext = batch.extend_lens.to(device=device, dtype=torch.int64)
         seq = batch.seq_lens.to(device=device, dtype=torch.int64)
-        num_real = sum(batch.extend_lens_cpu)
-        max_new, max_seq = max(batch.extend_lens_cpu), max(batch.seq_lens_cpu)
         starts = torch.cumsum(ext, 0) - ext  # [B]
 
         i = torch.arange(max_new, device=device)[None, :]  # [1, L]
@@ -48,15 +58,16 @@ class TorchAttentionBackend(AttentionBackend):
         prefix = seq - ext
         causal = j[:, None, :] <= (prefix[:, None] + i)[:, :, None]  # [B, L, S]
         mask = causal & kv_valid[:, None, :]
-        # NOTE: padded query rows see key 0 so SDPA never softmaxes an all-masked row.
-        mask[:, :, 0] |= ~q_valid
+        # NOTE: rows that see no key (padded queries, empty requests) see key 0, so SDPA never
+        # softmaxes an all-masked row.
+        mask[:, :, 0] |= ~mask.any(-1)
         b_of_t = torch.repeat_interleave(
             torch.arange(len(seq), device=device), ext, output_size=num_real
         )
         out_rows = b_of_t * max_new + torch.arange(num_real, device=device) - starts[b_of_t]
         loc = batch.out_cache_loc
         store_loc = torch.where(loc < 0, self.kv_cache.scratch_slot, loc)
-        self.metadata = _Metadata(q_rows, kv_slots, mask[:, None], out_rows, store_loc, num_real)
+        return _Metadata(q_rows, kv_slots, mask[:, None], out_rows, store_loc, num_real)
 
     def forward(
         self,

@@ -22,10 +22,10 @@ class TritonAttentionMetadata:
     """What every layer of one pass shares: device tensors the kernels read, host ints that
     size the grids.
 
-    NOTE: a CUDA-graph runner replaces this whole object with one built over static buffers:
-    fixed-size ``page_table``/``seq_lens``/``extend_lens``/``extend_start``/``out_cache_loc``
-    (padded requests: ``seq_len`` 0, padded tokens: slot -1), ``max_extend_len`` at the
-    captured bound, and per captured batch size a fixed ``num_kv_splits`` with its workspace.
+    NOTE: in a CUDA graph (``init_capture_metadata``) the tensors are the runner's static
+    buffers (padded requests: ``seq_len`` 0, slot -1), every row counts as real, and
+    ``num_kv_splits`` is fixed per captured batch size for the longest context; the workspace
+    is allocated inside the captured region, so it is graph memory.
     """
 
     tokens_per_seq: int  # > 0: split-KV path (DECODE: 1, TARGET_VERIFY: k+1); 0: extend path
@@ -54,15 +54,39 @@ class TritonAttentionBackend(AttentionBackend):
         mode, ext_cpu = batch.forward_mode, batch.extend_lens_cpu
         if mode.is_decode() and any(n != 1 for n in ext_cpu):
             raise ValueError(f"DECODE needs one new token per request, got {ext_cpu}")
-        split_kv = mode.is_decode() or mode is ForwardMode.TARGET_VERIFY
-        tokens_per_seq = ext_cpu[0] if split_kv and len(set(ext_cpu)) == 1 else 0
-        num_real = sum(ext_cpu)
         num_splits = self._num_kv_splits(batch.batch_size, max(batch.seq_lens_cpu, default=0))
+        self.metadata = self._metadata(
+            batch, _tokens_per_seq(batch), sum(ext_cpu), max(ext_cpu, default=0), num_splits
+        )
+
+    def init_capture_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
+        """Split-KV over every row of ``batch`` (padded requests: ``seq_len`` 0, zero output)
+        with a ``num_kv_splits`` fixed for ``max_seq_len``; captured: DECODE, TARGET_VERIFY.
+        """
+        tokens_per_seq = _tokens_per_seq(batch)
+        if not tokens_per_seq:
+            raise ValueError(
+                f"graph capture needs DECODE or TARGET_VERIFY with the same number of tokens per "
+                f"request, got {batch.forward_mode.name} with {batch.extend_lens_cpu}"
+            )
+        num_splits = self._num_kv_splits(batch.batch_size, max_seq_len)
+        self.metadata = self._metadata(
+            batch, tokens_per_seq, batch.num_tokens, tokens_per_seq, num_splits
+        )
+
+    def _metadata(
+        self,
+        batch: ForwardBatch,
+        tokens_per_seq: int,
+        num_real: int,
+        max_extend_len: int,
+        num_splits: int,
+    ) -> TritonAttentionMetadata:
         workspace = None
         if tokens_per_seq:
             shape = (num_real, self.num_heads, self.head_dim, num_splits)
             workspace = decode_workspace(*shape, batch.device)
-        self.metadata = TritonAttentionMetadata(
+        return TritonAttentionMetadata(
             tokens_per_seq=tokens_per_seq,
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
@@ -70,7 +94,7 @@ class TritonAttentionBackend(AttentionBackend):
             extend_start=torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens,
             out_cache_loc=batch.out_cache_loc,
             num_real_tokens=num_real,
-            max_extend_len=max(ext_cpu, default=0),
+            max_extend_len=max_extend_len,
             num_kv_splits=num_splits,
             workspace=workspace,
         )
@@ -108,6 +132,13 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
         if out.shape[0] > n:
             out[n:].zero_()
+
+
+def _tokens_per_seq(batch: ForwardBatch) -> int:
+    """Tokens per request on the split-KV path (DECODE: 1, TARGET_VERIFY: k+1), else 0."""
+    ext_cpu = batch.extend_lens_cpu
+    split_kv = batch.forward_mode.is_decode() or batch.forward_mode is ForwardMode.TARGET_VERIFY
+    return ext_cpu[0] if split_kv and len(set(ext_cpu)) == 1 else 0
 
 
 @functools.cache

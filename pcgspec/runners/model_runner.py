@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from pcgspec.attention import ATTENTION_BACKENDS
+from pcgspec.attention.base import AttentionBackend
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
 from pcgspec.models.loader import load_model
-from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
+
+if TYPE_CHECKING:
+    from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+    from pcgspec.runners.piecewise_runner import PiecewiseRunner
 
 logger = logging.getLogger("pcgspec")
 
@@ -28,34 +37,111 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: Path | None = None, model: nn.Module | None = None
+    ) -> None:
+        """Loads ``model_path`` (None: the embedded default model), or runs ``model``, an
+        already-built model (e.g. random weights) on the config's device in its dtype.
+        """
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
-        self.model = load_model(model_path, self.dtype, self.device)
+        if model is None:
+            model = load_model(model_path, self.dtype, self.device)
+        elif model.dtype != self.dtype or model.device.type != self.device.type:
+            raise ValueError(f"model is {model.dtype} on {model.device}, the config asks for "
+                             f"{self.dtype} on {self.device}")
+        self.model = model
         hf = self.model.config
         self.context_length = config.context_length or hf.max_position_embeddings
         self.page_size = config.page_size
         spec = KVCacheSpec(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
                            self.dtype)
-        self.kv_cache = KVCache(spec, self._num_kv_pages(spec), self.page_size, self.device)
-        backend_cls = ATTENTION_BACKENDS.get(config.resolved_attention_backend)
-        self.attn_backend = backend_cls(
-            self.kv_cache, self.model.num_heads, self.model.head_dim, self.model.attn_scale
-        )
+        reserve = self._activation_reserve_bytes(spec)
+        self.kv_cache = KVCache(spec, self._num_kv_pages(spec, reserve), self.page_size,
+                                self.device)
+        self.attn_backend = self._attention_backend(self.kv_cache)
         logger.info("KV cache: %d pages x %d tokens (%.1f MiB), attention backend %s",
                     self.kv_cache.num_pages, self.page_size,
                     self.kv_cache.num_slots * spec.bytes_per_token / 2**20,
                     config.resolved_attention_backend)
+        self.extend_capture_hidden_mode = self._configure_aux_hidden_layers()
+        self.piecewise: PiecewiseRunner | None = None
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self._init_graph_runners()
+
+    def _attention_backend(self, kv_cache: KVCache) -> AttentionBackend:
+        backend_cls = ATTENTION_BACKENDS.get(self.config.resolved_attention_backend)
+        return backend_cls(kv_cache, self.model.num_heads, self.model.head_dim,
+                           self.model.attn_scale)
+
+    def _configure_aux_hidden_layers(self) -> CaptureHiddenMode:
+        """Set the configured aux layers before any graph runner traces the decoder (the trace
+        bakes them in); extend batches then capture FULL hidden states, else none.
+        """
+        layers = self.config.aux_hidden_state_layers
+        if layers is None:
+            return CaptureHiddenMode.NULL
+        self.model.set_aux_hidden_layers(layers)
+        return CaptureHiddenMode.FULL
+
+    def capture_hidden_mode(self, mode: ForwardMode) -> CaptureHiddenMode:
+        """The hidden mode batches of ``mode`` are built with (what the graphs captured)."""
+        return self.extend_capture_hidden_mode if mode.is_extend() else CaptureHiddenMode.NULL
+
+    def _init_graph_runners(self) -> None:
+        """Piecewise graphs serve extend batches on every device (pieces run without graphs
+        off CUDA); decode graphs need CUDA. Both capture after the KV cache exists.
+        """
+        if not self.config.disable_piecewise_cuda_graph:
+            from pcgspec.runners.piecewise_runner import PiecewiseRunner
+
+            self.piecewise = PiecewiseRunner(self)
+            self.piecewise.capture()
+        if self.device.type == "cuda" and not self.config.disable_cuda_graph:
+            from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+
+            self.decode_graphs = DecodeGraphRunner(self)
+            self.decode_graphs.capture()
 
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def _num_kv_pages(self, spec: KVCacheSpec) -> int:
+    @torch.inference_mode()
+    def _activation_reserve_bytes(self, spec: KVCacheSpec) -> int:
+        """CUDA: peak memory of one eager forward at the largest prefill size, measured on a
+        one-page scratch KV cache, counted twice (the forward itself and the graph pool that
+        holds one forward of the largest bucket). Zero elsewhere.
+        """
+        if self.device.type != "cuda":
+            return 0
+        num_tokens = self.config.resolved_piecewise_max_tokens
+        scratch = KVCache(spec, 1, self.page_size, self.device)
+        # NOTE: every position maps to page 0 of the scratch cache and writes nothing (-1).
+        pages = [0] * -(-num_tokens // self.page_size)
+        batch = build_forward_batch(ForwardMode.EXTEND, [SeqChunk([0] * num_tokens, 0, pages)],
+                                    self.page_size, self.device)
+        batch = dataclasses.replace(batch, out_cache_loc=torch.full_like(batch.out_cache_loc, -1))
+        backend = self._attention_backend(scratch)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        backend.init_forward_metadata(batch)
+        with forward_context(batch, backend):
+            hidden, _ = self.model.model(batch.input_ids, batch.positions)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, backend, hidden
+        torch.cuda.empty_cache()
+        logger.info("activation peak at %d tokens: %.1f MiB", num_tokens, peak / 2**20)
+        return 2 * peak
+
+    def _num_kv_pages(self, spec: KVCacheSpec, reserve: int) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.mem_fraction_static) - (total - free)
+            budget = int(total * self.config.mem_fraction_static) - (total - free) - reserve
         else:
             budget = self.config.cpu_kv_cache_bytes
         tokens = budget // spec.bytes_per_token
@@ -71,7 +157,17 @@ class ModelRunner:
         return pages
 
     def set_aux_hidden_layers(self, layer_ids: Sequence[int]) -> None:
-        """Layers whose residual-stream inputs FULL/LAST hidden capture returns (EAGLE3)."""
+        """Layers whose residual-stream inputs FULL/LAST hidden capture returns (EAGLE3).
+
+        Graph runners bake the layers in at their trace: set them through
+        ``EngineConfig.aux_hidden_state_layers`` instead when graphs are on.
+        """
+        traced = self.piecewise is not None or self.decode_graphs is not None
+        if traced and tuple(layer_ids) != self.model.model.aux_hidden_layers:
+            raise RuntimeError(
+                f"aux hidden layers {tuple(layer_ids)} set after the graphs were traced with "
+                f"{self.model.model.aux_hidden_layers}; set EngineConfig.aux_hidden_state_layers"
+            )
         self.model.set_aux_hidden_layers(layer_ids)
 
     @torch.inference_mode()
@@ -80,13 +176,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         captured = aux if aux is not None else hidden
         mode = batch.capture_hidden_mode
-        if mode is CaptureHiddenMode.FULL:
-            return ForwardOutput(logits, captured)
+        if mode is CaptureHiddenMode.FULL:  # NOTE: graph runners return graph memory: copy
+            return ForwardOutput(logits, captured.clone())
         if mode is CaptureHiddenMode.LAST:
             return ForwardOutput(logits, captured[batch.logits_indices])
         return ForwardOutput(logits)
 
     def _run_decoder(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.replay(batch)
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            return self.piecewise.run(batch)
+        return self.run_eager(batch)
+
+    def run_eager(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.attn_backend.init_forward_metadata(batch)
         with forward_context(batch, self.attn_backend):
             return self.model.model(batch.input_ids, batch.positions, batch.input_embeds)

@@ -1,0 +1,244 @@
+"""Decode CUDA graphs: one graph per batch-size bucket, replayed for every DECODE batch.
+
+What is captured is one whole decode step of the decoder stack: the piecewise runner's compiled
+pieces (called outside a piecewise capture/replay step, they run their compiled code directly,
+so no second compile) or the plain decoder, with the attention between them reading metadata
+built by ``AttentionBackend.init_capture_metadata`` over static buffers. Buckets are captured
+largest first into one memory pool.
+
+Static buffers hold ``max_bs`` rows; bucket ``bs`` sees rows ``[:bs]``. A replay copies the batch
+into the first ``B`` rows (``copy_``, never a new tensor), resets rows ``B..bs`` to padding
+(id 0, position 0, ``out_cache_loc`` -1: no KV write, ``seq_len`` 0: no KV read), replays the
+smallest bucket ``bs >= B`` and returns the first ``B`` output rows. Page-table entries past a
+request's pages keep older values: no kernel reads them.
+
+NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
+Off CUDA the piecewise ``_EagerGraph`` stands in for ``torch.cuda.CUDAGraph`` (replay reruns the
+captured step on the static buffers), so capture and replay are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import gc
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from pcgspec.compile.buckets import pad_to_bucket
+from pcgspec.compile.forward_context import forward_context
+from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
+from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from pcgspec.runners.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DecoderOutput = tuple[torch.Tensor, torch.Tensor | None]  # hidden [T, H], aux [T, A] | None
+
+
+def decode_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to ``max_bs``, and ``max_bs`` itself; ascending."""
+    if max_bs < 1:
+        raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+    sizes = {n for n in (1, 2, 4) if n <= max_bs} | set(range(8, max_bs + 1, 8)) | {max_bs}
+    return sorted(sizes)
+
+
+@dataclass(frozen=True)
+class _StaticBuffers:
+    """The graph inputs, ``max_bs`` rows; rows past a batch are padding."""
+
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    out_cache_loc: torch.Tensor  # [max_bs] int64, -1 = write no KV
+    seq_lens: torch.Tensor  # [max_bs] int32, 0 = read no KV
+    extend_lens: torch.Tensor  # [max_bs] int32, all 1
+    page_table: torch.Tensor  # [max_bs, max_pages] int32
+    rows: torch.Tensor  # [max_bs] int64, arange
+
+    @classmethod
+    def allocate(cls, max_bs: int, max_pages: int, device: torch.device) -> _StaticBuffers:
+        def full(value: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.full(shape or (max_bs,), value, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=full(0, torch.int64),
+            positions=full(0, torch.int64),
+            out_cache_loc=full(-1, torch.int64),
+            seq_lens=full(0, torch.int32),
+            extend_lens=full(1, torch.int32),
+            page_table=full(0, torch.int32, max_bs, max_pages),
+            rows=torch.arange(max_bs, dtype=torch.int64, device=device),
+        )
+
+
+class DecodeGraphRunner:
+    """Captures and replays decode steps for ``model_runner``'s model, KV cache and attention.
+
+    The buckets are ``decode_batch_sizes(min(cuda_graph_max_bs, max_running_requests))``; the
+    captured decoder is the piecewise runner's compiled one when there is one, else the plain
+    ``model.model``.
+    """
+
+    num_warmup: int = 2  # eager runs per bucket before its capture: kernels compile there
+
+    def __init__(self, model_runner: ModelRunner) -> None:
+        config, piecewise = model_runner.config, model_runner.piecewise
+        self.decoder: Callable[..., DecoderOutput] = (
+            piecewise.decoder if piecewise is not None else model_runner.model.model
+        )
+        self.attn_backend = model_runner.attn_backend
+        self.device = model_runner.device
+        self.page_size = model_runner.page_size
+        self.max_seq_len = model_runner.context_length
+        self.max_pages = -(-self.max_seq_len // self.page_size)
+        self.capture_hidden_mode = model_runner.capture_hidden_mode(ForwardMode.DECODE)
+        self.batch_sizes = decode_batch_sizes(
+            min(config.cuda_graph_max_bs, config.max_running_requests)
+        )
+        self.max_bs = self.batch_sizes[-1]
+        self.buffers = _StaticBuffers.allocate(self.max_bs, self.max_pages, self.device)
+        self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
+        self.outputs: dict[int, DecoderOutput] = {}
+        self.pool: tuple[int, int] | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # Capture ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one pool."""
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+        start, before = time.perf_counter(), self._reserved_bytes()
+        self.buffers.out_cache_loc.fill_(-1)  # NOTE: warm-ups and captures must write no KV
+        self.buffers.seq_lens.zero_()
+        order = self.batch_sizes[::-1]
+        with self._capture_stream():
+            for bs in tqdm(order, desc="Capturing decode graphs", unit="bucket"):
+                self._capture_one(bs)
+        logger.info(
+            "Captured %d decode graphs (batch %d..%d, %s) in %.1f s, %.0f MiB",
+            len(order), order[-1], order[0], "CUDA" if on_cuda else "eager stand-in",
+            time.perf_counter() - start, (self._reserved_bytes() - before) / 2**20,
+        )  # fmt: skip
+
+    def _capture_one(self, bs: int) -> None:
+        step = functools.partial(self._step, self._static_batch(bs))
+        for _ in range(self.num_warmup):
+            step()  # compiles Triton/inductor kernels for this shape outside the capture
+        graph = _CudaGraph(self.pool) if self.device.type == "cuda" else _EagerGraph()
+        self.outputs[bs] = graph.capture(step, ())
+        self.graphs[bs] = graph
+
+    def _step(self, batch: ForwardBatch) -> DecoderOutput:
+        """One decode step on the static buffers: the captured region."""
+        self.attn_backend.init_capture_metadata(batch, self.max_seq_len)
+        with forward_context(batch, self.attn_backend):
+            return self.decoder(batch.input_ids, batch.positions)
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        buf = self.buffers
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=buf.input_ids[:bs],
+            positions=buf.positions[:bs],
+            out_cache_loc=buf.out_cache_loc[:bs],
+            seq_lens=buf.seq_lens[:bs],
+            extend_lens=buf.extend_lens[:bs],
+            page_table=buf.page_table[:bs],
+            page_size=self.page_size,
+            seq_lens_cpu=(self.max_seq_len,) * bs,  # bounds, not contents
+            extend_lens_cpu=(1,) * bs,
+            logits_indices=buf.rows[:bs],
+            capture_hidden_mode=self.capture_hidden_mode,
+        )
+
+    @contextmanager
+    def _capture_stream(self) -> Iterator[None]:
+        """Warm-ups and captures on a side stream (capture refuses the default stream)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        current = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield
+        current.wait_stream(stream)
+
+    def _reserved_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device)
+
+    # Replay ----------------------------------------------------------------------------------
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether ``replay`` serves ``batch``; a refusal is counted under its reason."""
+        reason = self._refusal(batch)
+        if reason is not None:
+            self.counters[f"rejected_{reason}"] += 1
+        return reason is None
+
+    def _refusal(self, batch: ForwardBatch) -> str | None:
+        if not self.graphs:
+            return "not_captured"
+        decode = batch.forward_mode is ForwardMode.DECODE
+        if not decode or batch.num_tokens != batch.batch_size or set(batch.extend_lens_cpu) != {1}:
+            return "mode"
+        if batch.batch_size > self.max_bs:
+            return "batch_size"
+        if batch.capture_hidden_mode not in (CaptureHiddenMode.NULL, self.capture_hidden_mode):
+            return "hidden_mode"
+        if batch.input_embeds is not None:
+            return "input_embeds"
+        if batch.page_table.shape[1] > self.max_pages or max(batch.seq_lens_cpu) > self.max_seq_len:
+            return "seq_len"
+        return None
+
+    @torch.inference_mode()
+    def replay(self, batch: ForwardBatch) -> DecoderOutput:
+        """The decoder outputs for ``batch`` (``can_run`` must hold): ``B`` rows of graph memory."""
+        n = batch.batch_size
+        bs = pad_to_bucket(n, self.batch_sizes)
+        if bs is None or bs not in self.graphs:
+            raise ValueError(
+                f"no decode graph for batch size {n} (captured: {sorted(self.graphs)})"
+            )
+        self._load(batch, bs)
+        self.graphs[bs].replay()
+        self.counters["replays"] += 1
+        self.counters["padded_rows"] += bs - n
+        hidden, aux = self.outputs[bs]
+        return hidden[:n], None if aux is None else aux[:n]
+
+    def _load(self, batch: ForwardBatch, bs: int) -> None:
+        n, buf = batch.batch_size, self.buffers
+        buf.input_ids[:n].copy_(batch.input_ids)
+        buf.positions[:n].copy_(batch.positions)
+        buf.out_cache_loc[:n].copy_(batch.out_cache_loc)
+        buf.seq_lens[:n].copy_(batch.seq_lens)
+        buf.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
+        if bs > n:
+            buf.input_ids[n:bs].zero_()
+            buf.positions[n:bs].zero_()
+            buf.out_cache_loc[n:bs].fill_(-1)
+            buf.seq_lens[n:bs].zero_()
+
+    def stats(self) -> dict[str, int]:
+        """Replays, padded rows replayed, and refusals by reason (``rejected_<reason>``)."""
+        return {"graphs": len(self.graphs), **self.counters}
