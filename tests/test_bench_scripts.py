@@ -1,0 +1,110 @@
+"""CPU smoke tests of the benchmark scripts and the random-weight models they run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pcgspec.models.layers.norm import RMSNorm
+from pcgspec.models.random_weights import SHAPES, random_model, shape_config
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # NOTE: dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_random_model_unknown_shape_lists_known():
+    with pytest.raises(ValueError, match="llama-3.2-1b.*qwen3-8b.*smollm2-135m"):
+        random_model("llama-9000", torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_shape_configs_build_on_meta(shape):
+    """Every named shape builds (on meta: no memory) with the advertised sizes."""
+    from pcgspec.models.registry import model_class
+
+    config = shape_config(shape)
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    embed = model.model.embed_tokens.weight
+    assert embed.shape == (config.vocab_size, config.hidden_size)
+    assert (model.lm_head is model.model.embed_tokens) == config.tie_word_embeddings
+    assert model.num_layers == config.num_hidden_layers
+
+
+def test_random_model_is_seeded_and_initialized():
+    a = random_model("tiny", torch.float32, "cpu", seed=1)
+    b = random_model("tiny", torch.float32, "cpu", seed=1)
+    c = random_model("tiny", torch.float32, "cpu", seed=2)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.model.layers[0].mlp.down_proj.weight,
+                           c.model.layers[0].mlp.down_proj.weight)
+    for module in a.modules():
+        if isinstance(module, RMSNorm):
+            assert torch.all(module.weight == 1)
+    std = a.model.layers[0].self_attn.qkv_proj.weight.std().item()
+    assert 0.015 < std < 0.025
+    inv_freq = a.model.rotary_emb.inv_freq
+    assert torch.allclose(inv_freq, 1.0 / 10000.0 ** (torch.arange(0, 16, 2) / 16))
+
+
+def test_bench_ttft_writes_json(tmp_path, monkeypatch):
+    # NOTE: --compile-cache-dir sets these for the process; monkeypatch restores them after.
+    monkeypatch.setenv("PCGSPEC_CACHE_DIR", str(tmp_path / "unused"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "unused"))
+    bench = _load_script("bench_ttft")
+    out = tmp_path / "ttft.json"
+    result = bench.main([
+        "--random-weights", "--shape", "tiny", "--device", "cpu", "--lengths", "8,16",
+        "--repeats", "2", "--warmup", "1", "--modes", "eager,piecewise,bound",
+        "--bound-backend", "eager", "--bound-lengths", "16", "--peer", "hf",
+        "--piecewise-cuda-graph-max-tokens", "16", "--cold-start",
+        "--compile-cache-dir", str(tmp_path / "cache"), "--out", str(out),
+    ])
+    written = json.loads(out.read_text())
+    assert written["rows"] == json.loads(json.dumps(result["rows"]))
+    for key in ("date", "device", "torch", "command", "model", "dtype", "settings",
+                "cold_start", "piecewise_stats", "rows"):
+        assert key in written, key
+    assert written["settings"]["modes"] == ["eager", "piecewise", "bound", "hf"]
+    assert [row["length"] for row in written["rows"]] == [8, 16]
+    for row in written["rows"]:
+        modes = ["eager", "piecewise", "hf"] + (["bound"] if row["length"] == 16 else [])
+        assert sorted(m for m in row if m not in ("length", "ratios")) == sorted(modes)
+        for mode in modes:
+            assert 0 < row[mode]["median_ms"] <= row[mode]["p90_ms"]
+            # Same weights, float32: every mode computes eager's logits.
+            assert row[mode].get("rel_err_vs_eager", 0.0) < 1e-4
+        assert math.isclose(row["ratios"]["piecewise/eager"],
+                            row["piecewise"]["median_ms"] / row["eager"]["median_ms"])
+    assert written["cold_start"]["load_s"] > 0
+    assert written["cold_start"]["piecewise_runner_s"] > 0
+    assert written["cold_start"]["piecewise_runner_warm_cache_s"] > 0
+    stats = written["piecewise_stats"]
+    assert stats["piecewise_runs"] == 2 * (1 + 2)  # 2 lengths x (warm-up + repeats)
+    assert not any(v for k, v in stats.items() if k.startswith("fallback"))
+
+
+def test_model_runner_rejects_a_model_of_another_dtype():
+    from pcgspec.config import EngineConfig
+    from pcgspec.runners.model_runner import ModelRunner
+
+    config = EngineConfig(device="cpu", dtype="float32", disable_piecewise_cuda_graph=True,
+                          max_total_tokens=64)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ModelRunner(config, model=random_model("tiny", torch.bfloat16, "cpu"))
+    runner = ModelRunner(config, model=random_model("tiny", torch.float32, "cpu"))
+    assert runner.kv_cache.num_slots == 64
