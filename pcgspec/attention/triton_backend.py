@@ -116,19 +116,21 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         md = self.metadata
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
-        store_kv(k, v, k_cache, v_cache, md.out_cache_loc)
+        # NOTE: every layer of a pass has the same shapes and dtypes: check the first only.
+        check = layer_id == 0
+        store_kv(k, v, k_cache, v_cache, md.out_cache_loc, check=check)
         n = md.num_real_tokens
         page_size = self.kv_cache.page_size
         if md.tokens_per_seq:
             decode_attention(
                 q[:n], k_cache, v_cache, out[:n], md.page_table, md.seq_lens, page_size,
                 self.scale, md.num_kv_splits, tokens_per_seq=md.tokens_per_seq,
-                workspace=md.workspace,
+                workspace=md.workspace, check=check,
             )  # fmt: skip
         else:
             extend_attention(
                 q, k_cache, v_cache, out, md.page_table, md.seq_lens, md.extend_lens,
-                md.extend_start, page_size, self.scale, md.max_extend_len,
+                md.extend_start, page_size, self.scale, md.max_extend_len, check=check,
             )  # fmt: skip
         if out.shape[0] > n:
             out[n:].zero_()

@@ -28,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from tqdm.auto import tqdm
 
 from pcgspec import envs
+from pcgspec.compile.custom_ops import direct_impls
 from pcgspec.compile.custom_ops import split_ops as default_split_ops
 from pcgspec.compile.piecewise import PiecewiseGraphs, PiecewisePiece
 from pcgspec.compile.splitter import SplitResult, split_graph
@@ -83,6 +84,7 @@ class PiecewiseBackend:
                 runner = PiecewisePiece(piece.name, fn, self.graphs, piece.args_from_pieces)
                 setattr(split.split_module, piece.name, runner)
         _check_still_symbolic(sizes)
+        _call_split_ops_directly(split)
         self.split, self.num_traces = split, self.num_traces + 1
         logger.info(
             "Compiled %d pieces around %d split points (%s) in %.1f s",
@@ -169,6 +171,18 @@ class CompiledDecoder:
         out = self._compiled(*args, **kwargs)
         self._signature = signature
         return out
+
+
+def _call_split_ops_directly(split: SplitResult) -> None:
+    """Point every split-op call at its Python implementation (no dispatcher round trip)."""
+    impls = direct_impls()
+    for piece in split.pieces:
+        if not piece.is_split_op:
+            continue
+        for node in piece.graph_module.graph.nodes:
+            if node.op == "call_function" and node.target in impls:
+                node.target = impls[node.target]
+        piece.graph_module.recompile()
 
 
 def _compile_eager(piece: fx.GraphModule, example_inputs: list[object]) -> Callable[..., object]:

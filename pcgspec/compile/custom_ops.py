@@ -9,16 +9,26 @@ from pcgspec.compile.forward_context import get_forward_context
 ATTENTION_OP_NAME = "pcgspec::attention"
 
 
-@torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("output",))
-def attention(
+def attention_impl(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KV, D]
     v: torch.Tensor,  # [T, KV, D]
     output: torch.Tensor,  # [T, H, D], written in place
     layer_id: int,
 ) -> None:
-    """Store ``k``/``v`` in the paged cache and write attention over the sequence to ``output``."""
+    """Store ``k``/``v`` in the paged cache and write attention over the sequence to ``output``.
+
+    The body of ``pcgspec::attention``; the piecewise split module calls it directly between
+    its pieces, skipping the op dispatcher (tens of microseconds per layer).
+    """
     get_forward_context().attn_backend.forward(q, k, v, output, layer_id)
+
+
+@torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("output",))
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_id: int
+) -> None:
+    attention_impl(q, k, v, output, layer_id)
 
 
 @attention.register_fake
@@ -29,3 +39,11 @@ def _attention_fake(q, k, v, output, layer_id) -> None:  # noqa: ANN001
 def split_ops() -> list[object]:
     """The ops the piecewise splitter cuts at."""
     return [torch.ops.pcgspec.attention.default]
+
+
+def direct_impls() -> dict[object, object]:
+    """Split op (overload or packet) -> the Python function behind it. Between pieces the
+    split module runs eagerly, so it may call these directly instead of dispatching the op.
+    """
+    op = torch.ops.pcgspec.attention
+    return {op: attention_impl, op.default: attention_impl}

@@ -217,6 +217,8 @@ class _BucketGraph:
 
     def replay(self, args: tuple[object, ...]) -> object:
         for i, (static, arg) in enumerate(zip(self.static_args, args, strict=True)):
+            if arg is static:  # weights and other captured-as-is inputs: the common case
+                continue
             if isinstance(static, torch.Tensor):
                 if not isinstance(arg, torch.Tensor) or arg.shape != static.shape:
                     raise ValueError(self._mismatch(i, static, arg))

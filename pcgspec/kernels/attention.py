@@ -238,6 +238,25 @@ def _check_attention(
     _check_index("page_table", page_table, (len(seq_lens), None))
 
 
+def _check_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_kv_splits: int,
+    tokens_per_seq: int, workspace: tuple[torch.Tensor, torch.Tensor],
+) -> None:  # fmt: skip
+    _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
+    num_rows, num_heads, head_dim = q.shape
+    _require(tokens_per_seq >= 1, f"tokens_per_seq must be >= 1, got {tokens_per_seq}")
+    _require(num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    _require(num_rows == len(seq_lens) * tokens_per_seq, f"q must have {len(seq_lens)} x "
+             f"{tokens_per_seq} rows, got {num_rows}")  # fmt: skip
+    mid_o, mid_lse = workspace
+    ok = mid_o.shape[0] >= num_rows and mid_o.shape[1:] == (num_heads, num_kv_splits, head_dim)
+    ok &= mid_lse.shape == mid_o.shape[:3] and mid_o.is_contiguous() and mid_lse.is_contiguous()
+    ok &= mid_o.dtype == mid_lse.dtype == torch.float32
+    _require(ok, f"workspace must be decode_workspace(>={num_rows}, {num_heads}, {head_dim}, "
+             f"{num_kv_splits})")  # fmt: skip
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # NOTE: fp32 inputs would otherwise run on tf32 tensor cores, ~1e-3 off the reference.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -249,14 +268,19 @@ def store_kv(
     k_cache: torch.Tensor,  # [slots, KV, D]
     v_cache: torch.Tensor,
     out_cache_loc: torch.Tensor,  # [T] slot per token, -1 = write nothing
+    *,
+    check: bool = True,
 ) -> None:
-    """Scatter the new tokens' K/V into the cache, skipping rows whose slot is -1."""
-    _check_cache(k_cache, v_cache)
+    """Scatter the new tokens' K/V into the cache, skipping rows whose slot is -1.
+    ``check=False`` skips the argument checks (a caller that already checked this pass).
+    """
     num_kv, head_dim = k_cache.shape[1:]
-    _check_rows("k", k, k_cache, num_kv)
-    _check_rows("v", v, k_cache, num_kv)
-    _require(v.shape == k.shape, "k and v must have the same shape")
-    _check_index("out_cache_loc", out_cache_loc, (k.shape[0],))
+    if check:
+        _check_cache(k_cache, v_cache)
+        _check_rows("k", k, k_cache, num_kv)
+        _check_rows("v", v, k_cache, num_kv)
+        _require(v.shape == k.shape, "k and v must have the same shape")
+        _check_index("out_cache_loc", out_cache_loc, (k.shape[0],))
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
@@ -282,11 +306,13 @@ def extend_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    check: bool = True,
 ) -> None:
     """Causal attention of each request's new tokens over its cached prefix and themselves."""
-    _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
-    _check_index("extend_lens", extend_lens, seq_lens.shape)
-    _check_index("extend_start", extend_start, seq_lens.shape)
+    if check:
+        _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
+        _check_index("extend_lens", extend_lens, seq_lens.shape)
+        _check_index("extend_start", extend_start, seq_lens.shape)
     num_kv, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -329,25 +355,19 @@ def decode_attention(
     tokens_per_seq: int = 1,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int = 64,
+    check: bool = True,
 ) -> None:
     """Flash-decoding: each request's keys are cut into ``num_kv_splits`` pieces attended in
     parallel (per kv head, all its query heads at once), then merged by their softmax mass.
     ``tokens_per_seq`` > 1 (TARGET_VERIFY: k+1) attends that many last positions causally.
     """
-    _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
     num_rows, num_heads, head_dim = q.shape
-    _require(tokens_per_seq >= 1, f"tokens_per_seq must be >= 1, got {tokens_per_seq}")
-    _require(num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    _require(num_rows == len(seq_lens) * tokens_per_seq, f"q must have {len(seq_lens)} x "
-             f"{tokens_per_seq} rows, got {num_rows}")  # fmt: skip
     if workspace is None:
         workspace = decode_workspace(num_rows, num_heads, head_dim, num_kv_splits, q.device)
     mid_o, mid_lse = workspace
-    ok = mid_o.shape[0] >= num_rows and mid_o.shape[1:] == (num_heads, num_kv_splits, head_dim)
-    ok &= mid_lse.shape == mid_o.shape[:3] and mid_o.is_contiguous() and mid_lse.is_contiguous()
-    ok &= mid_o.dtype == mid_lse.dtype == torch.float32
-    _require(ok, f"workspace must be decode_workspace(>={num_rows}, {num_heads}, {head_dim}, "
-             f"{num_kv_splits})")  # fmt: skip
+    if check:
+        _check_decode(q, k_cache, v_cache, out, page_table, seq_lens, page_size, num_kv_splits,
+                      tokens_per_seq, workspace)
     if num_rows == 0:
         return
     num_kv = k_cache.shape[1]
