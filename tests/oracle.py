@@ -8,6 +8,26 @@ import torch
 
 NEAR_TIE = 1e-4  # a greedy divergence is allowed only where the top-2 logit gap is below this
 
+# Varied prompts: prose, code, lists, arithmetic, other languages, markup.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three prime numbers:",
+    "Translate to French: I like apples.",
+    "The quick brown fox",
+    "1, 2, 3, 4, 5,",
+    "Explain gravity to a child.",
+    "import torch\nimport torch.nn as nn\n\nclass MLP(nn.Module):",
+    "Q: What is 12 times 12?\nA:",
+    "Die Hauptstadt von Deutschland ist",
+    "SELECT name FROM",
+    "The three laws of motion are",
+    "Write a haiku about the sea.",
+    "<html>\n<head>",
+    "In 1969, the first humans",
+]
+
 
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt_ids: Sequence[int], max_new_tokens: int,

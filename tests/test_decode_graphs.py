@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from oracle import assert_greedy_match
+from oracle import PROMPTS, assert_greedy_match
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
@@ -248,14 +248,6 @@ def _padded_static_batch(real: ForwardBatch, bs: int, max_pages: int) -> Forward
 
 # GPU -------------------------------------------------------------------------------------------
 
-GPU_PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-    "List three prime numbers:", "Translate to French: I like apples.", "The quick brown fox",
-    "1, 2, 3, 4, 5,", "Explain gravity to a child.", "import torch\nimport torch.nn as nn\n",
-    "Q: What is 12 times 12?\nA:", "Die Hauptstadt von Deutschland ist", "Roses are red,",
-    "The three laws of thermodynamics are", "SELECT name FROM users WHERE", "Dear Sir or Madam,",
-    "In 1969, the first humans",
-]
 
 
 @pytest.mark.gpu
@@ -277,8 +269,8 @@ def test_smollm2_greedy_with_and_without_decode_graphs(smollm2_path) -> None:
     for disable in (True, False):
         llm = LLM(str(smollm2_path), dtype="float32", disable_cuda_graph=disable,
                   max_total_tokens=16384, piecewise_cuda_graph_max_tokens=512)
-        tokens[disable] = [o.token_ids for o in llm.generate(GPU_PROMPTS, greedy, use_tqdm=False)]
-        prompt_ids = [llm.get_tokenizer().encode(p) for p in GPU_PROMPTS]
+        tokens[disable] = [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
         if not disable:
             stats = llm.engine.runner.decode_graphs.stats()
         del llm

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import PROMPTS as ALL_PROMPTS
 from oracle import assert_greedy_match, hf_greedy
 
 from pcgspec import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "List three prime numbers:",
-    "Translate to French: I like apples.",
-    "The quick brown fox",
-    "1, 2, 3, 4, 5,",
-    "Explain gravity to a child.",
-    "import torch\nimport torch.nn as nn\n\nclass MLP(nn.Module):",
-    "Q: What is 12 times 12?\nA:",
-    "Die Hauptstadt von Deutschland ist",
-]
+PROMPTS = ALL_PROMPTS[:11]
 NEW_TOKENS = 48
 
 
@@ -59,7 +48,8 @@ def test_batch_invariance_alone_vs_batch_of_16(llm, hf_model, greedy_refs):
     tok = llm.get_tokenizer()
     target = PROMPTS[2]
     alone = llm.generate(target, _greedy(), use_tqdm=False)[0].token_ids
-    others = [p * (1 + i % 3) for i, p in enumerate(PROMPTS)][:15]
+    others = [p * (1 + i % 3) for i, p in enumerate(ALL_PROMPTS) if p != target]
+    assert len(others) == 15
     batch = llm.generate(others[:7] + [target] + others[7:], _greedy(), use_tqdm=False)
     assert_greedy_match(hf_model, tok.encode(target), batch[7].token_ids, alone)
     assert_greedy_match(hf_model, tok.encode(target), alone, greedy_refs[target])

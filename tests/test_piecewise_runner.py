@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from oracle import PROMPTS
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
@@ -247,24 +248,6 @@ def test_inductor_pieces_through_the_runner(tiny_path):
 
 # GPU: CUDA graphs per bucket, replayed by the engine ------------------------------------------
 
-GPU_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "List three prime numbers:",
-    "Translate to French: I like apples.",
-    "The quick brown fox",
-    "1, 2, 3, 4, 5,",
-    "Explain gravity to a child.",
-    "import torch\nimport torch.nn as nn\n",
-    "Q: What is 12 times 12?\nA:",
-    "Die Hauptstadt von Deutschland ist",
-    "SELECT name FROM",
-    "The three laws of motion are",
-    "Write a haiku about the sea.",
-    "<html>\n<head>",
-    "In 1969, the first humans",
-]
 
 
 def gpu_llm(path, dtype: str) -> LLM:
@@ -290,10 +273,10 @@ def test_gpu_float32_greedy_tokens_equal_eager(gpu_fp32, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     runner = gpu_fp32.engine.runner
     before = runner.piecewise.stats()
-    graphs = [o.token_ids for o in gpu_fp32.generate(GPU_PROMPTS, params, use_tqdm=False)]
+    graphs = [o.token_ids for o in gpu_fp32.generate(PROMPTS, params, use_tqdm=False)]
     assert stats_delta(runner, before)[RUNS] >= 64  # the prefill and every decode step
     monkeypatch.setattr(runner, "piecewise", None)
-    eager = [o.token_ids for o in gpu_fp32.generate(GPU_PROMPTS, params, use_tqdm=False)]
+    eager = [o.token_ids for o in gpu_fp32.generate(PROMPTS, params, use_tqdm=False)]
     assert graphs == eager
 
 
