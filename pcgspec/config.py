@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pcgspec.speculative.config import SpeculativeConfig
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
@@ -38,6 +40,14 @@ class EngineConfig:
     cuda_graph_max_bs: int = 32  # largest decode batch captured
     random_seed: int = 0
     log_level: str | None = None
+    # Speculative decoding (SGLang's names); None = SpeculativeConfig's default.
+    speculative_algorithm: str | None = None  # NGRAM (EAGLE3, NEXTN, STANDALONE: not yet)
+    speculative_num_steps: int | None = None  # k drafts per request and step
+    speculative_num_draft_tokens: int | None = None  # k+1
+    speculative_eagle_topk: int | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_ngram_min_match_window_size: int | None = None
+    speculative_ngram_max_match_window_size: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -79,6 +89,7 @@ class EngineConfig:
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be torch or triton, got {self.attention_backend!r}")
+        _ = self.speculative_config  # validates the speculative_* fields
 
     def _int_tuple_field(self, name: str, minimum: int) -> None:
         """Accept ``"4,8,16"`` or a list for a tuple-of-ints field; store the tuple."""
@@ -92,6 +103,18 @@ class EngineConfig:
             raise ValueError(f"{name} must be integers >= {minimum}, got {value!r}")
 
     # Resolved values -------------------------------------------------------------------------
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative_* fields as a validated ``SpeculativeConfig``; None = no speculation."""
+        if self.speculative_algorithm is None:
+            names = [f.name for f in fields(self) if f.name.startswith("speculative_")]
+            stray = [n for n in names if getattr(self, n) is not None]
+            if stray:
+                raise ValueError(f"{', '.join(stray)} set without speculative_algorithm")
+            return None
+        kwargs = {f.name: getattr(self, f.name) for f in fields(SpeculativeConfig)}
+        return SpeculativeConfig(**{k: v for k, v in kwargs.items() if v is not None})
 
     @property
     def torch_device(self) -> torch.device:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pcgspec.engine.request import Request, TokenLogprobs
+from pcgspec.engine.request import Request, SpecCounters, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,11 @@ class RequestMetrics:
     tokens_per_s: float | None  # output tokens / e2e latency
     num_preemptions: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding (zero / None / empty without it)
+    spec_verify_steps: int = 0
+    spec_accepted_draft_tokens: int = 0
+    avg_spec_accept_length: float | None = None  # accepted drafts + 1 bonus, per verify step
+    spec_accepted_per_position: tuple[int, ...] = ()  # [j]: times draft j was accepted
 
 
 @dataclass(frozen=True)
@@ -82,10 +87,17 @@ def _metrics(reqs: list[Request]) -> RequestMetrics:
     ttft = min(firsts) - first.arrival_time if firsts else None
     e2e = max(ends) - first.arrival_time if len(ends) == len(reqs) else None
     num = sum(r.num_output_tokens for r in reqs)
+    spec = SpecCounters()
+    for r in reqs:
+        spec.merge(r.spec)
     return RequestMetrics(
         ttft=ttft,
         e2e_latency=e2e,
         num_output_tokens=num,
         tokens_per_s=num / e2e if e2e else None,
         num_preemptions=sum(r.num_preemptions for r in reqs),
+        spec_verify_steps=spec.verify_steps,
+        spec_accepted_draft_tokens=spec.accepted_drafts,
+        avg_spec_accept_length=spec.avg_accept_length,
+        spec_accepted_per_position=tuple(spec.accepted_per_position),
     )

@@ -20,6 +20,7 @@ from pcgspec.runners.model_runner import ModelRunner
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput
 from pcgspec.sampling_params import SamplingParams
+from pcgspec.speculative.worker import SpecWorker, check_implemented
 
 logger = logging.getLogger("pcgspec")
 _SEED_MASK = (1 << 63) - 1
@@ -28,6 +29,7 @@ _SEED_MASK = (1 << 63) - 1
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        check_implemented(config.speculative_config)  # before the (slow) model load
         self.model_dir: Path = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         self.runner = ModelRunner(config, self.model_dir)
@@ -40,6 +42,9 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
         self._seeds = random.Random(config.random_seed)
         self._ids = itertools.count()
+        spec = config.speculative_config
+        self.spec_worker = (SpecWorker(spec, self.runner, self.scheduler, self.eos_token_ids)
+                            if spec is not None else None)  # fmt: skip
 
     @property
     def context_length(self) -> int:
@@ -85,16 +90,43 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[Request]:
-        """Schedule, run the model, sample, commit. Returns the requests that took part."""
+        """Schedule, run the model (a speculative step for decode batches when configured),
+        sample, commit. Returns the requests that took part.
+        """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        committed = self._speculate(batch)
+        if committed is None:
+            self._forward_and_sample(batch)
+        self.scheduler.update(committed if committed is not None else batch)
+        return batch.requests
+
+    def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The committed batch of a speculative step, or None where none ran."""
+        if self.spec_worker is None or not batch.mode.is_decode():
+            return None
+        return self.spec_worker.step(batch)
+
+    def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
         out = self.runner.forward(forward_batch)
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         self._commit(batch, sampled)
-        self.scheduler.update(batch)
-        return batch.requests
+
+    def spec_stats(self) -> dict[str, object]:
+        """Engine-wide speculative counters (summed over requests); empty without speculation."""
+        worker = self.spec_worker
+        if worker is None:
+            return {}
+        stats = worker.stats
+        return {
+            "verify_steps": stats.verify_steps,  # request-steps
+            "accepted_draft_tokens": stats.accepted_drafts,
+            "avg_spec_accept_length": stats.avg_accept_length,
+            "accepted_per_position": list(stats.accepted_per_position),
+            "fallback_steps": worker.num_fallbacks,
+        }
 
     def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         chunks = []

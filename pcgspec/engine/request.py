@@ -25,6 +25,40 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+@dataclass
+class SpecCounters:
+    """Speculative decoding counters of one request (or, summed, of an engine)."""
+
+    verify_steps: int = 0
+    accepted_drafts: int = 0  # draft tokens the target accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: draft j accepted
+
+    def record(self, accept_len: int, num_steps: int) -> None:
+        if len(self.accepted_per_position) < num_steps:
+            self.accepted_per_position += [0] * (num_steps - len(self.accepted_per_position))
+        self.verify_steps += 1
+        self.accepted_drafts += accept_len
+        for j in range(accept_len):
+            self.accepted_per_position[j] += 1
+
+    def merge(self, other: SpecCounters) -> None:
+        self.verify_steps += other.verify_steps
+        self.accepted_drafts += other.accepted_drafts
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
+        for j, n in enumerate(other.accepted_per_position):
+            mine[j] += n
+        self.accepted_per_position = mine
+
+    @property
+    def avg_accept_length(self) -> float | None:
+        """Accepted drafts + 1 bonus token per verify step, averaged (SGLang's
+        ``avg_spec_accept_length``); None before the first verify step."""
+        if not self.verify_steps:
+            return None
+        return (self.accepted_drafts + self.verify_steps) / self.verify_steps
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -46,6 +80,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    spec: SpecCounters = field(default_factory=SpecCounters)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

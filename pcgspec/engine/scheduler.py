@@ -139,6 +139,23 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
 
+    def reserve(self, reqs: list[Request], num_tokens: list[int]) -> bool:
+        """Grow each request's pages to hold ``num_tokens`` slots, all or none (no preemption).
+        Returns whether it fit."""
+        needs = [self._pages_needed(r, n) for r, n in zip(reqs, num_tokens)]
+        if sum(needs) > self.pages.num_free:
+            return False
+        for req, need in zip(reqs, needs):
+            req.pages += self.pages.alloc(need)
+        return True
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the pages of ``req`` past the first ``num_tokens`` slots."""
+        keep = -(-num_tokens // self.page_size)
+        if len(req.pages) > keep:
+            self.pages.free(req.pages[keep:])
+            req.pages = req.pages[:keep]
+
     def release(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)

@@ -1,0 +1,166 @@
+"""The speculative step of a DECODE batch: propose -> verify -> accept -> commit/rollback.
+
+The target scores ``[last token, d_0 .. d_{k-1}]`` per request in one ``TARGET_VERIFY`` pass
+(eager: the piecewise runner rejects that mode). Row ``j`` of request ``b`` chooses output
+position ``num_output_tokens + j`` with the penalties as of that position, so a verify step
+emits exactly the tokens that plain decoding would: greedy by argmax, seeded sampling by
+``TARGET_MATCH`` (the target's own seeded draw must equal the deterministic NGRAM draft).
+
+Falls back to a plain decode step (the caller's) when a request wants logprobs (not computed
+for accepted drafts yet), when a request would pass the context length, or when the KV pool
+cannot hold k more slots per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pcgspec.engine.request import Request, SpecCounters
+from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
+from pcgspec.kernels.verify_draft_tokens import (
+    VerifyOutput,
+    VerifyStrategy,
+    verify_draft_tokens,
+    verify_draft_tokens_ref,
+)
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.forward_batch import ForwardMode
+from pcgspec.runners.model_runner import ModelRunner
+from pcgspec.sampling.batch import SamplingBatch
+from pcgspec.sampling.sampler import probs_from_logits, process_logits
+from pcgspec.speculative.base import DraftProposal, ProposeInput
+from pcgspec.speculative.config import SpeculativeConfig
+from pcgspec.speculative.ngram import NgramProposer
+
+IMPLEMENTED_ALGORITHMS = ("NGRAM",)
+
+
+def check_implemented(config: SpeculativeConfig | None) -> None:
+    """Raise ``ValueError`` for an algorithm the config accepts but the engine cannot run."""
+    if config is not None and config.algorithm not in IMPLEMENTED_ALGORITHMS:
+        raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented yet; "
+                         f"supported: {', '.join(IMPLEMENTED_ALGORITHMS)}")  # fmt: skip
+
+
+class SpecWorker:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, scheduler: Scheduler,
+                 eos_token_ids: frozenset[int]) -> None:  # fmt: skip
+        check_implemented(config)
+        self.num_steps = config.num_steps
+        self.runner = runner
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.proposer = NgramProposer.from_config(config)  # token ids live on the host
+        self.stats = SpecCounters()  # summed over requests
+        self.num_fallbacks = 0
+
+    def step(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """Run one speculative step; returns the batch to hand to ``Scheduler.update`` (with
+        the tokens committed per request), or None: nothing ran, do a plain decode step.
+        """
+        reqs = batch.requests
+        if not self._can_speculate(reqs):
+            self.num_fallbacks += 1
+            return None
+        proposal = self.propose(reqs)
+        verified = self.verify(reqs, proposal)
+        committed = self.accept_and_commit(reqs, verified)
+        self.rollback(reqs)
+        return ScheduledBatch(batch.mode, reqs, committed, [True] * len(reqs))
+
+    def _can_speculate(self, reqs: Sequence[Request]) -> bool:
+        """Reserve KV slots for the k drafts of every request (all or none)."""
+        k = self.num_steps
+        if any(r.params.logprobs is not None or len(r.token_ids) + k > r.max_len for r in reqs):
+            return False
+        return self.scheduler.reserve(list(reqs), [len(r.token_ids) + k for r in reqs])
+
+    # propose -----------------------------------------------------------------------------
+
+    def propose(self, reqs: Sequence[Request]) -> DraftProposal:
+        return self.proposer.propose(ProposeInput([r.token_ids for r in reqs]))
+
+    # verify ------------------------------------------------------------------------------
+
+    def verify(self, reqs: Sequence[Request], proposal: DraftProposal) -> VerifyOutput:
+        """One TARGET_VERIFY pass over k+1 tokens per request, then the verify kernel."""
+        k, device = self.num_steps, self.runner.device
+        drafts = proposal.tokens.tolist()
+        chunks = [SeqChunk([r.token_ids[-1], *d], len(r.token_ids) - 1, r.pages)
+                  for r, d in zip(reqs, drafts)]  # fmt: skip
+        sampling = self._sampling_rows(reqs, drafts)
+        batch = build_forward_batch(
+            ForwardMode.TARGET_VERIFY, chunks, self.runner.page_size, device,
+            logits_rows=range(len(reqs) * (k + 1)), sampling=sampling,
+            spec_num_draft_tokens=k + 1,
+        )  # fmt: skip
+        logits = self.runner.forward(batch).logits.float()
+        with torch.inference_mode():
+            target, strategy = _target_rows(process_logits(logits, sampling), sampling)
+            verify = verify_draft_tokens if device.type == "cuda" else verify_draft_tokens_ref
+            return verify(
+                target.view(len(reqs), k + 1, -1), proposal.tokens.to(device), strategy,
+                seed=sampling.seed.view(len(reqs), k + 1),
+                position=sampling.position.view(len(reqs), k + 1),
+                num_draft=proposal.num_tokens.to(device),
+            )  # fmt: skip
+
+    def _sampling_rows(self, reqs: Sequence[Request], drafts: list[list[int]]) -> SamplingBatch:
+        """k+1 rows per request; row j sees the outputs plus drafts[:j] (for penalties)."""
+        rows = [(r, j) for r in reqs for j in range(self.num_steps + 1)]
+        outputs = [r.output_token_ids for r in reqs]
+        output_ids = [outputs[i] + drafts[i][:j]
+                      for i in range(len(reqs)) for j in range(self.num_steps + 1)]  # fmt: skip
+        return SamplingBatch.build(
+            params=[r.params for r, _ in rows],
+            seeds=[r.seed for r, _ in rows],
+            positions=[r.num_output_tokens + j for r, j in rows],
+            prompt_ids=[r.prompt_token_ids for r, _ in rows],
+            output_ids=output_ids,
+            vocab_size=self.runner.vocab_size,
+            device=self.runner.device,
+        )
+
+    # accept + commit / rollback ----------------------------------------------------------
+
+    def accept_and_commit(self, reqs: Sequence[Request], out: VerifyOutput) -> list[int]:
+        """Append the accepted drafts and the next token, stopping at the first finish (EOS,
+        stop token or string, max_tokens). Returns the tokens committed per request.
+        """
+        committed = []
+        for req, accept_len, tokens in zip(reqs, out.accept_len.tolist(), out.tokens.tolist()):
+            req.spec.record(accept_len, self.num_steps)
+            self.stats.record(accept_len, self.num_steps)
+            n = 0
+            for token in tokens[: accept_len + 1]:
+                req.append_token(token, self.eos_token_ids)
+                n += 1
+                if req.finished:
+                    break
+            committed.append(n)
+        return committed
+
+    def rollback(self, reqs: Sequence[Request]) -> None:
+        """Keep the pages of the committed tokens only. The KV of accepted drafts is valid;
+        rejected slots past the new length are overwritten by later steps. The newest token's
+        KV is written by the next step (``Scheduler.update`` sets ``num_computed_tokens``).
+        """
+        for req in reqs:
+            self.scheduler.trim(req, len(req.token_ids))
+
+
+def _target_rows(
+    processed: torch.Tensor, sampling: SamplingBatch
+) -> tuple[torch.Tensor, VerifyStrategy]:
+    """What the verify kernel scores: processed logits under GREEDY when every row is greedy;
+    else probabilities under TARGET_MATCH, greedy rows as one-hot argmax rows (so they pick
+    exactly the token plain decoding's argmax picks).
+    """
+    if sampling.all_greedy:
+        return processed, VerifyStrategy.GREEDY
+    probs = probs_from_logits(processed)
+    one_hot = F.one_hot(processed.argmax(dim=-1), probs.shape[-1]).to(probs.dtype)
+    return torch.where(sampling.is_greedy[:, None], one_hot, probs), VerifyStrategy.TARGET_MATCH

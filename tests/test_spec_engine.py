@@ -1,0 +1,150 @@
+"""NGRAM speculative decoding end to end on the real SmolLM2 (CPU, eager verify): lossless
+against plain decoding, stop handling, KV bookkeeping, metrics and config validation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import PROMPTS as ALL_PROMPTS
+from oracle import assert_greedy_match
+
+from pcgspec import LLM, SamplingParams
+from pcgspec.config import EngineConfig
+from pcgspec.engine.engine import Engine
+
+NEW_TOKENS = 64
+SENTENCE = "The old lighthouse keeper climbed the stairs every night to light the lamp."
+# Continuations that repeat the prompt, so NGRAM drafts get accepted.
+REPEAT_PROMPTS = [
+    f"Repeat exactly: {SENTENCE}\n{SENTENCE}\n{SENTENCE}\n",
+    "a b c d e f g h a b c d e f g h a b c d e f g h a b",
+]
+PROMPTS = ALL_PROMPTS[:8] + REPEAT_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path) -> LLM:
+    return LLM(str(smollm2_path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def spec_llm(smollm2_path) -> LLM:
+    return LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm="NGRAM",
+               speculative_num_steps=4)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def _assert_all_free(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pages.num_free == engine.pages.num_pages
+
+
+@pytest.mark.parametrize("repetition_penalty", [1.0, 1.2])
+def test_greedy_equals_plain_decoding(llm, spec_llm, hf_model, repetition_penalty):
+    params = _greedy(repetition_penalty=repetition_penalty)
+    plain = llm.generate(PROMPTS, params, use_tqdm=False)
+    spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for prompt, want, got in zip(PROMPTS, plain, spec):
+        assert len(got.token_ids) == NEW_TOKENS
+        assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, want.token_ids)
+        assert got.metrics.spec_verify_steps > 0
+    if repetition_penalty == 1.0:  # the penalty makes the model avoid repeating the prompt
+        for out in spec[-len(REPEAT_PROMPTS):]:
+            assert out.metrics.avg_spec_accept_length > 1.0, out.text
+    _assert_all_free(spec_llm)
+
+
+def test_accept_metrics(spec_llm):
+    out = spec_llm.generate(REPEAT_PROMPTS[1], _greedy(32), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.avg_spec_accept_length == pytest.approx(
+        (m.spec_accepted_draft_tokens + m.spec_verify_steps) / m.spec_verify_steps)
+    assert len(m.spec_accepted_per_position) == 4
+    assert sum(m.spec_accepted_per_position) == m.spec_accepted_draft_tokens > 0
+    assert list(m.spec_accepted_per_position) == sorted(m.spec_accepted_per_position, reverse=True)
+    stats = spec_llm.engine.spec_stats()
+    assert stats["verify_steps"] >= m.spec_verify_steps and stats["avg_spec_accept_length"] > 1
+
+
+def test_seeded_sampling_equals_plain(llm, spec_llm):
+    prompts = [ALL_PROMPTS[0], REPEAT_PROMPTS[0], REPEAT_PROMPTS[1], ALL_PROMPTS[6]]
+    params = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=40, ignore_eos=True,
+                             **({"top_p": 0.9, "top_k": 40} if i % 2 else {}))
+              for i in range(3)] + [_greedy(40)]  # a greedy request in a sampled batch
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    for want, got in zip(plain, spec):
+        assert got.token_ids == want.token_ids
+    assert spec[2].metrics.spec_accepted_draft_tokens > 0
+
+
+def test_stop_string_and_max_tokens_inside_accepted_runs(llm, spec_llm):
+    prompt = "1, 2, 3, 4, 5,"
+    base = llm.generate(prompt, _greedy(24), use_tqdm=False)[0]
+    out = spec_llm.generate(prompt, _greedy(24, stop=[" 8,"]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == " 8,"
+    assert out.text == base.text[: base.text.index(" 8,")]
+    stop_id = base.token_ids[5]
+    out = spec_llm.generate(prompt, _greedy(24, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    for max_tokens in range(1, 10):
+        out = spec_llm.generate(REPEAT_PROMPTS[1], _greedy(max_tokens), use_tqdm=False)[0]
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+    _assert_all_free(spec_llm)
+
+
+def test_every_page_free_after_200_requests(spec_llm):
+    prompts = [REPEAT_PROMPTS[i % 2] if i % 3 else ALL_PROMPTS[i % 16] for i in range(200)]
+    params = [_greedy(1 + i % 8) if i % 2 else SamplingParams(temperature=0.8, max_tokens=8)
+              for i in range(200)]
+    outs = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.finished and len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params))
+    _assert_all_free(spec_llm)
+
+
+def test_fallbacks_logprobs_and_small_kv_pool(smollm2_path, llm, spec_llm, hf_model):
+    before = spec_llm.engine.spec_stats()["fallback_steps"]
+    params = _greedy(6, logprobs=2)
+    want = llm.generate(ALL_PROMPTS[0], params, use_tqdm=False)[0]
+    got = spec_llm.generate(ALL_PROMPTS[0], params, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids and len(got.logprobs) == 6
+    assert spec_llm.engine.spec_stats()["fallback_steps"] > before
+    # 10 pages of 16 tokens: verify slots often do not fit, so steps fall back or preempt.
+    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=160,
+                speculative_algorithm="NGRAM", speculative_num_steps=4)
+    prompts = PROMPTS[-4:]
+    ref = llm.generate(prompts, _greedy(40), use_tqdm=False)
+    outs = small.generate(prompts, _greedy(40), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for prompt, want, got in zip(prompts, ref, outs):
+        assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, want.token_ids)
+    assert small.engine.spec_stats()["fallback_steps"] > 0
+    _assert_all_free(small)
+
+
+def test_config_validation(smollm2_path):
+    with pytest.raises(ValueError, match="speculative_algorithm must be one of"):
+        EngineConfig(speculative_algorithm="MEDUSA")
+    with pytest.raises(ValueError, match="set without speculative_algorithm"):
+        EngineConfig(speculative_num_steps=4)
+    with pytest.raises(ValueError, match="speculative_num_steps"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=0)
+    for algorithm in ("EAGLE3", "STANDALONE", "NEXTN"):
+        config = EngineConfig(model=str(smollm2_path), speculative_algorithm=algorithm,
+                              speculative_draft_model_path="draft")
+        with pytest.raises(ValueError, match=f"speculative_algorithm {algorithm} is not "
+                                             "implemented yet; supported: NGRAM"):
+            Engine(config)
