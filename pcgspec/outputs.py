@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pcgspec.engine.request import Request, SpecCounters, TokenLogprobs
 
@@ -24,7 +24,6 @@ class RequestMetrics:
     num_output_tokens: int
     tokens_per_s: float | None  # output tokens / e2e latency
     num_preemptions: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
     # Speculative decoding (zero / None / empty without it)
     spec_verify_steps: int = 0
     spec_accepted_draft_tokens: int = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -38,6 +37,3 @@ class Registry(Generic[T]):
             module, _, attr = self._paths[name].partition(":")
             self._loaded[name] = getattr(importlib.import_module(module), attr)
         return self._loaded[name]
-
-    def lazy(self, name: str) -> Callable[[], T]:
-        return lambda: self.get(name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,7 +60,6 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None  # [T, hidden]; replaces the embedding lookup
     return_input_logprobs: bool = False
     spec_num_draft_tokens: int = 0  # k+1 in TARGET_VERIFY mode, else 0
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -69,10 +68,6 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-    @property
-    def prefix_lens_cpu(self) -> tuple[int, ...]:
-        return tuple(s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu))
 
     @property
     def device(self) -> torch.device:
