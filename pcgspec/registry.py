@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -37,3 +38,16 @@ class Registry(Generic[T]):
             module, _, attr = self._paths[name].partition(":")
             self._loaded[name] = getattr(importlib.import_module(module), attr)
         return self._loaded[name]
+
+
+def lazy_exports(package: str, where: dict[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` that imports ``name`` from module ``where[name]`` on first use,
+    so a package can re-export heavy pieces without importing them up front.
+    """
+
+    def __getattr__(name: str) -> object:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(where[name]), name)
+
+    return __getattr__

@@ -4,6 +4,8 @@ piece runners (CUDA graphs per token bucket) and the token buckets.
 
 from __future__ import annotations
 
+from pcgspec.registry import lazy_exports
+
 __all__ = [
     "CompiledDecoder",
     "PiecewiseBackend",
@@ -13,20 +15,15 @@ __all__ = [
     "split_graph",
 ]
 
-_LAZY = {
-    "CompiledDecoder": "pcgspec.compile.backend",
-    "PiecewiseBackend": "pcgspec.compile.backend",
-    "PiecewiseGraphs": "pcgspec.compile.piecewise",
-    "capture_buckets": "pcgspec.compile.buckets",
-    "pad_to_bucket": "pcgspec.compile.buckets",
-    "split_graph": "pcgspec.compile.splitter",
-}
-
-
-def __getattr__(name: str) -> object:
-    # NOTE: lazy, so importing pcgspec.compile.custom_ops (every model does) stays cheap.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'pcgspec.compile' has no attribute {name!r}")
+# NOTE: lazy, so importing pcgspec.compile.custom_ops (every model does) stays cheap.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "CompiledDecoder": "pcgspec.compile.backend",
+        "PiecewiseBackend": "pcgspec.compile.backend",
+        "PiecewiseGraphs": "pcgspec.compile.piecewise",
+        "capture_buckets": "pcgspec.compile.buckets",
+        "pad_to_bucket": "pcgspec.compile.buckets",
+        "split_graph": "pcgspec.compile.splitter",
+    },
+)

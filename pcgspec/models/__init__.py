@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pcgspec.models.registry import MODEL_REGISTRY, model_class
+from pcgspec.registry import lazy_exports
 
 __all__ = [
     "MODEL_REGISTRY",
@@ -14,19 +15,14 @@ __all__ = [
     "model_class",
 ]
 
-_LAZY = {
-    "convert_gguf": "pcgspec.models.gguf",
-    "default_model_path": "pcgspec.models.default_model",
-    "load_config": "pcgspec.models.loader",
-    "load_model": "pcgspec.models.loader",
-    "load_tokenizer": "pcgspec.models.loader",
-}
-
-
-def __getattr__(name: str) -> object:
-    # NOTE: the loaders pull in transformers; import them only when asked for.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'pcgspec.models' has no attribute {name!r}")
+# NOTE: the loaders pull in transformers; import them only when asked for.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "convert_gguf": "pcgspec.models.gguf",
+        "default_model_path": "pcgspec.models.default_model",
+        "load_config": "pcgspec.models.loader",
+        "load_model": "pcgspec.models.loader",
+        "load_tokenizer": "pcgspec.models.loader",
+    },
+)
