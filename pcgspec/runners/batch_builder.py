@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,3 +72,10 @@ def build_forward_batch(
         capture_hidden_mode=capture_hidden_mode,
         **extra,  # type: ignore[arg-type]
     )
+
+
+def without_kv_writes(batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` with every KV slot -1: attention reads the cache but writes nothing (for
+    warm-up, memory profiling and capture runs over dummy tokens).
+    """
+    return dataclasses.replace(batch, out_cache_loc=torch.full_like(batch.out_cache_loc, -1))

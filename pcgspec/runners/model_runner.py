@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
 from pcgspec.models.loader import load_model
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
@@ -120,9 +119,9 @@ class ModelRunner:
         scratch = KVCache(spec, 1, self.page_size, self.device)
         # NOTE: every position maps to page 0 of the scratch cache and writes nothing (-1).
         pages = [0] * -(-num_tokens // self.page_size)
-        batch = build_forward_batch(ForwardMode.EXTEND, [SeqChunk([0] * num_tokens, 0, pages)],
-                                    self.page_size, self.device)
-        batch = dataclasses.replace(batch, out_cache_loc=torch.full_like(batch.out_cache_loc, -1))
+        batch = without_kv_writes(build_forward_batch(
+            ForwardMode.EXTEND, [SeqChunk([0] * num_tokens, 0, pages)], self.page_size,
+            self.device))
         backend = self._attention_backend(scratch)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -29,7 +29,7 @@ from pcgspec.compile.backend import CompiledDecoder, PiecewiseBackend
 from pcgspec.compile.buckets import capture_buckets, pad_to_bucket
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.compile.piecewise import PiecewiseGraphs
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -181,5 +181,4 @@ class PiecewiseRunner:
             ForwardMode.EXTEND, [SeqChunk([0], 0, [0])], self.page_size, self.device,
             capture_hidden_mode=self.hidden_mode,
         )  # fmt: skip
-        one = dataclasses.replace(one, out_cache_loc=torch.full_like(one.out_cache_loc, -1))
-        return self._pad(one, num_tokens)
+        return self._pad(without_kv_writes(one), num_tokens)
