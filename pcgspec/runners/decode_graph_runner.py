@@ -1,15 +1,17 @@
-"""Decode CUDA graphs: one graph per batch-size bucket, replayed for every DECODE batch.
+"""Decode and verify CUDA graphs: one graph per batch-size bucket, replayed for every batch of
+the runner's mode with the same number of tokens per request: DECODE (1) or TARGET_VERIFY (k+1,
+so a bucket of ``bs`` requests holds ``bs * (k+1)`` tokens).
 
-What is captured is one whole decode step of the decoder stack: the piecewise runner's compiled
+What is captured is one whole step of the decoder stack: the piecewise runner's compiled
 pieces (called outside a piecewise capture/replay step, they run their compiled code directly,
 so no second compile) or the plain decoder, with the attention between them reading metadata
 built by ``AttentionBackend.init_capture_metadata`` over static buffers. Buckets are captured
 largest first into one memory pool.
 
-Static buffers hold ``max_bs`` rows; bucket ``bs`` sees rows ``[:bs]``. A replay copies the batch
-into the first ``B`` rows (``copy_``, never a new tensor), resets rows ``B..bs`` to padding
-(id 0, position 0, ``out_cache_loc`` -1: no KV write, ``seq_len`` 0: no KV read), replays the
-smallest bucket ``bs >= B`` and returns the first ``B`` output rows. Page-table entries past a
+Static buffers hold ``max_bs`` requests; bucket ``bs`` sees requests ``[:bs]``. A replay copies
+the batch into the first ``B`` requests' rows (``copy_``, never a new tensor), resets requests
+``B..bs`` to padding (id 0, position 0, ``out_cache_loc`` -1: no KV write, ``seq_len`` 0: no KV
+read), replays the smallest bucket ``bs >= B`` and returns the real requests' output rows. Page-table entries past a
 request's pages keep older values: no kernel reads them.
 
 NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
@@ -55,43 +57,60 @@ def decode_batch_sizes(max_bs: int) -> list[int]:
 
 @dataclass(frozen=True)
 class _StaticBuffers:
-    """The graph inputs, ``max_bs`` rows; rows past a batch are padding."""
+    """The graph inputs: ``max_bs`` requests of ``n`` tokens each (N = max_bs * n rows);
+    requests past a batch are padding.
+    """
 
-    input_ids: torch.Tensor  # [max_bs] int64
-    positions: torch.Tensor  # [max_bs] int64
-    out_cache_loc: torch.Tensor  # [max_bs] int64, -1 = write no KV
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    out_cache_loc: torch.Tensor  # [N] int64, -1 = write no KV
     seq_lens: torch.Tensor  # [max_bs] int32, 0 = read no KV
-    extend_lens: torch.Tensor  # [max_bs] int32, all 1
+    extend_lens: torch.Tensor  # [max_bs] int32, all n
     page_table: torch.Tensor  # [max_bs, max_pages] int32
-    rows: torch.Tensor  # [max_bs] int64, arange
+    rows: torch.Tensor  # [N] int64, arange
 
     @classmethod
-    def allocate(cls, max_bs: int, max_pages: int, device: torch.device) -> _StaticBuffers:
+    def allocate(
+        cls, max_bs: int, tokens_per_seq: int, max_pages: int, device: torch.device
+    ) -> _StaticBuffers:
+        num_rows = max_bs * tokens_per_seq
+
         def full(value: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-            return torch.full(shape or (max_bs,), value, dtype=dtype, device=device)
+            return torch.full(shape, value, dtype=dtype, device=device)
 
         return cls(
-            input_ids=full(0, torch.int64),
-            positions=full(0, torch.int64),
-            out_cache_loc=full(-1, torch.int64),
-            seq_lens=full(0, torch.int32),
-            extend_lens=full(1, torch.int32),
+            input_ids=full(0, torch.int64, num_rows),
+            positions=full(0, torch.int64, num_rows),
+            out_cache_loc=full(-1, torch.int64, num_rows),
+            seq_lens=full(0, torch.int32, max_bs),
+            extend_lens=full(tokens_per_seq, torch.int32, max_bs),
             page_table=full(0, torch.int32, max_bs, max_pages),
-            rows=torch.arange(max_bs, dtype=torch.int64, device=device),
+            rows=torch.arange(num_rows, dtype=torch.int64, device=device),
         )
 
 
 class DecodeGraphRunner:
-    """Captures and replays decode steps for ``model_runner``'s model, KV cache and attention.
+    """Captures and replays steps of ``mode`` with ``tokens_per_seq`` tokens per request
+    (DECODE: 1; TARGET_VERIFY: k+1) for ``model_runner``'s model, KV cache and attention.
 
-    The buckets are ``decode_batch_sizes(min(cuda_graph_max_bs, max_running_requests))``; the
-    captured decoder is the piecewise runner's compiled one when there is one, else the plain
-    ``model.model``.
+    The buckets are ``decode_batch_sizes(min(cuda_graph_max_bs, max_running_requests))``
+    requests; the captured decoder is the piecewise runner's compiled one when there is one, else
+    the plain ``model.model``.
     """
 
     num_warmup: int = 2  # eager runs per bucket before its capture: kernels compile there
 
-    def __init__(self, model_runner: ModelRunner) -> None:
+    def __init__(
+        self,
+        model_runner: ModelRunner,
+        mode: ForwardMode = ForwardMode.DECODE,
+        tokens_per_seq: int = 1,
+    ) -> None:
+        if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            raise ValueError(f"mode must be DECODE or TARGET_VERIFY, got {mode.name}")
+        if tokens_per_seq < 1 or (mode is ForwardMode.DECODE and tokens_per_seq != 1):
+            raise ValueError(f"tokens_per_seq {tokens_per_seq} does not fit mode {mode.name}")
+        self.mode, self.tokens_per_seq = mode, tokens_per_seq
         config, piecewise = model_runner.config, model_runner.piecewise
         self.decoder: Callable[..., DecoderOutput] = (
             piecewise.decoder if piecewise is not None else model_runner.model.model
@@ -101,12 +120,14 @@ class DecodeGraphRunner:
         self.page_size = model_runner.page_size
         self.max_seq_len = model_runner.context_length
         self.max_pages = -(-self.max_seq_len // self.page_size)
-        self.capture_hidden_mode = model_runner.capture_hidden_mode(ForwardMode.DECODE)
+        self.capture_hidden_mode = model_runner.capture_hidden_mode(mode)
         self.batch_sizes = decode_batch_sizes(
             min(config.cuda_graph_max_bs, config.max_running_requests)
         )
         self.max_bs = self.batch_sizes[-1]
-        self.buffers = _StaticBuffers.allocate(self.max_bs, self.max_pages, self.device)
+        self.buffers = _StaticBuffers.allocate(
+            self.max_bs, tokens_per_seq, self.max_pages, self.device
+        )
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, DecoderOutput] = {}
         self.pool: tuple[int, int] | None = None
@@ -126,12 +147,14 @@ class DecodeGraphRunner:
         self.buffers.out_cache_loc.fill_(-1)  # NOTE: warm-ups and captures must write no KV
         self.buffers.seq_lens.zero_()
         order = self.batch_sizes[::-1]
+        what = f"{self.mode.name.lower()} graphs"
         with self._capture_stream():
-            for bs in tqdm(order, desc="Capturing decode graphs", unit="bucket"):
+            for bs in tqdm(order, desc=f"Capturing {what}", unit="bucket"):
                 self._capture_one(bs)
         logger.info(
-            "Captured %d decode graphs (batch %d..%d, %s) in %.1f s, %.0f MiB",
-            len(order), order[-1], order[0], "CUDA" if on_cuda else "eager stand-in",
+            "Captured %d %s (batch %d..%d, %d tokens per request, %s) in %.1f s, %.0f MiB",
+            len(order), what, order[-1], order[0], self.tokens_per_seq,
+            "CUDA" if on_cuda else "eager stand-in",
             time.perf_counter() - start, (self._reserved_bytes() - before) / 2**20,
         )  # fmt: skip
 
@@ -150,20 +173,22 @@ class DecodeGraphRunner:
             return self.decoder(batch.input_ids, batch.positions)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        buf = self.buffers
+        buf, n = self.buffers, self.tokens_per_seq
+        verify = self.mode is ForwardMode.TARGET_VERIFY
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            input_ids=buf.input_ids[:bs],
-            positions=buf.positions[:bs],
-            out_cache_loc=buf.out_cache_loc[:bs],
+            forward_mode=self.mode,
+            input_ids=buf.input_ids[: bs * n],
+            positions=buf.positions[: bs * n],
+            out_cache_loc=buf.out_cache_loc[: bs * n],
             seq_lens=buf.seq_lens[:bs],
             extend_lens=buf.extend_lens[:bs],
             page_table=buf.page_table[:bs],
             page_size=self.page_size,
             seq_lens_cpu=(self.max_seq_len,) * bs,  # bounds, not contents
-            extend_lens_cpu=(1,) * bs,
-            logits_indices=buf.rows[:bs],
+            extend_lens_cpu=(n,) * bs,
+            logits_indices=buf.rows[: bs * n],
             capture_hidden_mode=self.capture_hidden_mode,
+            spec_num_draft_tokens=n if verify else 0,
         )
 
     @contextmanager
@@ -197,8 +222,9 @@ class DecodeGraphRunner:
     def _refusal(self, batch: ForwardBatch) -> str | None:
         if not self.graphs:
             return "not_captured"
-        decode = batch.forward_mode is ForwardMode.DECODE
-        if not decode or batch.num_tokens != batch.batch_size or set(batch.extend_lens_cpu) != {1}:
+        n = self.tokens_per_seq
+        uniform = batch.num_tokens == n * batch.batch_size and set(batch.extend_lens_cpu) == {n}
+        if batch.forward_mode is not self.mode or not uniform:
             return "mode"
         if batch.batch_size > self.max_bs:
             return "batch_size"
@@ -212,33 +238,37 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def replay(self, batch: ForwardBatch) -> DecoderOutput:
-        """The decoder outputs for ``batch`` (``can_run`` must hold): ``B`` rows of graph memory."""
+        """The decoder outputs for ``batch`` (``can_run`` must hold): its ``T`` rows of graph
+        memory.
+        """
         n = batch.batch_size
         bs = pad_to_bucket(n, self.batch_sizes)
         if bs is None or bs not in self.graphs:
             raise ValueError(
-                f"no decode graph for batch size {n} (captured: {sorted(self.graphs)})"
+                f"no {self.mode.name} graph for batch size {n} (captured: {sorted(self.graphs)})"
             )
         self._load(batch, bs)
         self.graphs[bs].replay()
         self.counters["replays"] += 1
         self.counters["padded_rows"] += bs - n
         hidden, aux = self.outputs[bs]
-        return hidden[:n], None if aux is None else aux[:n]
+        t = batch.num_tokens
+        return hidden[:t], None if aux is None else aux[:t]
 
     def _load(self, batch: ForwardBatch, bs: int) -> None:
         n, buf = batch.batch_size, self.buffers
-        buf.input_ids[:n].copy_(batch.input_ids)
-        buf.positions[:n].copy_(batch.positions)
-        buf.out_cache_loc[:n].copy_(batch.out_cache_loc)
+        t, padded_t = batch.num_tokens, bs * self.tokens_per_seq
+        buf.input_ids[:t].copy_(batch.input_ids)
+        buf.positions[:t].copy_(batch.positions)
+        buf.out_cache_loc[:t].copy_(batch.out_cache_loc)
         buf.seq_lens[:n].copy_(batch.seq_lens)
         buf.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
         if bs > n:
-            buf.input_ids[n:bs].zero_()
-            buf.positions[n:bs].zero_()
-            buf.out_cache_loc[n:bs].fill_(-1)
+            buf.input_ids[t:padded_t].zero_()
+            buf.positions[t:padded_t].zero_()
+            buf.out_cache_loc[t:padded_t].fill_(-1)
             buf.seq_lens[n:bs].zero_()
 
     def stats(self) -> dict[str, int]:
-        """Replays, padded rows replayed, and refusals by reason (``rejected_<reason>``)."""
+        """Replays, padded requests replayed, and refusals by reason (``rejected_<reason>``)."""
         return {"graphs": len(self.graphs), **self.counters}

@@ -67,6 +67,7 @@ class ModelRunner:
         self.extend_capture_hidden_mode = self._configure_aux_hidden_layers()
         self.piecewise: PiecewiseRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.verify_graphs: DecodeGraphRunner | None = None
         self._init_graph_runners()
 
     def _attention_backend(self, kv_cache: KVCache) -> AttentionBackend:
@@ -90,7 +91,8 @@ class ModelRunner:
 
     def _init_graph_runners(self) -> None:
         """Piecewise graphs serve extend batches on every device (pieces run without graphs
-        off CUDA); decode graphs need CUDA. Both capture after the KV cache exists.
+        off CUDA); decode graphs, and with speculation TARGET_VERIFY graphs of k+1 tokens per
+        request, need CUDA. All capture after the KV cache exists.
         """
         if not self.config.disable_piecewise_cuda_graph:
             from pcgspec.runners.piecewise_runner import PiecewiseRunner
@@ -102,6 +104,12 @@ class ModelRunner:
 
             self.decode_graphs = DecodeGraphRunner(self)
             self.decode_graphs.capture()
+            spec = self.config.speculative_config
+            if spec is not None:
+                self.verify_graphs = DecodeGraphRunner(
+                    self, ForwardMode.TARGET_VERIFY, spec.speculative_num_draft_tokens
+                )
+                self.verify_graphs.capture()
 
     @property
     def vocab_size(self) -> int:
@@ -161,7 +169,8 @@ class ModelRunner:
         Graph runners bake the layers in at their trace: set them through
         ``EngineConfig.aux_hidden_state_layers`` instead when graphs are on.
         """
-        traced = self.piecewise is not None or self.decode_graphs is not None
+        traced = any(r is not None for r in (self.piecewise, self.decode_graphs,
+                                             self.verify_graphs))  # fmt: skip
         if traced and tuple(layer_ids) != self.model.model.aux_hidden_layers:
             raise RuntimeError(
                 f"aux hidden layers {tuple(layer_ids)} set after the graphs were traced with "
@@ -182,8 +191,10 @@ class ModelRunner:
         return ForwardOutput(logits)
 
     def _run_decoder(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            return self.decode_graphs.replay(batch)
+        verify = batch.forward_mode is ForwardMode.TARGET_VERIFY
+        graphs = self.verify_graphs if verify else self.decode_graphs
+        if graphs is not None and graphs.can_run(batch):
+            return graphs.replay(batch)
         if self.piecewise is not None and self.piecewise.can_run(batch):
             return self.piecewise.run(batch)
         return self.run_eager(batch)

@@ -1,0 +1,127 @@
+"""TARGET_VERIFY graphs: the decode-graph runner with k+1 tokens per request. Replays equal eager
+verify passes over random request subsets (every bucket, padded requests included), padded
+requests write no KV, ``ModelRunner.forward`` routes verify batches to them, and ``can_run``
+refuses what they cannot serve. On CPU the eager stand-in replaces CUDA graphs; the ``gpu`` test
+captures real ones through ``ModelRunner``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from test_decode_graphs import (
+    MAX_BS,
+    MAX_NEW,
+    PAGE_SIZE,
+    STEPS,
+    Requests,
+    assert_only_slots_written,
+    kv_snapshot,
+    tiny_path,  # noqa: F401  (fixture)
+    tiny_runner,
+)
+
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.model_runner import ModelRunner
+
+K1 = 3  # k+1 tokens per request (Requests leaves room for MAX_NEW = 8 more tokens)
+
+
+def verify_batch(reqs: Requests, rows: Sequence[int], n: int = K1) -> ForwardBatch:
+    chunks = [SeqChunk(reqs.ids[r][reqs.lens[r] : reqs.lens[r] + n], reqs.lens[r], reqs.pages[r])
+              for r in rows]  # fmt: skip
+    return build_forward_batch(ForwardMode.TARGET_VERIFY, chunks, PAGE_SIZE, reqs.runner.device,
+                               logits_rows=range(len(rows) * n), spec_num_draft_tokens=n)
+
+
+def verify_graphs(runner: ModelRunner) -> DecodeGraphRunner:
+    if runner.verify_graphs is not None:
+        return runner.verify_graphs
+    graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, K1)
+    graphs.capture()
+    return graphs
+
+
+@torch.inference_mode()
+def check_verify_against_eager(runner: ModelRunner, graphs: DecodeGraphRunner, tol: float) -> None:
+    reqs, kv = Requests(runner), runner.kv_cache
+    room, replays = [n + MAX_NEW for n in reqs.lens], 0
+    for step in STEPS:
+        rows = [r for r in step if reqs.lens[r] + K1 <= room[r]]
+        if not rows:
+            continue
+        replays += 1
+        batch = verify_batch(reqs, rows)
+        assert graphs.can_run(batch)
+        before = kv_snapshot(kv)
+        hidden, aux = graphs.replay(batch)
+        assert aux is None and hidden.shape == (len(rows) * K1, runner.model.hidden_size)
+        hidden = hidden.clone()
+        assert_only_slots_written(kv, before, batch.out_cache_loc)
+        want, _ = runner.run_eager(batch)
+        torch.testing.assert_close(hidden, want, atol=tol, rtol=tol)
+        for r in rows:  # all accepted: the next verify writes fresh slots (checked above)
+            reqs.lens[r] += K1
+    assert graphs.stats()["replays"] == replays == 4  # buckets 16, 1, 4, 16
+
+
+@pytest.mark.parametrize("piecewise", [False, True], ids=["plain-decoder", "compiled-decoder"])
+def test_verify_replays_match_eager(tiny_path, piecewise: bool) -> None:  # noqa: F811
+    runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=not piecewise)
+    graphs = verify_graphs(runner)
+    assert sorted(graphs.graphs) == [1, 2, 4, 8, 16] and graphs.tokens_per_seq == K1
+    check_verify_against_eager(runner, graphs, tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter only; gpu tests run Triton")
+def test_verify_replays_match_eager_triton_interpreted(tiny_path) -> None:  # noqa: F811
+    runner = tiny_runner(tiny_path, attention_backend="triton", disable_piecewise_cuda_graph=True)
+    check_verify_against_eager(runner, verify_graphs(runner), tol=1e-5)
+
+
+def test_model_runner_routes_verify_batches(tiny_path) -> None:  # noqa: F811
+    runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=True)
+    runner.verify_graphs = verify_graphs(runner)  # NOTE: ModelRunner builds them on CUDA only
+    reqs = Requests(runner)
+    batch = verify_batch(reqs, [4, 2, 9])
+    with torch.inference_mode():
+        want = runner.model.compute_logits(runner.run_eager(batch)[0])
+        got = runner.forward(batch).logits
+        runner.forward(reqs.decode([1]))  # DECODE batches never reach the verify graphs
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert runner.verify_graphs.stats() == {"graphs": 5, "replays": 1, "padded_rows": 1}
+
+
+def test_verify_can_run_refusals(tiny_path) -> None:  # noqa: F811
+    runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=True)
+    graphs = verify_graphs(runner)
+    with torch.inference_mode():
+        reqs = Requests(runner, num=MAX_BS + 1)
+    assert graphs.can_run(verify_batch(reqs, [0, 1]))
+    refused = {
+        "mode": [reqs.decode([0, 1]), verify_batch(reqs, [0, 1], n=K1 - 1)],
+        "batch_size": [verify_batch(reqs, range(MAX_BS + 1))],
+    }
+    for reason, batches in refused.items():
+        for bad in batches:
+            assert not graphs.can_run(bad), reason
+    rejected = {k: v for k, v in graphs.stats().items() if k.startswith("rejected")}
+    assert rejected == {"rejected_mode": 2, "rejected_batch_size": 1}
+    with pytest.raises(ValueError, match="tokens_per_seq"):
+        DecodeGraphRunner(runner, ForwardMode.DECODE, 2)
+    with pytest.raises(ValueError, match="mode"):
+        DecodeGraphRunner(runner, ForwardMode.EXTEND, 2)
+
+
+@pytest.mark.gpu
+def test_cuda_verify_graphs_match_eager(tiny_path) -> None:  # noqa: F811
+    runner = tiny_runner(tiny_path, device="cuda", disable_piecewise_cuda_graph=True,
+                         speculative_algorithm="NGRAM", speculative_num_steps=K1 - 1)
+    graphs = runner.verify_graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+    check_verify_against_eager(runner, graphs, tol=1e-5)
