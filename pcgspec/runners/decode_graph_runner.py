@@ -11,8 +11,8 @@ largest first into one memory pool.
 Static buffers hold ``max_bs`` requests; bucket ``bs`` sees requests ``[:bs]``. A replay copies
 the batch into the first ``B`` requests' rows (``copy_``, never a new tensor), resets requests
 ``B..bs`` to padding (id 0, position 0, ``out_cache_loc`` -1: no KV write, ``seq_len`` 0: no KV
-read), replays the smallest bucket ``bs >= B`` and returns the real requests' output rows. Page-table entries past a
-request's pages keep older values: no kernel reads them.
+read), replays the smallest bucket ``bs >= B`` and returns the real requests' output rows.
+Page-table entries past a request's pages keep older values: no kernel reads them.
 
 NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
 Off CUDA the piecewise ``_EagerGraph`` stands in for ``torch.cuda.CUDAGraph`` (replay reruns the
