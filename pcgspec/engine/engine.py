@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -13,13 +14,15 @@ from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
-from pcgspec.models.loader import load_tokenizer, resolve_model_dir
+from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput
 from pcgspec.sampling_params import SamplingParams
+from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
+from pcgspec.speculative.drafts import load_draft
 from pcgspec.speculative.worker import SpecWorker, check_implemented
 
 logger = logging.getLogger("pcgspec")
@@ -32,7 +35,7 @@ class Engine:
         check_implemented(config.speculative_config)  # before the (slow) model load
         self.model_dir: Path = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
-        self.runner = ModelRunner(config, self.model_dir)
+        self.runner, draft = self._load_models(config)
         self.page_size = self.runner.page_size
         self.pages = PagePool(self.runner.kv_cache.num_pages)
         budget = config.max_prefill_tokens
@@ -43,8 +46,29 @@ class Engine:
         self._seeds = random.Random(config.random_seed)
         self._ids = itertools.count()
         spec = config.speculative_config
-        self.spec_worker = (SpecWorker(spec, self.runner, self.scheduler, self.eos_token_ids)
-                            if spec is not None else None)  # fmt: skip
+        self.spec_worker = (
+            SpecWorker(spec, self.runner, self.scheduler, self.eos_token_ids, draft)
+            if spec is not None else None
+        )  # fmt: skip
+
+    def _load_models(self, config: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
+        """The target's runner and, for a model-based drafter, the draft's. The draft loads
+        first: its weights and KV bytes per token shape the target's KV budget, and an EAGLE3
+        head names the target layers whose hidden states graphs must capture.
+        """
+        spec = config.speculative_config
+        if spec is None or spec.algorithm == "NGRAM":
+            return ModelRunner(config, self.model_dir), None
+        target = load_model(self.model_dir, config.torch_dtype, config.torch_device)
+        draft = load_draft(spec, config, target)
+        aux = draft.target_aux_layers(target.num_layers)
+        if aux is not None and config.aux_hidden_state_layers is None:
+            config = dataclasses.replace(config, aux_hidden_state_layers=tuple(aux))
+        runner = ModelRunner(config, model=target,
+                             draft_kv_bytes_per_token=kv_spec(draft).bytes_per_token)
+        draft_runner = DraftRunner(draft, runner.kv_cache.num_pages, runner.page_size,
+                                   config.resolved_attention_backend, runner.device)
+        return runner, draft_runner
 
     @property
     def context_length(self) -> int:
@@ -89,6 +113,23 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort the unfinished sequences of ``request_id`` (an ``add_request`` id): they finish
+        with "abort" and their KV pages are freed at once. Returns them (none: nothing to abort).
+        """
+        return self.scheduler.abort(request_id)
+
+    def stats(self) -> dict[str, int]:
+        """Scheduler and KV-pool occupancy: running / waiting sequences, pages used / total."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_pages_used": self.pages.num_pages - self.pages.num_free,
+            "kv_pages_total": self.pages.num_pages,
+            "page_size": self.page_size,
+        }
+
     def step(self) -> list[Request]:
         """Schedule, run the model (a speculative step for decode batches when configured),
         sample, commit. Returns the requests that took part.
@@ -111,6 +152,8 @@ class Engine:
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
         out = self.runner.forward(forward_batch)
+        if self.spec_worker is not None:
+            self.spec_worker.observe(batch, out)
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         self._commit(batch, sampled)
 

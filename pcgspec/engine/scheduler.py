@@ -156,6 +156,14 @@ class Scheduler:
             self.pages.free(req.pages[keep:])
             req.pages = req.pages[:keep]
 
+    def abort(self, group_id: str) -> list[Request]:
+        """Finish every unfinished sequence of ``group_id`` with "abort"; free its pages now."""
+        reqs = [r for r in (*self.waiting, *self.running) if r.group_id == group_id]
+        for req in reqs:
+            req.finish("abort")
+            self.release(req)
+        return reqs
+
     def release(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)

@@ -37,10 +37,16 @@ class ForwardOutput:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_path: Path | None = None, model: nn.Module | None = None
+        self,
+        config: EngineConfig,
+        model_path: Path | None = None,
+        model: nn.Module | None = None,
+        draft_kv_bytes_per_token: int = 0,
     ) -> None:
         """Loads ``model_path`` (None: the embedded default model), or runs ``model``, an
         already-built model (e.g. random weights) on the config's device in its dtype.
+        ``draft_kv_bytes_per_token``: a draft KV cache of as many pages will follow; the page
+        count is sized for both.
         """
         self.config = config
         self.device = config.torch_device
@@ -57,13 +63,17 @@ class ModelRunner:
         spec = KVCacheSpec(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
                            self.dtype)
         reserve = self._activation_reserve_bytes(spec)
-        self.kv_cache = KVCache(spec, self._num_kv_pages(spec, reserve), self.page_size,
-                                self.device)
+        pages = self._num_kv_pages(spec.bytes_per_token + draft_kv_bytes_per_token, reserve)
+        self.kv_cache = KVCache(spec, pages, self.page_size, self.device)
         self.attn_backend = self._attention_backend(self.kv_cache)
         logger.info("KV cache: %d pages x %d tokens (%.1f MiB), attention backend %s",
                     self.kv_cache.num_pages, self.page_size,
                     self.kv_cache.num_slots * spec.bytes_per_token / 2**20,
                     config.resolved_attention_backend)
+        spec_config = config.speculative_config
+        # EAGLE3 / NEXTN drafts read the target's hidden states of every position it computes.
+        self.drafter_reads_hidden = spec_config is not None and (
+            spec_config.algorithm in ("EAGLE3", "NEXTN"))  # fmt: skip
         self.extend_capture_hidden_mode = self._configure_aux_hidden_layers()
         self.piecewise: PiecewiseRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
@@ -77,17 +87,23 @@ class ModelRunner:
 
     def _configure_aux_hidden_layers(self) -> CaptureHiddenMode:
         """Set the configured aux layers before any graph runner traces the decoder (the trace
-        bakes them in); extend batches then capture FULL hidden states, else none.
+        bakes them in); extend batches then capture FULL hidden states (the aux layers' inputs,
+        or the final normed hidden state for NEXTN), else none.
         """
         layers = self.config.aux_hidden_state_layers
-        if layers is None:
+        if layers is not None:
+            self.model.set_aux_hidden_layers(layers)
+        if layers is None and not self.drafter_reads_hidden:
             return CaptureHiddenMode.NULL
-        self.model.set_aux_hidden_layers(layers)
         return CaptureHiddenMode.FULL
 
     def capture_hidden_mode(self, mode: ForwardMode) -> CaptureHiddenMode:
-        """The hidden mode batches of ``mode`` are built with (what the graphs captured)."""
-        return self.extend_capture_hidden_mode if mode.is_extend() else CaptureHiddenMode.NULL
+        """The hidden mode batches of ``mode`` are built with (what the graphs captured):
+        extend-like passes always, decode passes too when the drafter reads every position.
+        """
+        if mode.is_extend() or self.drafter_reads_hidden:
+            return self.extend_capture_hidden_mode
+        return CaptureHiddenMode.NULL
 
     def _init_graph_runners(self) -> None:
         """Piecewise graphs serve extend batches on every device (pieces run without graphs
@@ -145,20 +161,20 @@ class ModelRunner:
         logger.info("activation peak at %d tokens: %.1f MiB", num_tokens, peak / 2**20)
         return 2 * peak
 
-    def _num_kv_pages(self, spec: KVCacheSpec, reserve: int) -> int:
+    def _num_kv_pages(self, bytes_per_token: int, reserve: int) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.mem_fraction_static) - (total - free) - reserve
         else:
             budget = self.config.cpu_kv_cache_bytes
-        tokens = budget // spec.bytes_per_token
+        tokens = budget // bytes_per_token
         if self.config.max_total_tokens is not None:
             tokens = min(tokens, self.config.max_total_tokens)
         pages = tokens // self.page_size
         if pages < 1:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no page of {self.page_size} tokens "
-                f"({spec.bytes_per_token} bytes per token); raise mem_fraction_static, "
+                f"({bytes_per_token} bytes per token); raise mem_fraction_static, "
                 "cpu_kv_cache_bytes or max_total_tokens"
             )
         return pages

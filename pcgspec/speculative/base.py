@@ -8,6 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,11 +53,10 @@ class DraftProposal:
 
 @dataclass(frozen=True)
 class ProposeInput:
-    """What a proposer sees of the running batch. Model drafters will add their fields here
-    (the target's captured hidden states, the draft ForwardBatch) as they land.
-    """
+    """What a proposer sees of the running batch."""
 
     token_ids: Sequence[Sequence[int] | torch.Tensor]  # per request: prompt + output so far
+    requests: Sequence[Any] = ()  # the engine's Request objects (pages, ids), same order
 
 
 class Proposer(ABC):
@@ -67,3 +67,9 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, batch: ProposeInput) -> DraftProposal:
         """One ``DraftProposal`` for the batch's requests, in order."""
+
+    def observe(self, request: Any, start: int, hidden: torch.Tensor | None) -> None:
+        """The target computed positions ``start ..`` of ``request`` (``hidden``: their captured
+        states, or None). Drafters that keep per-request state update it here.
+        """
+        return None

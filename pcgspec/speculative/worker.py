@@ -8,7 +8,8 @@ emits exactly the tokens that plain decoding would: greedy by argmax, seeded sam
 
 Falls back to a plain decode step (the caller's) when a request wants logprobs (not computed
 for accepted drafts yet), when a request would pass the context length, or when the KV pool
-cannot hold k more slots per request.
+cannot hold k more slots per request. Model drafters see every target pass through
+``observe`` (the positions it computed and, for EAGLE3 / MTP, their hidden states).
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ from pcgspec.kernels.verify_draft_tokens import (
 )
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import ForwardMode
-from pcgspec.runners.model_runner import ModelRunner
+from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import probs_from_logits, process_logits
-from pcgspec.speculative.base import DraftProposal, ProposeInput
+from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.config import SpeculativeConfig
+from pcgspec.speculative.draft_runner import DraftRunner
+from pcgspec.speculative.model_proposer import ModelProposer
 from pcgspec.speculative.ngram import NgramProposer
 
-IMPLEMENTED_ALGORITHMS = ("NGRAM",)
+IMPLEMENTED_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 def check_implemented(config: SpeculativeConfig | None) -> None:
@@ -46,16 +49,37 @@ def check_implemented(config: SpeculativeConfig | None) -> None:
 
 
 class SpecWorker:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, scheduler: Scheduler,
-                 eos_token_ids: frozenset[int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        eos_token_ids: frozenset[int],
+        draft: DraftRunner | None = None,
+    ) -> None:
         check_implemented(config)
+        if (draft is None) != (config.algorithm == "NGRAM"):
+            raise ValueError(f"{config.algorithm} needs a draft model exactly when it is not NGRAM")
         self.num_steps = config.num_steps
         self.runner = runner
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
-        self.proposer = NgramProposer.from_config(config)  # token ids live on the host
+        self.proposer: Proposer = (
+            NgramProposer.from_config(config) if draft is None
+            else ModelProposer(draft, config.num_steps)
+        )  # fmt: skip
         self.stats = SpecCounters()  # summed over requests
         self.num_fallbacks = 0
+
+    def observe(self, batch: ScheduledBatch, out: ForwardOutput) -> None:
+        """A plain target pass ran ``batch`` (before ``Scheduler.update``): tell the proposer
+        which positions of each request it computed, with their hidden rows when captured.
+        """
+        hidden, row = out.hidden_states, 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            rows = None if hidden is None else hidden[row : row + n]
+            self.proposer.observe(req, req.num_computed_tokens, rows)
+            row += n
 
     def step(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """Run one speculative step; returns the batch to hand to ``Scheduler.update`` (with
@@ -66,8 +90,8 @@ class SpecWorker:
             self.num_fallbacks += 1
             return None
         proposal = self.propose(reqs)
-        verified = self.verify(reqs, proposal)
-        committed = self.accept_and_commit(reqs, verified)
+        verified, hidden = self.verify(reqs, proposal)
+        committed = self.accept_and_commit(reqs, verified, hidden)
         self.rollback(reqs)
         return ScheduledBatch(batch.mode, reqs, committed, [True] * len(reqs))
 
@@ -81,12 +105,16 @@ class SpecWorker:
     # propose -----------------------------------------------------------------------------
 
     def propose(self, reqs: Sequence[Request]) -> DraftProposal:
-        return self.proposer.propose(ProposeInput([r.token_ids for r in reqs]))
+        return self.proposer.propose(ProposeInput([r.token_ids for r in reqs], reqs))
 
     # verify ------------------------------------------------------------------------------
 
-    def verify(self, reqs: Sequence[Request], proposal: DraftProposal) -> VerifyOutput:
-        """One TARGET_VERIFY pass over k+1 tokens per request, then the verify kernel."""
+    def verify(
+        self, reqs: Sequence[Request], proposal: DraftProposal
+    ) -> tuple[VerifyOutput, torch.Tensor | None]:
+        """One TARGET_VERIFY pass over k+1 tokens per request, then the verify kernel. Also
+        returns the pass's captured hidden states (``[B * (k+1), Hh]``) when the drafter reads them.
+        """
         k, device = self.num_steps, self.runner.device
         drafts = proposal.tokens.tolist()
         chunks = [SeqChunk([r.token_ids[-1], *d], len(r.token_ids) - 1, r.pages)
@@ -96,17 +124,19 @@ class SpecWorker:
             ForwardMode.TARGET_VERIFY, chunks, self.runner.page_size, device,
             logits_rows=range(len(reqs) * (k + 1)), sampling=sampling,
             spec_num_draft_tokens=k + 1,
+            capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )  # fmt: skip
-        logits = self.runner.forward(batch).logits.float()
+        out = self.runner.forward(batch)
         with torch.inference_mode():
-            target, strategy = _target_rows(process_logits(logits, sampling), sampling)
+            target, strategy = _target_rows(process_logits(out.logits, sampling), sampling)
             verify = verify_draft_tokens if device.type == "cuda" else verify_draft_tokens_ref
-            return verify(
+            verified = verify(
                 target.view(len(reqs), k + 1, -1), proposal.tokens.to(device), strategy,
                 seed=sampling.seed.view(len(reqs), k + 1),
                 position=sampling.position.view(len(reqs), k + 1),
                 num_draft=proposal.num_tokens.to(device),
             )  # fmt: skip
+        return verified, out.hidden_states
 
     def _sampling_rows(self, reqs: Sequence[Request], drafts: list[list[int]]) -> SamplingBatch:
         """k+1 rows per request; row j sees the outputs plus drafts[:j] (for penalties)."""
@@ -126,21 +156,28 @@ class SpecWorker:
 
     # accept + commit / rollback ----------------------------------------------------------
 
-    def accept_and_commit(self, reqs: Sequence[Request], out: VerifyOutput) -> list[int]:
+    def accept_and_commit(
+        self, reqs: Sequence[Request], out: VerifyOutput, hidden: torch.Tensor | None
+    ) -> list[int]:
         """Append the accepted drafts and the next token, stopping at the first finish (EOS,
-        stop token or string, max_tokens). Returns the tokens committed per request.
+        stop token or string, max_tokens), and hand the proposer the verify rows whose K/V now
+        stand (the input token and the accepted drafts). Returns the tokens committed per request.
         """
-        committed = []
-        for req, accept_len, tokens in zip(reqs, out.accept_len.tolist(), out.tokens.tolist()):
+        committed, k1 = [], self.num_steps + 1
+        accept_lens, out_tokens = out.accept_len.tolist(), out.tokens.tolist()
+        for b, (req, accept_len, tokens) in enumerate(zip(reqs, accept_lens, out_tokens)):
             req.spec.record(accept_len, self.num_steps)
             self.stats.record(accept_len, self.num_steps)
-            n = 0
+            start, n = len(req.token_ids) - 1, 0
             for token in tokens[: accept_len + 1]:
                 req.append_token(token, self.eos_token_ids)
                 n += 1
                 if req.finished:
                     break
             committed.append(n)
+            if not req.finished:
+                rows = None if hidden is None else hidden[b * k1 : b * k1 + n]
+                self.proposer.observe(req, start, rows)
         return committed
 
     def rollback(self, reqs: Sequence[Request]) -> None:
