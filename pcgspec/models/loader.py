@@ -15,7 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pcgspec import envs
-from pcgspec.models.registry import model_class
+from pcgspec.models.registry import MODEL_TYPE_ALIASES, model_class
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -95,7 +95,12 @@ def iter_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]
 def load_config(path: str | Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model_dir(path))
+    folder = resolve_model_dir(path)
+    fields = json.loads((folder / CONFIG_FILE).read_text())
+    alias = MODEL_TYPE_ALIASES.get(fields.pop("model_type", None))
+    if alias is None:
+        return AutoConfig.from_pretrained(folder)
+    return AutoConfig.for_model(alias, **fields)
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:

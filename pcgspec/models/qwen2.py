@@ -14,3 +14,12 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_flags(config: PretrainedConfig) -> AttentionFlags:
         return AttentionFlags(qkv_bias=True)
+
+
+class MiMoForCausalLM(Qwen2ForCausalLM):
+    """MiMo-7B: Qwen2 whose checkpoint also holds MTP layers (``model.mtp_layers.*``); the
+    target skips them and ``pcgspec.models.mtp`` loads them as a draft head.
+    """
+
+    def _skip_weight(self, name: str) -> bool:
+        return name.startswith("model.mtp_layers.") or super()._skip_weight(name)
