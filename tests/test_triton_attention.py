@@ -5,6 +5,7 @@ On CPU the kernels run in the Triton interpreter (tests/conftest.py), so shapes 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -15,18 +16,14 @@ from pcgspec.attention.torch_backend import TorchAttentionBackend
 from pcgspec.attention.triton_backend import TritonAttentionBackend
 from pcgspec.compile import custom_ops  # noqa: F401  (registers torch.ops.pcgspec.attention)
 from pcgspec.compile.forward_context import forward_context
-from pcgspec.kernels.attention import (
-    decode_attention,
-    decode_attention_ref,
-    extend_attention,
-    extend_attention_ref,
-    store_kv,
-    store_kv_ref,
-)
+from pcgspec.kernels import extend_attention as extend_attention_module
+from pcgspec.kernels.attention import decode_attention, decode_attention_ref, store_kv, store_kv_ref
+from pcgspec.kernels.extend_attention import extend_attention, extend_attention_ref, plan_extend
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 ATOL = RTOL = 1e-5
 
 
@@ -62,33 +59,87 @@ def test_store_kv_skips_padding() -> None:
     assert torch.equal(k_cache[loc[:5]], k[:5])
 
 
-EXTEND_CASES = [  # page_size, heads, kv_heads, head_dim, [(prefix, extend), ...]
-    (1, 2, 2, 16, [(0, 5), (7, 1), (0, 1)]),
-    (4, 6, 2, 64, [(0, 19), (9, 4), (30, 1), (3, 36)]),
-    (16, 6, 2, 16, [(21, 4), (0, 33), (16, 16)]),
-    (4, 3, 1, 24, [(5, 11), (0, 2)]),
+NEW_1_TO_40 = [(0, 1), (3, 2), (17, 3), (40, 8), (0, 15), (9, 16), (64, 33), (5, 40)]
+FUSED_CASES = {  # page_size, heads, kv_heads, head_dim, [(prefix, new), ...], padded rows, block
+    "gqa1_page1_pad_gt_new": (1, 2, 2, 16, [(0, 5), (7, 1), (0, 1)], 9, 16),
+    "gqa4_prefix_pages": (4, 8, 2, 64, [(0, 19), (9, 4), (30, 1), (3, 36)], 0, 16),
+    "gqa2_page16": (16, 4, 2, 16, [(21, 4), (0, 33), (16, 16), (40, 40)], 5, 16),
+    "gqa3_dim24_default_blocks": (4, 6, 2, 24, [(5, 11), (0, 2)], 2, None),
+    "new_1_to_40_default_blocks": (8, 8, 2, 16, NEW_1_TO_40, 4, None),
+}
+
+
+def _extend_problem(
+    case: tuple, dtype: torch.dtype, cache_dtype: torch.dtype, gen: torch.Generator
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """``(q, k, v)``, the caches and ``(out_cache_loc, page_table, seq_lens, extend_lens,
+    extend_start)`` of one extend pass; padded rows have slot -1.
+    """
+    page_size, h, kv, d, reqs, pad, _ = case
+    ext = [new for _, new in reqs]
+    page_table = _page_table([p + n for p, n in reqs], page_size, gen)
+    caches = _cache(page_table.numel() * page_size, kv, d, gen)
+    qkv = torch.randn(sum(ext) + pad, h + 2 * kv, d, generator=gen).to(DEVICE, dtype)
+    table = page_table.tolist()
+    positions = [
+        (b, i) for b, (prefix, new) in enumerate(reqs) for i in range(prefix, prefix + new)
+    ]
+    loc = [table[b][i // page_size] * page_size + i % page_size for b, i in positions]
+    index = (
+        torch.tensor(loc + [-1] * pad, device=DEVICE), page_table,
+        _lens([p + n for p, n in reqs]), _lens(ext), _lens([sum(ext[:i]) for i in range(len(ext))]),
+    )  # fmt: skip
+    # strided views of one fused qkv tensor, as the model passes them
+    return qkv.split([h, kv, kv], dim=1), tuple(c.to(cache_dtype) for c in caches), index
+
+
+def _check_fused(
+    case: tuple, dtype: torch.dtype, cache_dtype: torch.dtype, tol: float, cache_tol: float
+) -> None:
+    """The fused kernel == ``store_kv_ref`` then ``extend_attention_ref``: real rows within
+    ``tol``, padded rows zero, written slots within ``cache_tol``, every other slot untouched.
+    """
+    page_size, h, kv, d, reqs, pad, block = case
+    gen = torch.Generator().manual_seed(h * d + pad)
+    (q, k, v), caches, index = _extend_problem(case, dtype, cache_dtype, gen)
+    ext, scale = [new for _, new in reqs], d**-0.5
+    plan = plan_extend(ext, len(q), h, kv, d, dtype, page_size, scale, block_m=block, block_n=block)
+    fused, ref = [c.clone() for c in caches], [c.clone() for c in caches]
+    out, expected = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    extend_attention(q, k, v, out, *fused, *index, plan)
+    store_kv_ref(k, v, *ref, index[0])
+    extend_attention_ref(q, *ref, expected, *index[1:], page_size, scale)
+    n = sum(ext)
+    torch.testing.assert_close(out[:n], expected[:n], atol=tol, rtol=tol)
+    assert (out[n:] == 0).all(), "padded rows must be zero"
+    written = index[0][index[0] >= 0]
+    untouched = torch.ones(len(caches[0]), dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    for got, want, before in zip(fused, ref, caches):
+        assert torch.equal(got[untouched], before[untouched]), "only the new tokens' slots change"
+        torch.testing.assert_close(got[written], want[written], atol=0, rtol=cache_tol)
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_extend_matches_store_then_attend(case: str) -> None:
+    _check_fused(FUSED_CASES[case], torch.float32, torch.float32, ATOL, 0)
+
+
+LOW_PRECISION = [  # q/k/v dtype, cache dtype, output tolerance, cache tolerance
+    (torch.float32, torch.float16, ATOL, 0),  # the new keys must be rounded through the cache
+    (torch.float16, torch.float16, 3e-3, 0),
+    # NOTE: the interpreter's fp32 -> bf16 cast truncates where torch rounds to nearest.
+    (torch.float32, torch.bfloat16, ATOL if ON_GPU else 2e-2, 0 if ON_GPU else 1e-2),
+    # NOTE: the interpreter's tl.dot mishandles bf16, so bf16 inputs are checked on a GPU only.
+    pytest.param(torch.bfloat16, torch.bfloat16, 3e-2, 0, marks=pytest.mark.gpu),
 ]
 
 
-@pytest.mark.parametrize(("page_size", "h", "kv", "d", "reqs"), EXTEND_CASES)
-def test_extend_attention_matches_reference(
-    page_size: int, h: int, kv: int, d: int, reqs: list[tuple[int, int]]
+@pytest.mark.parametrize(("dtype", "cache_dtype", "tol", "cache_tol"), LOW_PRECISION)
+def test_fused_extend_low_precision(
+    dtype: torch.dtype, cache_dtype: torch.dtype, tol: float, cache_tol: float
 ) -> None:
-    gen = torch.Generator().manual_seed(page_size * 100 + h + d)
-    seq = [p + e for p, e in reqs]
-    ext = [e for _, e in reqs]
-    page_table = _page_table(seq, page_size, gen)
-    k_cache, v_cache = _cache(page_table.numel() * page_size, kv, d, gen)
-    num_real, num_pad = sum(ext), 3
-    q = torch.randn(num_real + num_pad, h, d, generator=gen).to(DEVICE)
-    starts = _lens([sum(ext[:i]) for i in range(len(ext))])
-    out = torch.full_like(q, float("nan"))
-    ref = torch.full_like(q, float("nan"))
-    args = (page_table, _lens(seq), _lens(ext), starts, page_size, d**-0.5)
-    extend_attention(q, k_cache, v_cache, out, *args, max(ext), block_m=16, block_n=16)
-    extend_attention_ref(q, k_cache, v_cache, ref, *args)
-    torch.testing.assert_close(out[:num_real], ref[:num_real], atol=ATOL, rtol=RTOL)
-    assert out[num_real:].isnan().all(), "padding rows must be left alone"
+    _check_fused(FUSED_CASES["gqa4_prefix_pages"], dtype, cache_dtype, tol, cache_tol)
 
 
 DECODE_CASES = [  # page_size, heads, kv_heads, head_dim, seq_lens, num_kv_splits, tokens/seq
@@ -122,20 +173,15 @@ def test_decode_attention_matches_reference(
     # NOTE: the interpreter's tl.dot mishandles bf16, so bf16 is checked on a GPU only.
     [(torch.float16, 3e-3), pytest.param(torch.bfloat16, 3e-2, marks=pytest.mark.gpu)],
 )
-def test_low_precision_matches_reference(dtype: torch.dtype, tol: float) -> None:
+def test_low_precision_decode_matches_reference(dtype: torch.dtype, tol: float) -> None:
     gen = torch.Generator().manual_seed(7)
-    page_size, seq, ext = 4, [45, 9], [12, 9]
+    page_size, seq = 4, [45, 9]
     page_table = _page_table(seq, page_size, gen)
     k_cache, v_cache = (c.to(dtype) for c in _cache(page_table.numel() * page_size, 2, 64, gen))
-    q = torch.randn(sum(ext), 6, 64, generator=gen).to(DEVICE, dtype)
+    q = torch.randn(len(seq), 6, 64, generator=gen).to(DEVICE, dtype)
     out, ref = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    args = (page_table, _lens(seq), _lens(ext), _lens([0, ext[0]]), page_size, 0.125)
-    extend_attention(q, k_cache, v_cache, out, *args, max(ext))
-    extend_attention_ref(q, k_cache, v_cache, ref, *args)
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-    out, ref = out[: len(seq)].fill_(float("nan")), ref[: len(seq)].clone()
-    decode_attention(q[: len(seq)], k_cache, v_cache, out, page_table, _lens(seq), 4, 0.125, 3)
-    decode_attention_ref(q[: len(seq)], k_cache, v_cache, ref, page_table, _lens(seq), 4, 0.125)
+    decode_attention(q, k_cache, v_cache, out, page_table, _lens(seq), page_size, 0.125, 3)
+    decode_attention_ref(q, k_cache, v_cache, ref, page_table, _lens(seq), page_size, 0.125)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
@@ -162,6 +208,15 @@ def test_wrappers_reject_bad_inputs() -> None:
     with pytest.raises(ValueError, match="caches must share a dtype"):
         q = q[:, :2]
         decode_attention(q, k_cache, v_cache.half(), torch.empty_like(q), table, seq, 4, 1.0, 1)
+    with pytest.raises(ValueError, match="num_rows 3 < sum"):
+        plan_extend([2, 2], 3, 4, 2, 16, torch.float32, 4, 1.0)
+    with pytest.raises(ValueError, match="block_m must be a power of 2"):
+        plan_extend([2], 2, 4, 2, 16, torch.float32, 4, 1.0, block_m=24)
+    plan = plan_extend([1, 1], 2, 2, 2, 16, torch.float32, 4, 1.0)
+    q = torch.randn(3, 2, 16, generator=gen).to(DEVICE)  # one row more than planned
+    index = (torch.zeros(3, dtype=torch.int64, device=DEVICE), table, seq, _lens([1, 1]), seq)
+    with pytest.raises(ValueError, match="differ from the plan"):
+        extend_attention(q, q[:, :2], q[:, :2], q.clone(), k_cache, v_cache, *index, plan)
 
 
 # --- the full backend through torch.ops.pcgspec.attention, against the torch oracle ---
@@ -225,8 +280,34 @@ BACKEND_CASES = {
 }
 
 
+SPLIT_KV_LAUNCHES = {"_store_kv_kernel": 1, "_split_kv_kernel": 1, "_split_kv_reduce_kernel": 1}
+LAUNCHES_PER_LAYER = {  # NOTE: the extend path is one fused launch per layer
+    ForwardMode.EXTEND: {"_extend_kernel": 1},
+    ForwardMode.DRAFT_EXTEND: {"_extend_kernel": 1},
+    ForwardMode.DECODE: SPLIT_KV_LAUNCHES,
+    ForwardMode.TARGET_VERIFY: SPLIT_KV_LAUNCHES,
+}
+
+
+@pytest.fixture
+def triton_launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Triton kernel launches by kernel name (compiled or interpreted), while the test runs."""
+    counts: collections.Counter[str] = collections.Counter()
+    kernel_type = type(extend_attention_module._extend_kernel)
+    run = kernel_type.run
+
+    def counting_run(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        counts[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", counting_run)
+    return counts
+
+
 @pytest.mark.parametrize("case", list(BACKEND_CASES))
-def test_triton_backend_matches_torch_backend(case: str) -> None:
+def test_triton_backend_matches_torch_backend(
+    case: str, triton_launches: collections.Counter[str]
+) -> None:
     mode, reqs, pad = BACKEND_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     oracle, triton_backend = _backends(gen)
@@ -237,7 +318,10 @@ def test_triton_backend_matches_torch_backend(case: str) -> None:
         for _ in range(NUM_LAYERS)
     ]
     expected = _run(oracle, batch, qkv)
+    triton_launches.clear()
     actual = _run(triton_backend, batch, qkv)
+    per_layer = LAUNCHES_PER_LAYER[mode]
+    assert triton_launches == {name: n * NUM_LAYERS for name, n in per_layer.items()}
     for layer in range(NUM_LAYERS):
         torch.testing.assert_close(actual[layer], expected[layer], atol=ATOL, rtol=RTOL)
         assert not actual[layer][num_real:].any(), "padding rows must be zero"

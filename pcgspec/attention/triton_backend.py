@@ -1,4 +1,5 @@
-"""Paged attention on Triton kernels: store K/V, then extend or split-KV decode / verify."""
+"""Paged attention on Triton kernels: the fused store + extend kernel, or store K/V then
+split-KV decode / verify."""
 
 from __future__ import annotations
 
@@ -8,12 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from pcgspec.attention.base import AttentionBackend
-from pcgspec.kernels.attention import (
-    decode_attention,
-    decode_workspace,
-    extend_attention,
-    store_kv,
-)
+from pcgspec.kernels.attention import decode_attention, decode_workspace, store_kv
+from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_extend
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -35,16 +32,17 @@ class TritonAttentionMetadata:
     extend_start: torch.Tensor  # [B] int32, first row of each request (exclusive cumsum)
     out_cache_loc: torch.Tensor  # [T] int64, -1 = padding
     num_real_tokens: int  # sum(extend_lens); rows past it are padding, zeroed
-    max_extend_len: int
     num_kv_splits: int
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # split-KV: [rows, H, S, D], [rows, H, S]
+    extend_plan: ExtendPlan | None  # extend path: grid and constants of the fused kernel
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention on Triton kernels. The new tokens' K/V are stored first, so every key
-    is read through the page table. DECODE and TARGET_VERIFY (k+1 tokens per request) use
-    flash-decoding over KV splits, which fills the GPU at small batch; EXTEND, chunked prefill
-    and DRAFT_EXTEND use the causal flash-attention kernel.
+    """Paged attention on Triton kernels. EXTEND, chunked prefill and DRAFT_EXTEND make one
+    launch per layer: the fused kernel stores the new K/V, attends causally (prefix from the
+    cache, new keys from ``k``/``v``) and zeroes the padded rows. DECODE and TARGET_VERIFY (k+1
+    tokens per request) store K/V first, then run flash-decoding over KV splits, which fills
+    the GPU at small batch.
     """
 
     max_kv_splits: int = 32
@@ -55,9 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
         if mode.is_decode() and any(n != 1 for n in ext_cpu):
             raise ValueError(f"DECODE needs one new token per request, got {ext_cpu}")
         num_splits = self._num_kv_splits(batch.batch_size, max(batch.seq_lens_cpu, default=0))
-        self.metadata = self._metadata(
-            batch, _tokens_per_seq(batch), sum(ext_cpu), max(ext_cpu, default=0), num_splits
-        )
+        self.metadata = self._metadata(batch, _tokens_per_seq(batch), sum(ext_cpu), num_splits)
 
     def init_capture_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Split-KV over every row of ``batch`` (padded requests: ``seq_len`` 0, zero output)
@@ -70,22 +66,20 @@ class TritonAttentionBackend(AttentionBackend):
                 f"request, got {batch.forward_mode.name} with {batch.extend_lens_cpu}"
             )
         num_splits = self._num_kv_splits(batch.batch_size, max_seq_len)
-        self.metadata = self._metadata(
-            batch, tokens_per_seq, batch.num_tokens, tokens_per_seq, num_splits
-        )
+        self.metadata = self._metadata(batch, tokens_per_seq, batch.num_tokens, num_splits)
 
     def _metadata(
-        self,
-        batch: ForwardBatch,
-        tokens_per_seq: int,
-        num_real: int,
-        max_extend_len: int,
-        num_splits: int,
+        self, batch: ForwardBatch, tokens_per_seq: int, num_real: int, num_splits: int
     ) -> TritonAttentionMetadata:
-        workspace = None
+        workspace = plan = None
         if tokens_per_seq:
             shape = (num_real, self.num_heads, self.head_dim, num_splits)
             workspace = decode_workspace(*shape, batch.device)
+        else:
+            plan = plan_extend(
+                batch.extend_lens_cpu, batch.num_tokens, self.num_heads, self.num_kv_heads,
+                self.head_dim, self.kv_cache.spec.dtype, self.kv_cache.page_size, self.scale,
+            )  # fmt: skip
         return TritonAttentionMetadata(
             tokens_per_seq=tokens_per_seq,
             page_table=batch.page_table,
@@ -94,9 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
             extend_start=torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens,
             out_cache_loc=batch.out_cache_loc,
             num_real_tokens=num_real,
-            max_extend_len=max_extend_len,
             num_kv_splits=num_splits,
             workspace=workspace,
+            extend_plan=plan,
         )
 
     def _num_kv_splits(self, batch_size: int, max_seq_len: int) -> int:
@@ -117,21 +111,20 @@ class TritonAttentionBackend(AttentionBackend):
         md = self.metadata
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         # NOTE: every layer of a pass has the same shapes and dtypes: check the first only.
+        if md.extend_plan is not None:
+            extend_attention(
+                q, k, v, out, k_cache, v_cache, md.out_cache_loc, md.page_table, md.seq_lens,
+                md.extend_lens, md.extend_start, md.extend_plan, check=layer_id == 0,
+            )  # fmt: skip
+            return
         check = layer_id == 0
         store_kv(k, v, k_cache, v_cache, md.out_cache_loc, check=check)
         n = md.num_real_tokens
-        page_size = self.kv_cache.page_size
-        if md.tokens_per_seq:
-            decode_attention(
-                q[:n], k_cache, v_cache, out[:n], md.page_table, md.seq_lens, page_size,
-                self.scale, md.num_kv_splits, tokens_per_seq=md.tokens_per_seq,
-                workspace=md.workspace, check=check,
-            )  # fmt: skip
-        else:
-            extend_attention(
-                q, k_cache, v_cache, out, md.page_table, md.seq_lens, md.extend_lens,
-                md.extend_start, page_size, self.scale, md.max_extend_len, check=check,
-            )  # fmt: skip
+        decode_attention(
+            q[:n], k_cache, v_cache, out[:n], md.page_table, md.seq_lens, self.kv_cache.page_size,
+            self.scale, md.num_kv_splits, tokens_per_seq=md.tokens_per_seq,
+            workspace=md.workspace, check=check,
+        )  # fmt: skip
         if out.shape[0] > n:
             out[n:].zero_()
 

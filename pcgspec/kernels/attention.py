@@ -1,6 +1,6 @@
-"""Paged attention in Triton: KV store, causal extend (prefill, chunked prefill, draft extend)
-and split-KV decode (also TARGET_VERIFY's k+1 tokens), each with a checking wrapper and a
-plain torch reference.
+"""Paged attention in Triton: KV store and split-KV decode (also TARGET_VERIFY's k+1 tokens),
+each with a checking wrapper and a plain torch reference, plus the pieces the fused extend
+kernel (``extend_attention.py``) shares: the online-softmax step, argument checks, the oracle.
 
 Cache layout: ``k_cache``/``v_cache`` are ``[num_slots + 1, KV, D]``; position ``p`` of request
 ``b`` lives in slot ``page_table[b, p // page_size] * page_size + p % page_size``.
@@ -8,8 +8,6 @@ Every launch is sized from host ints only (no ``.item()``), so all of it is grap
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -41,6 +39,25 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _online_softmax(
+    acc, m_i, l_i, q, k, v, keep, qk_scale, MASKED: tl.constexpr, DOT_PREC: tl.constexpr
+):  # fmt: skip
+    """Fold keys ``k``/``v`` [BLOCK_N, BLOCK_D] into the running output, max and sum (log2
+    domain) of the rows ``q``; with ``MASKED``, keys where ``keep`` [ROWS, BLOCK_N] is False
+    are left out.
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [ROWS, BLOCK_N], log2
+    if MASKED:
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, KCache, VCache, page_row, n0, kv_end, causal_lim, kv_head, qk_scale,
     stride_cs,
@@ -62,67 +79,10 @@ def _attend_tile(
         mask = mask & j_ok[:, None]
     k = tl.load(KCache + offs, mask=mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     v = tl.load(VCache + offs, mask=mask, other=0.0).to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [ROWS, BLOCK_N], log2
-    if MASK_KV:
-        qk = tl.where(j_ok[None, :], qk, float("-inf"))
+    keep = j_ok[None, :]
     if CAUSAL:
-        qk = tl.where(j[None, :] <= causal_lim[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _extend_kernel(
-    Q, KCache, VCache, Out, PageTable, SeqLens, ExtendLens, ExtendStart, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cs,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    # Rows of a tile are (token, head-in-group) pairs, so one K/V read serves the whole group.
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    r0 = tl.program_id(2) * BLOCK_M
-    ext_len = tl.load(ExtendLens + b)
-    if r0 >= ext_len * GROUP:
-        return
-    prefix = tl.load(SeqLens + b) - ext_len
-    start = tl.load(ExtendStart + b).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    d = tl.arange(0, BLOCK_D)
-    mask = (tok < ext_len)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(
-        Q + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=mask,
-        other=0.0,
-    )
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    page_row = PageTable + b.to(tl.int64) * stride_pt
-    causal_lim = prefix + tok  # [BLOCK_M] last key position each row sees
-    # NOTE: keys below prefix + (first token of the tile) + 1 are visible to every row.
-    full_end = (prefix + r0 // GROUP + 1) // BLOCK_N * BLOCK_N
-    kv_end = prefix + tl.minimum((r0 + BLOCK_M - 1) // GROUP, ext_len - 1) + 1
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, KCache, VCache, page_row, n0, kv_end, causal_lim, kv_head,
-            qk_scale, stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, DOT_PREC,
-        )  # fmt: skip
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, KCache, VCache, page_row, n0, kv_end, causal_lim, kv_head,
-            qk_scale, stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, True, DOT_PREC,
-        )  # fmt: skip
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offs = (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(Out + o_offs, o.to(Out.dtype.element_ty), mask=mask)
+        keep = keep & (j[None, :] <= causal_lim[:, None])
+    return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, MASK_KV or CAUSAL, DOT_PREC)
 
 
 @triton.jit
@@ -291,47 +251,6 @@ def store_kv(
     )  # fmt: skip
 
 
-def extend_attention(
-    q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [slots, KV, D], already holding this pass's new tokens
-    v_cache: torch.Tensor,
-    out: torch.Tensor,  # [T, H, D]; rows past sum(extend_lens) are left untouched
-    page_table: torch.Tensor,  # [B, max_pages]
-    seq_lens: torch.Tensor,  # [B] prefix + new
-    extend_lens: torch.Tensor,  # [B] new tokens
-    extend_start: torch.Tensor,  # [B] first row of each request in q/out
-    page_size: int,
-    scale: float,
-    max_extend_len: int,  # host-known upper bound of extend_lens; sizes the grid
-    *,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    check: bool = True,
-) -> None:
-    """Causal attention of each request's new tokens over its cached prefix and themselves."""
-    if check:
-        _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
-        _check_index("extend_lens", extend_lens, seq_lens.shape)
-        _check_index("extend_start", extend_start, seq_lens.shape)
-    num_kv, head_dim = k_cache.shape[1:]
-    group = q.shape[1] // num_kv
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    wide = block_d * q.element_size() > 256  # fp32 x 128 or bf16 x 256: halve the tiles
-    rows = max(16, triton.next_power_of_2(max_extend_len * group))
-    block_m = block_m or min(64 if wide else 128, rows)
-    block_n = block_n or (32 if wide else 64)
-    grid = (len(seq_lens), num_kv, triton.cdiv(max_extend_len * group, block_m))
-    if math.prod(grid) == 0:
-        return
-    _extend_kernel[grid](
-        q, k_cache, v_cache, out, page_table, seq_lens, extend_lens, extend_start,
-        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        page_table.stride(0), k_cache.stride(0),
-        PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_PREC=_dot_precision(q.dtype), num_warps=4, num_stages=2,
-    )  # fmt: skip
-
-
 def decode_workspace(
     num_rows: int, num_heads: int, head_dim: int, num_kv_splits: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,8 +285,18 @@ def decode_attention(
         workspace = decode_workspace(num_rows, num_heads, head_dim, num_kv_splits, q.device)
     mid_o, mid_lse = workspace
     if check:
-        _check_decode(q, k_cache, v_cache, out, page_table, seq_lens, page_size, num_kv_splits,
-                      tokens_per_seq, workspace)
+        _check_decode(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            page_table,
+            seq_lens,
+            page_size,
+            num_kv_splits,
+            tokens_per_seq,
+            workspace,
+        )
     if num_rows == 0:
         return
     num_kv = k_cache.shape[1]
@@ -410,20 +339,6 @@ def _attend_ref(
     q_pos = pos[seq_len - len(q) :]
     scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [L, H, D]
-
-
-def extend_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-    page_table: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-    extend_start: torch.Tensor, page_size: int, scale: float,
-) -> None:  # fmt: skip
-    for b, (seq, n, start) in enumerate(
-        zip(seq_lens.tolist(), extend_lens.tolist(), extend_start.tolist())
-    ):
-        o = _attend_ref(
-            q[start : start + n], k_cache, v_cache, page_table[b], seq, page_size, scale
-        )
-        out[start : start + n] = o.to(out.dtype)
 
 
 def decode_attention_ref(

@@ -1,0 +1,328 @@
+"""Fused paged extend attention (prefill, chunked prefill, DRAFT_EXTEND): one launch per layer
+stores the new tokens' K/V in the cache, attends each new token causally over its request's
+cached prefix and the new tokens, and zeroes the padded rows.
+
+Organised as SGLang's extend kernel: stage 1 reads the prefix (positions below
+``seq_len - extend_len``) through the page table, stage 2 reads the new keys from the
+contiguous ``k``/``v`` rows under the causal mask, so no program reads a slot that another
+program of the same launch writes. The host side is split as in FlashInfer: ``plan_extend``
+once per pass (grid, block sizes, constants, from host ints only: graph-capturable),
+``extend_attention`` once per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from pcgspec.kernels.attention import (
+    _DTYPES,
+    _LOG2E,
+    _attend_ref,
+    _attend_tile,
+    _check_attention,
+    _check_index,
+    _check_rows,
+    _dot_precision,
+    _online_softmax,
+    _require,
+)
+
+
+@triton.jit
+def _store_new_kv(
+    K, V, KCache, VCache, Loc, row, writer, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
+    NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The ``writer`` rows store the K/V of ``kv_head`` of their token ``row`` at its slot."""
+    loc = tl.load(Loc + row, mask=writer, other=-1).to(tl.int64)  # -1: write nothing
+    d = tl.arange(0, BLOCK_D)
+    mask = (loc >= 0)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(K + row[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=mask)
+    v = tl.load(V + row[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=mask)
+    dst = loc[:, None] * (NUM_KV * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :]
+    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_prefix(
+    acc, m_i, l_i, q, KCache, VCache, page_row, prefix, kv_head, qk_scale,
+    PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Stage 1: every row sees all ``prefix`` cached keys, read through the page table (no
+    causal mask, so the tile's ``causal_lim`` argument is unused).
+    """
+    full_end = prefix // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, KCache, VCache, page_row, n0, prefix, prefix, kv_head, qk_scale,
+            NUM_KV * HEAD_DIM, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, DOT_PREC,
+        )  # fmt: skip
+    for n0 in range(full_end, prefix, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, KCache, VCache, page_row, n0, prefix, prefix, kv_head, qk_scale,
+            NUM_KV * HEAD_DIM, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, False, DOT_PREC,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_new_tile(
+    acc, m_i, l_i, q, K, V, KCache, start, n0, kv_end, tok, kv_head, qk_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """New keys ``n0 .. n0 + BLOCK_N`` from the k/v rows; ``MASKED``: causal and ``< kv_end``."""
+    j = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    row = start + j
+    mask = (d < HEAD_DIM)[None, :]
+    if MASKED:
+        mask = mask & (j < kv_end)[:, None]
+    k = tl.load(K + row[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=mask, other=0)
+    v = tl.load(V + row[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=mask, other=0)
+    # NOTE: rounded through the cache dtype, so they equal the keys read back from the cache.
+    k = k.to(KCache.dtype.element_ty).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    v = v.to(KCache.dtype.element_ty).to(q.dtype)
+    keep = j[None, :] <= tok[:, None]
+    return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, MASKED, DOT_PREC)
+
+
+@triton.jit
+def _attend_new(
+    acc, m_i, l_i, q, K, V, KCache, start, tok, r0, ext_len, kv_head, qk_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Stage 2: the new keys up to the tile's last token, causally.
+
+    NOTE: keys up to the tile's first token ``r0 // GROUP`` are visible to every row.
+    """
+    full_end = (r0 // GROUP + 1) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum((r0 + BLOCK_M - 1) // GROUP, ext_len - 1) + 1
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_new_tile(
+            acc, m_i, l_i, q, K, V, KCache, start, n0, kv_end, tok, kv_head, qk_scale, stride_kt,
+            stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PREC,
+        )  # fmt: skip
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_new_tile(
+            acc, m_i, l_i, q, K, V, KCache, start, n0, kv_end, tok, kv_head, qk_scale, stride_kt,
+            stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, True, DOT_PREC,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["num_real", "num_rows"])
+def _extend_kernel(
+    Q, K, V, Out, KCache, VCache, Loc, PageTable, SeqLens, ExtendLens, ExtendStart, qk_scale,
+    num_real, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_pt,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+):  # fmt: skip
+    # Rows of a tile are (token, head-in-group) pairs, so one K/V read serves the whole group.
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    r0 = tl.program_id(2) * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    if HAS_PAD:
+        if b == tl.num_programs(0) - 1:  # the padding program: zero rows num_real .. num_rows
+            pad = (num_real + rows // GROUP).to(tl.int64)
+            offs = pad[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            mask = (pad < num_rows)[:, None] & (d < HEAD_DIM)[None, :]
+            tl.store(Out + offs, tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty), mask=mask)
+            return
+    ext_len = tl.load(ExtendLens + b)
+    if r0 >= ext_len * GROUP:
+        return
+    tok = rows // GROUP  # [BLOCK_M] token of each row within its request
+    start = tl.load(ExtendStart + b).to(tl.int64)
+    row = start + tok  # [BLOCK_M] row in q/k/v/out
+    writer = (rows % GROUP == 0) & (tok < ext_len)
+    _store_new_kv(
+        K, V, KCache, VCache, Loc, row, writer, kv_head, stride_kt, stride_kh, stride_vt,
+        stride_vh, NUM_KV, HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
+    mask = (tok < ext_len)[:, None] & (d < HEAD_DIM)[None, :]
+    q_offs = row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(Q + q_offs, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_prefix(
+        acc, m_i, l_i, q, KCache, VCache, PageTable + b.to(tl.int64) * stride_pt,
+        tl.load(SeqLens + b) - ext_len, kv_head, qk_scale, PAGE_SIZE, NUM_KV, HEAD_DIM, BLOCK_N,
+        BLOCK_D, DOT_PREC,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_new(
+        acc, m_i, l_i, q, K, V, KCache, start, tok, r0, ext_len, kv_head, qk_scale, stride_kt,
+        stride_kh, stride_vt, stride_vh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC,
+    )  # fmt: skip
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(Out + o_offs, o.to(Out.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """The host side of one extend pass, shared by all its layers: what the checks compare,
+    the grid, and the kernel's scalars and compile-time constants.
+    """
+
+    num_rows: int  # rows of q/k/v/out; rows past num_real are padding, zeroed
+    num_real: int  # sum(extend_lens)
+    num_reqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # of q and out
+    page_size: int
+    qk_scale: float  # softmax scale * log2(e)
+    grid: tuple[int, int, int]
+    constants: dict[str, Any]  # constexprs, num_warps, num_stages
+
+    @property
+    def empty(self) -> bool:
+        return math.prod(self.grid) == 0
+
+
+def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
+    """Largest BLOCK_M, BLOCK_N and num_warps that compile for sm_90 without register spills.
+
+    NOTE: fp32 runs its dots on CUDA cores (``ieee``), which needs far more registers.
+    """
+    if dtype == torch.float32:
+        return (64 if block_d <= 64 else 32), 32, 8
+    if block_d > 128:
+        return 64, 32, 8
+    return 128, 64, (4 if block_d <= 64 else 8)
+
+
+def plan_extend(
+    extend_lens: Sequence[int],
+    num_rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    page_size: int,
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> ExtendPlan:
+    """Plan the launches of a pass whose requests extend by ``extend_lens`` (host ints) tokens,
+    packed in that order into the first ``sum(extend_lens)`` of ``num_rows`` rows.
+    """
+    num_real, max_len = sum(extend_lens), max(extend_lens, default=0)
+    _require(min(extend_lens, default=0) >= 0, f"extend_lens must be >= 0, got {extend_lens}")
+    _require(num_rows >= num_real, f"num_rows {num_rows} < sum(extend_lens) {num_real}")
+    _require(num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
+             f"query heads {num_heads} must be a multiple of kv heads {num_kv_heads}")  # fmt: skip
+    _require(1 <= head_dim <= 256, f"head_dim must be in 1..256, got {head_dim}")
+    _require(page_size >= 1, f"page_size must be >= 1, got {page_size}")
+    _require(dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {dtype}")
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tile_m, tile_n, num_warps = _tiles(dtype, block_d)
+    block_m = block_m or min(tile_m, max(16, triton.next_power_of_2(max_len * group)))
+    block_n = block_n or tile_n
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        _require(size >= 16 and size & (size - 1) == 0, f"{name} must be a power of 2 >= 16")
+    pad = num_rows - num_real
+    grid = (
+        len(extend_lens) + (pad > 0),
+        num_kv_heads,
+        triton.cdiv(max(max_len, pad) * group, block_m),
+    )
+    constants = dict(
+        PAGE_SIZE=page_size, GROUP=group, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, DOT_PREC=_dot_precision(dtype), HAS_PAD=pad > 0,
+        num_warps=num_warps, num_stages=2,
+    )  # fmt: skip
+    return ExtendPlan(
+        num_rows, num_real, len(extend_lens), num_heads, num_kv_heads, head_dim, dtype, page_size,
+        scale * _LOG2E, grid, constants,
+    )  # fmt: skip
+
+
+def _check_extend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, out_cache_loc: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start: torch.Tensor,
+    plan: ExtendPlan,
+) -> None:  # fmt: skip
+    _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, plan.page_size)
+    _check_rows("k", k, k_cache, k_cache.shape[1])
+    _check_rows("v", v, k_cache, k_cache.shape[1])
+    _require(k.shape == v.shape and len(k) == len(q), "k and v must have q's rows")
+    _check_index("out_cache_loc", out_cache_loc, (len(q),))
+    _check_index("extend_lens", extend_lens, seq_lens.shape)
+    _check_index("extend_start", extend_start, seq_lens.shape)
+    got = (len(q), len(seq_lens), q.shape[1], *k_cache.shape[1:], q.dtype)
+    want = (plan.num_rows, plan.num_reqs, plan.num_heads, plan.num_kv_heads, plan.head_dim,
+            plan.dtype)  # fmt: skip
+    _require(got == want, f"(rows, requests, heads, kv heads, head dim, dtype) {got} differ from "
+             f"the plan's {want}")  # fmt: skip
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KV, D], this pass's new keys
+    v: torch.Tensor,  # [T, KV, D]
+    out: torch.Tensor,  # [T, H, D]; rows past plan.num_real are zeroed
+    k_cache: torch.Tensor,  # [slots, KV, D]
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,  # [T] slot per token, -1 = write nothing
+    page_table: torch.Tensor,  # [B, max_pages]
+    seq_lens: torch.Tensor,  # [B] prefix + new
+    extend_lens: torch.Tensor,  # [B] new tokens, as planned
+    extend_start: torch.Tensor,  # [B] first row of each request (exclusive cumsum)
+    plan: ExtendPlan,
+    *,
+    check: bool = True,
+) -> None:
+    """Store the new K/V (skipping slot -1) and attend each request's new tokens causally
+    over its cached prefix and themselves: one launch. ``check=False`` skips the argument
+    checks (a caller that already checked this pass).
+    """
+    if check:
+        _check_extend(q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens,
+                      extend_lens, extend_start, plan)  # fmt: skip
+    if plan.empty:
+        return
+    _extend_kernel[plan.grid](
+        q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens, extend_lens,
+        extend_start, plan.qk_scale, plan.num_real, plan.num_rows, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), **plan.constants,
+    )  # fmt: skip
+
+
+def extend_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+    extend_start: torch.Tensor, page_size: int, scale: float,
+) -> None:  # fmt: skip
+    """Attention over a cache that already holds the new tokens (``store_kv_ref`` first)."""
+    for b, (seq, n, start) in enumerate(
+        zip(seq_lens.tolist(), extend_lens.tolist(), extend_start.tolist())
+    ):
+        o = _attend_ref(
+            q[start : start + n], k_cache, v_cache, page_table[b], seq, page_size, scale
+        )
+        out[start : start + n] = o.to(out.dtype)
