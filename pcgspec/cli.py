@@ -1,4 +1,4 @@
-"""Command line: ``pcgspec generate`` and ``pcgspec convert`` (SGLang's flag names)."""
+"""Command line: ``pcgspec generate``, ``serve`` and ``convert`` (SGLang's flag names)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,21 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="print JSON with token ids and metrics")
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--api-key", default=None, help="Bearer key required on /v1/*")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model folder's name)")
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="larger request bodies get 413")
+    s.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                   help="seconds SIGTERM lets running requests finish before aborting them")
+
+
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face folder")
     p.add_argument("gguf", help="path of the .gguf file")
@@ -92,6 +107,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from pcgspec.server.app import run_server
+    from pcgspec.server.state import ServerSettings
+
+    settings = ServerSettings(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+        graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+    )
+    return run_server(engine_config_from_args(args), settings)
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     from pcgspec.models.gguf import convert_gguf
 
@@ -103,12 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pcgspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     _convert_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=(getattr(args, "log_level", None) or envs.log_level()).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"generate": _run_generate, "convert": _run_convert}[args.command](args)
+        run = {"generate": _run_generate, "serve": _run_serve, "convert": _run_convert}
+        return run[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,234 @@
+"""The aiohttp application: routes, error / auth / drain middlewares, and ``run_server``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pcgspec.config import EngineConfig
+from pcgspec.sampling_params import SamplingParams
+from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
+from pcgspec.server.metrics import piecewise_summary
+from pcgspec.server.openai_api import chat_completions, completions
+from pcgspec.server.protocol import ApiError
+from pcgspec.server.state import STATE, ServerSettings, ServerState
+
+logger = logging.getLogger("pcgspec")
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure as an OpenAI error body; nothing a client sends takes the server down."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        error = ApiError(e.status, e.reason, code=_HTTP_CODES.get(e.status))
+        return web.json_response(error.body(), status=e.status)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        error = ApiError(500, "internal server error", type="internal_error")
+        return web.json_response(error.body(), status=500)
+
+
+@web.middleware
+async def _gate(request: web.Request, handler: Any) -> web.StreamResponse:
+    """503 on /v1/* while draining; the Bearer key on /v1/* when one is set."""
+    state = request.app[STATE]
+    if request.path.startswith("/v1/"):
+        if state.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable")
+        key = state.settings.api_key
+        given = request.headers.get("Authorization", "")
+        if key is not None and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+            )
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    ok = state.engine.alive and not state.draining
+    return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 once a one-token greedy probe went through the engine."""
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "shutting down"}, status=503)
+    gen = Generation(state.engine)
+    probe = SamplingParams(temperature=0.0, max_tokens=1)
+    token = state.tokenizer.bos_token_id or 0
+
+    async def run() -> None:
+        await gen.add(f"health-{id(gen)}", [token], probe)
+        async for _ in gen.updates():
+            pass
+
+    try:
+        await asyncio.wait_for(run(), timeout=60)
+    except (asyncio.TimeoutError, EngineDeadError) as e:
+        return web.json_response({"status": f"unavailable: {e!r}"}, status=503)
+    finally:
+        gen.abort()
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if request.match_info["model"] != state.limits.model_name:
+        raise ApiError(
+            404,
+            f"The model {request.match_info['model']!r} does not exist",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.limits.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "pcgspec",
+        "max_model_len": state.limits.context_length,
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """The configuration and the engine's internal state (SGLang's ``/server_info``)."""
+    state = request.app[STATE]
+    snap = state.engine.snapshot
+    stats = snap.stats
+    total = stats.get("kv_pages_total", 0)
+    internal = {
+        "avg_spec_accept_length": snap.spec.get("avg_spec_accept_length"),
+        "speculative": snap.spec,
+        "piecewise": piecewise_summary(snap.piecewise),
+        "decode_graphs": snap.decode_graphs,
+        "kv": {
+            "used_pages": stats.get("kv_pages_used", 0),
+            "total_pages": total,
+            "page_size": stats.get("page_size"),
+            "usage": stats.get("kv_pages_used", 0) / total if total else 0.0,
+        },
+        "num_running": stats.get("num_running", 0),
+        "num_waiting": stats.get("num_waiting", 0),
+        "num_preemptions": stats.get("num_preemptions", 0),
+        "num_open_requests": len(state.engine.streams),
+        "num_aborted": snap.num_aborted,
+        "num_steps": snap.num_steps,
+        "num_step_errors": snap.num_step_errors,
+        "engine_alive": state.engine.alive,
+    }
+    settings = {k: v for k, v in asdict(state.settings).items() if k != "api_key"}
+    return web.json_response(
+        {
+            "model_path": str(state.engine.engine.model_dir) if state.engine.engine else None,
+            "served_model_name": state.limits.model_name,
+            "context_length": state.limits.context_length,
+            "config": asdict(state.config),
+            "server_args": {**settings, "api_key_set": state.settings.api_key is not None},
+            "internal_states": [internal],
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(
+        middlewares=[_errors, _gate], client_max_size=state.settings.max_request_bytes
+    )
+    app[STATE] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app
+
+
+def run_server(config: EngineConfig, settings: ServerSettings) -> int:
+    """Load the engine, serve until SIGTERM / SIGINT, drain or abort, exit. Returns 0, or 1
+    when the engine loop died."""
+    return asyncio.run(_serve(config, settings))
+
+
+async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = AsyncEngine()
+    await engine.start(config)
+    state = ServerState.build(engine, config, settings)
+    runner = web.AppRunner(
+        build_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+    )
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    logger.info(
+        "serving %s on http://%s:%d (context %d tokens)",
+        state.limits.model_name,
+        settings.host,
+        settings.port,
+        state.limits.context_length,
+    )
+    while not stop.is_set() and engine.alive:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass
+    died = not engine.alive
+    await _shutdown(state, runner)
+    return 1 if died else 0
+
+
+async def _shutdown(state: ServerState, runner: web.AppRunner) -> None:
+    """Refuse new requests, let running ones finish for the grace period, abort the rest."""
+    state.draining = True
+    engine = state.engine
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.settings.graceful_shutdown_timeout
+    while engine.streams and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.streams:
+        logger.info("shutting down: aborting %d requests", len(engine.streams))
+        engine.abort_all()
+        deadline = loop.time() + 5.0
+        while engine.streams and engine.alive and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    await runner.cleanup()
+    await engine.stop()
+    state.pool.shutdown(wait=False, cancel_futures=True)
+    logger.info("server stopped")

@@ -1,0 +1,218 @@
+"""Prometheus metrics of one server, on a registry of its own (never the global one).
+
+Request latencies are histograms observed as deltas reach the event loop; engine state
+(running / waiting, KV usage, speculative accept length, piecewise hit ratio) is read from the
+engine thread's latest snapshot when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pcgspec.server.deltas import SeqDelta
+
+if TYPE_CHECKING:
+    from pcgspec.server.async_engine import EngineSnapshot, RequestStream
+
+PREFIX = "pcgspec:"
+_TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+_E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        kw = {"labelnames": labels, "registry": self.registry}
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, **kw).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between two deliveries of tokens "
+            "to one request (one engine step, several tokens with speculation).",
+            _ITL_BUCKETS,
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", _E2E_BUCKETS)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", **kw
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", **kw
+        ).labels(model_name)
+        self.requests = Counter(
+            PREFIX + "request_success",
+            "Finished sequences by reason.",
+            labelnames=[*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(model_name, snapshot))
+
+    def observe(
+        self, stream: RequestStream, deltas: Sequence[SeqDelta], final: bool, now: float
+    ) -> None:
+        """One delivery of deltas to ``stream`` (before the stream records it)."""
+        tokens = sum(len(d.token_ids) for d in deltas)
+        if tokens:
+            if stream.first_token_time is None:
+                self.ttft.observe(now - stream.arrival)
+            elif stream.last_token_time is not None:
+                self.itl.observe(now - stream.last_token_time)
+            self.generation_tokens.inc(tokens)
+        for d in deltas:
+            if d.finish_reason is not None:
+                self.requests.labels(self.model_name, d.finish_reason).inc()
+        if final:
+            self.e2e.observe(now - stream.arrival)
+            self.prompt_tokens.inc(stream.num_prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine gauges and counters, read from the latest snapshot at scrape time."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.model_name = model_name
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        stats, labels = snap.stats, [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("num_requests_running", "Sequences decoding.", stats.get("num_running", 0))
+        yield gauge(
+            "num_requests_waiting", "Sequences queued or mid-prefill.", stats.get("num_waiting", 0)
+        )
+        total = stats.get("kv_pages_total", 0)
+        used = stats.get("kv_pages_used", 0)
+        yield gauge(
+            "kv_cache_usage_perc", "Share of KV pages held (0..1).", used / total if total else 0.0
+        )
+        yield gauge("kv_cache_used_pages", "KV pages held.", used)
+        accept = snap.spec.get("avg_spec_accept_length")
+        yield gauge(
+            "spec_accept_length",
+            "Accepted drafts + 1 per verify step, averaged (0 without speculation).",
+            accept or 0.0,
+        )
+        yield from self._piecewise(snap)
+        counter = CounterMetricFamily(
+            PREFIX + "num_preemptions", "Preempted sequences.", labels=["model_name"]
+        )
+        counter.add_metric(labels, stats.get("num_preemptions", 0))
+        yield counter
+        aborted = CounterMetricFamily(
+            PREFIX + "num_aborted_requests", "Aborted requests.", labels=["model_name"]
+        )
+        aborted.add_metric(labels, snap.num_aborted)
+        yield aborted
+
+    def _piecewise(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        summary = piecewise_summary(snap.piecewise)
+        hit = GaugeMetricFamily(
+            PREFIX + "piecewise_hit_ratio",
+            "Forward passes served by the piecewise runner / those offered to it.",
+            labels=["model_name"],
+        )
+        hit.add_metric([self.model_name], summary["hit_ratio"] or 0.0)
+        yield hit
+        replays = CounterMetricFamily(
+            PREFIX + "piecewise_runs", "Piecewise forward passes.", labels=["model_name"]
+        )
+        replays.add_metric([self.model_name], summary["runs"])
+        yield replays
+        fb = CounterMetricFamily(
+            PREFIX + "piecewise_fallbacks",
+            "Eager fallbacks by reason.",
+            labels=["model_name", "reason"],
+        )
+        for reason, n in summary["fallbacks"].items():
+            fb.add_metric([self.model_name, reason], n)
+        yield fb
+
+
+def piecewise_summary(stats: dict[str, int]) -> dict[str, Any]:
+    """``PiecewiseRunner.stats()`` as runs (replays on CUDA), fallbacks by reason and the
+    hit ratio (None before the first forward or without the piecewise runner)."""
+    runs = stats.get("piecewise_runs", 0)
+    fallbacks = {
+        k.removeprefix("fallback_"): v for k, v in stats.items() if k.startswith("fallback_")
+    }
+    total = runs + sum(fallbacks.values())
+    return {
+        "enabled": bool(stats),
+        "runs": runs,
+        "fallbacks": fallbacks,
+        "hit_ratio": runs / total if total else None,
+    }

@@ -1,0 +1,173 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: JSON bodies or server-sent events.
+
+A request leaves the engine whichever way its handler ends: finished, failed, or cancelled
+because the client went away (the ``finally`` aborts every unfinished sequence).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from pcgspec.server.async_engine import EngineDeadError, Generation
+from pcgspec.server.protocol import (
+    ApiError,
+    GenerationRequest,
+    bad,
+    check_prompt_length,
+    parse_chat,
+    parse_completion,
+)
+from pcgspec.server.responses import (
+    DONE,
+    Choice,
+    ResponseHeader,
+    body_choice,
+    chat_logprobs,
+    chunk_choice,
+    completion_logprobs,
+    sse,
+    usage,
+)
+from pcgspec.server.state import STATE, ServerState
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; 413 over the size limit, 400 when it is not one."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].settings.max_request_bytes
+        raise ApiError(
+            413, f"the request body exceeds {limit} bytes", code="request_too_large"
+        ) from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(
+            400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise ApiError(
+            400, f"the body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+    return body
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    req = (parse_chat if chat else parse_completion)(body, state.limits)
+    prompt_ids = await state.encode(req)
+    for ids in prompt_ids:
+        check_prompt_length(len(ids), req.params.max_tokens, state.limits.context_length)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    header = ResponseHeader(rid, int(time.time()), req.model, chat)
+    gen = Generation(state.engine)
+    try:
+        for i, ids in enumerate(prompt_ids):
+            await _add(gen, f"{rid}-{i}", ids, req)
+        if req.stream:
+            return await _stream(request, state, req, header, gen)
+        return web.json_response(await _collect(state, req, header, gen))
+    finally:
+        gen.abort()
+
+
+async def _add(gen: Generation, request_id: str, ids: list[int], req: GenerationRequest) -> None:
+    try:
+        await gen.add(request_id, ids, req.params)
+    except ValueError as e:
+        raise bad("prompt", str(e)) from None
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), type="service_unavailable") from None
+
+
+async def _collect(
+    state: ServerState, req: GenerationRequest, header: ResponseHeader, gen: Generation
+) -> dict[str, Any]:
+    choices: dict[int, Choice] = {}
+    n = req.params.n
+    try:
+        async for stream, deltas in gen.updates():
+            for d in deltas:
+                c = choices.setdefault(stream.prompt_index * n + d.index, Choice())
+                c.text += d.text
+                c.num_tokens += len(d.token_ids)
+                c.logprobs += d.logprobs
+                c.finish_reason = d.finish_reason or c.finish_reason
+    except EngineDeadError as e:
+        raise ApiError(500, str(e), type="internal_error") from None
+    want = req.params.logprobs is not None
+    out = [body_choice(req.chat, i, choices[i], want, state.token_text) for i in sorted(choices)]
+    num_prompt = sum(s.num_prompt_tokens for s in gen.streams)
+    return header.body(out, usage(num_prompt, sum(c.num_tokens for c in choices.values())))
+
+
+async def _stream(
+    request: web.Request,
+    state: ServerState,
+    req: GenerationRequest,
+    header: ResponseHeader,
+    gen: Generation,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    n, chat, with_usage = req.params.n, req.chat, req.include_usage
+    if chat:
+        roles = [
+            chunk_choice(True, i, "", None, None, role=True) for i in range(n * len(gen.streams))
+        ]
+        for choice in roles:
+            await resp.write(sse(header.chunk([choice], with_usage_field=with_usage)))
+    offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
+    num_tokens = 0
+    try:
+        async for stream, deltas in gen.updates():
+            for d in deltas:
+                num_tokens += len(d.token_ids)
+                index = stream.prompt_index * n + d.index
+                lps = _delta_logprobs(state, req, d.logprobs, offsets, index)
+                if not d.text and lps is None and d.finish_reason is None:
+                    continue  # text held back (an incomplete character or a stop string)
+                text = d.text if d.text or not chat else None
+                choice = chunk_choice(chat, index, text, lps, d.finish_reason)
+                await resp.write(sse(header.chunk([choice], with_usage_field=with_usage)))
+    except EngineDeadError as e:
+        await resp.write(sse(ApiError(500, str(e), type="internal_error").body()))
+    if with_usage:
+        num_prompt = sum(s.num_prompt_tokens for s in gen.streams)
+        await resp.write(sse(header.chunk([], usage(num_prompt, num_tokens))))
+    await resp.write(DONE)
+    await resp.write_eof()
+    return resp
+
+
+def _delta_logprobs(
+    state: ServerState,
+    req: GenerationRequest,
+    lps: tuple[Any, ...],
+    offsets: dict[int, int],
+    index: int,
+) -> dict[str, Any] | None:
+    if req.params.logprobs is None or not lps:
+        return None
+    if req.chat:
+        return chat_logprobs(lps, state.token_text)
+    out = completion_logprobs(lps, state.token_text, offsets.get(index, 0))
+    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+    return out

@@ -1,0 +1,154 @@
+"""A real ``python -m pcgspec serve`` process on 127.0.0.1 and a free port, for server tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+API_KEY = "sk-pcgspec-test"
+MODEL = "SmolLM2-135M-Instruct"
+# float32 on CPU, a small context and KV pool so the tests stay quick and the pool is watched.
+DEFAULT_ARGS = (
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--context-length",
+    "512",
+    "--cpu-kv-cache-bytes",
+    str(256 << 20),
+    "--max-running-requests",
+    "64",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *extra_args: str, api_key: str | None = API_KEY) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.log = Path(tempfile.mkstemp(prefix="pcgspec-serve-", suffix=".log")[1])
+        args = [
+            sys.executable,
+            "-m",
+            "pcgspec",
+            "serve",
+            "--port",
+            str(self.port),
+            *DEFAULT_ARGS,
+            *extra_args,
+        ]
+        if api_key is not None:
+            args += ["--api-key", api_key]
+        env = {**os.environ, "PCGSPEC_LOG_LEVEL": "INFO"}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_healthy(self, timeout: float = 240.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log_tail()}")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        """(status, parsed JSON or text) of one request; never raises on an HTTP status."""
+        req = urllib.request.Request(
+            self.base_url + path, data=body, method=method, headers=headers or {}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def get(self, path: str) -> tuple[int, Any]:
+        return self.request("GET", path)
+
+    def post(
+        self,
+        path: str,
+        body: bytes | dict[str, Any],
+        key: str | None = "default",
+    ) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        key = self.api_key if key == "default" else key
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        return self.request("POST", path, data, headers)
+
+    def internal_state(self) -> dict[str, Any]:
+        status, info = self.get("/server_info")
+        assert status == 200, info
+        return info["internal_states"][0]
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The internal state once no request is open and no KV page is held."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.internal_state()
+            idle = (
+                state["num_open_requests"] == 0
+                and state["num_running"] == 0
+                and state["num_waiting"] == 0
+                and state["kv"]["used_pages"] == 0
+            )
+            if idle or time.monotonic() > deadline:
+                return state
+            time.sleep(0.1)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then the exit code (killed, and the test failed, after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.unlink(missing_ok=True)

@@ -1,0 +1,258 @@
+"""`pcgspec serve` through the official openai client: completions, chat, streaming, sampling
+fields, 32 concurrent streams, bad inputs, /metrics and /server_info. One server process for
+the module (SmolLM2, float32 on CPU); about 60 s on the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from oracle import PROMPTS
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import API_KEY, MODEL, ServerProcess
+
+GREEDY = {"temperature": 0.0}
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess()
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
+
+
+def _stream_text(stream, chat: bool) -> tuple[str, str | None, object]:
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert server.get("/health")[0] == 200
+    assert server.get("/health_generate")[0] == 200
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=10, **GREEDY)
+    full = client.completions.create(**kw)
+    assert full.choices[0].text.strip() and full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens == 5 and 1 <= full.usage.completion_tokens <= 10
+    stream = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    text, finish, usage = _stream_text(stream, chat=False)
+    assert text == full.choices[0].text and finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=12,
+        **GREEDY,
+    )
+    full = client.chat.completions.create(**kw)
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content.strip()
+    assert full.usage.prompt_tokens > 20  # the chat template's system turn is in there
+    stream = client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    )
+    text, finish, usage = _stream_text(stream, chat=True)
+    assert text == message.content and finish == full.choices[0].finish_reason
+    assert usage.total_tokens == full.usage.total_tokens
+
+
+def test_32_concurrent_streams_equal_each_alone(server, client):
+    unique = PROMPTS[:10]  # NOTE: 10 requests alone, each sent 3 or 4 times at once
+    prompts = [unique[i % len(unique)] for i in range(32)]
+    kw = dict(model=MODEL, max_tokens=8, extra_body=IGNORE_EOS, **GREEDY)
+    alone = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in unique}
+    aclient = openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
+
+    async def one(prompt: str) -> tuple[str, int]:
+        stream = await aclient.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+        )
+        text, tokens = "", None
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        return text, tokens
+
+    async def run_all() -> list[tuple[str, int]]:
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    outs = asyncio.run(run_all())
+    for prompt, (text, tokens) in zip(prompts, outs):
+        assert tokens == 8, prompt
+        assert text == alone[prompt], prompt
+    assert server.wait_idle()["kv"]["used_pages"] == 0
+
+
+def _text(client, **kw) -> str:
+    return client.completions.create(model=MODEL, **kw).choices[0].text
+
+
+def test_stop_penalties_and_seeded_n(client):
+    count = dict(prompt="1, 2, 3, 4, 5,", max_tokens=12, **GREEDY)
+    base = _text(client, **count, extra_body=IGNORE_EOS)
+    assert "7" in base, base
+    stopped = client.completions.create(model=MODEL, stop=["7"], **count).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == base[: base.index("7")]
+    penalized = _text(client, **count, frequency_penalty=2.0, extra_body=IGNORE_EOS)
+    assert penalized != base  # ", " repeats in the count: the penalty must change the text
+    kw = dict(prompt="Once upon a time", max_tokens=8, n=2, temperature=1.0, seed=1234)
+    first = client.completions.create(model=MODEL, **kw, extra_body=IGNORE_EOS)
+    again = client.completions.create(model=MODEL, **kw, extra_body=IGNORE_EOS)
+    assert len(first.choices) == 2 and first.usage.completion_tokens == 16
+    assert first.choices[0].text != first.choices[1].text
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+
+
+def test_logprobs(client):
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, logprobs=2, extra_body=IGNORE_EOS, **GREEDY
+    ).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and "".join(lp.tokens) == out.text
+    assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs))  # greedy: the top-1
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=3,
+        logprobs=True,
+        top_logprobs=3,
+        **GREEDY,
+    )
+    content = chat.choices[0].logprobs.content
+    assert chat.usage.completion_tokens <= 3 and len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+@pytest.mark.parametrize(
+    ("body", "key", "status", "param", "needle"),
+    [
+        (b'{"prompt": "hi", ', API_KEY, 400, None, "not valid JSON"),
+        (b"[1, 2]", API_KEY, 400, None, "JSON object"),
+        ({"prompt": "hi", "temperature": "hot"}, API_KEY, 400, "temperature", "number"),
+        ({"prompt": "hi", "max_tokens": 2.5}, API_KEY, 400, "max_tokens", "integer"),
+        ({"prompt": "hi", "stop": [1]}, API_KEY, 400, "stop", "string"),
+        ({"prompt": "hi", "model": "gpt-9"}, API_KEY, 404, "model", "does not exist"),
+        ({"prompt": "hi " * 600}, API_KEY, 400, "prompt", "512"),
+        ({"prompt": "hi " * 10, "max_tokens": 510}, API_KEY, 400, "max_tokens", "512"),
+        ({"prompt": "hi"}, None, 401, None, "API key"),
+        ({"prompt": "hi"}, "sk-wrong", 401, None, "API key"),
+        (b'{"prompt": "' + b"x" * (5 << 20) + b'"}', API_KEY, 413, None, "exceeds"),
+    ],
+    ids=[
+        "malformed",
+        "not-object",
+        "wrong-type",
+        "float-int",
+        "stop-type",
+        "unknown-model",
+        "prompt-too-long",
+        "max-tokens-too-long",
+        "no-key",
+        "wrong-key",
+        "too-large",
+    ],
+)
+def test_bad_input_status_and_error_body(server, body, key, status, param, needle):
+    got, payload = server.post("/v1/completions", body, key=key)
+    assert got == status, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and needle in error["message"], error
+    if param == "prompt":
+        assert "601" in error["message"] or "600" in error["message"]  # the prompt's length
+
+
+def test_bad_chat_messages_name_the_field(server):
+    cases = [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "cat", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ]
+    for body, param in cases:
+        status, payload = server.post("/v1/chat/completions", body)
+        assert status == 400 and payload["error"]["param"] == param, payload
+    status, payload = server.request(
+        "GET", "/v1/nowhere", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert status == 404 and payload["error"]["code"] == "not_found"
+
+
+def _scrape(server) -> dict[str, float]:
+    status, text = server.get("/metrics")
+    assert status == 200
+    return {
+        f"{s.name}{sorted(s.labels.items())}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_parse_and_move(server, client):
+    before = _scrape(server)
+    client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=5, extra_body=IGNORE_EOS, **GREEDY
+    )
+    after = _scrape(server)
+    label = [("model_name", MODEL)]
+
+    def moved(name: str, labels: list[tuple[str, str]] = label) -> float:
+        key = f"pcgspec:{name}{sorted(labels)}"
+        return after[key] - before.get(key, 0.0)
+
+    assert moved("generation_tokens_total") == 5
+    assert moved("prompt_tokens_total") == 2
+    assert moved("request_success_total", [*label, ("finished_reason", "length")]) == 1
+    assert moved("time_to_first_token_seconds_count") == 1
+    assert moved("inter_token_latency_seconds_count") == 4
+    assert moved("e2e_request_latency_seconds_count") == 1
+    assert moved("piecewise_runs_total") >= 5
+    assert 0 < after[f"pcgspec:piecewise_hit_ratio{label}"] <= 1
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "spec_accept_length",
+    ):
+        assert f"pcgspec:{name}{label}" in after
+
+
+def test_server_info(server):
+    status, info = server.get("/server_info")
+    assert status == 200 and info["served_model_name"] == MODEL
+    assert info["config"]["context_length"] == 512 and info["context_length"] == 512
+    assert "api_key" not in info["server_args"] and info["server_args"]["api_key_set"]
+    state = info["internal_states"][0]
+    assert {"avg_spec_accept_length", "piecewise", "kv", "num_running", "num_waiting"} <= set(state)
+    assert state["piecewise"]["runs"] > 0 and "too_many_tokens" in state["piecewise"]["fallbacks"]
+    assert state["kv"]["total_pages"] > 0 and state["engine_alive"]

@@ -1,0 +1,166 @@
+"""Server pieces without a server: request validation, stop-string holdback in streamed deltas,
+and ``Scheduler.abort``. Well under a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pcgspec.engine.kv_pool import PagePool
+from pcgspec.engine.request import Request, RequestStatus
+from pcgspec.engine.scheduler import Scheduler
+from pcgspec.sampling_params import SamplingParams
+from pcgspec.server.deltas import SeqTracker
+from pcgspec.server.protocol import (
+    ApiError,
+    Limits,
+    check_prompt_length,
+    parse_chat,
+    parse_completion,
+)
+
+LIMITS = Limits("m", vocab_size=1000, context_length=128)
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        ({"prompt": "x", "model": "other"}, "model", 404),
+        ({"prompt": "x", "model": 3}, "model", 400),
+        ({"prompt": ""}, None, None),  # empty text is caught after tokenizing
+        ({"prompt": []}, "prompt", 400),
+        ({"prompt": [1, 1000]}, "prompt", 400),
+        ({"prompt": [1, True]}, "prompt", 400),
+        ({"prompt": "x", "n": 0}, "n", 400),
+        ({"prompt": ["x"] * 200, "n": 2}, "n", 400),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature", 400),
+        ({"prompt": "x", "temperature": 10**400}, "temperature", 400),
+        ({"prompt": "x", "top_p": 0}, "top_p", 400),
+        ({"prompt": "x", "top_k": 0}, "top_k", 400),
+        ({"prompt": "x", "seed": 2**63}, "seed", 400),
+        ({"prompt": "x", "max_tokens": 129}, "max_tokens", 400),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", 400),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", 400),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", 400),
+        ({"prompt": "x", "echo": True}, "echo", 400),
+        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", 400),
+        ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", 400),
+        ({"prompt": "\ud800"}, "prompt", 400),
+        ({"prompt": "x", "stop": ["\udfff"]}, "stop", 400),
+    ],
+)
+def test_completion_validation_names_the_field(body, param, status):
+    if status is None:
+        assert parse_completion(body, LIMITS).prompts == ("",)
+        return
+    with pytest.raises(ApiError) as info:
+        parse_completion(body, LIMITS)
+    assert (info.value.status, info.value.param) == (status, param)
+    assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_valid_requests_parse():
+    req = parse_completion(
+        {
+            "prompt": [[1, 2], "a"],
+            "n": 2,
+            "seed": -5,
+            "stop": "\n",
+            "max_tokens": 7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        LIMITS,
+    )
+    assert req.prompts == ([1, 2], "a") and req.params.n == 2 and req.include_usage
+    assert req.params.stop_strings == ("\n",) and req.params.max_tokens == 7
+    chat = parse_chat(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "max_tokens": 3,
+            "max_completion_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        LIMITS,
+    )
+    assert chat.messages == ({"role": "user", "content": "ab"},)
+    assert chat.params.max_tokens == 5 and chat.params.logprobs == 2
+    assert parse_chat({"messages": USER}, LIMITS).params.max_tokens is None
+
+
+def test_chat_validation_and_prompt_length():
+    for body, param in [
+        ({"messages": []}, "messages"),
+        ({"messages": [3]}, "messages[0]"),
+        ({"messages": USER, "top_logprobs": 1}, "top_logprobs"),
+    ]:
+        with pytest.raises(ApiError) as info:
+            parse_chat(body, LIMITS)
+        assert info.value.param == param
+    check_prompt_length(100, 28, 128)
+    for n, max_tokens, param in [(128, None, "prompt"), (100, 29, "max_tokens"), (0, 1, "prompt")]:
+        with pytest.raises(ApiError) as info:
+            check_prompt_length(n, max_tokens, 128)
+        assert info.value.param == param and (n == 0 or "128" in info.value.message)
+
+
+class _CharDetokenizer:
+    """One character per token id."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add_token(self, token_id: int) -> str:
+        self.text += chr(token_id)
+        return chr(token_id)
+
+
+def _request(group: str, index: int, params: SamplingParams) -> Request:
+    return Request(
+        f"{group}-{index}",
+        [1, 2, 3],
+        params,
+        0,
+        _CharDetokenizer(),
+        100,
+        group_id=group,
+        index=index,
+    )
+
+
+def test_streamed_text_is_a_prefix_of_the_final_text_with_stop_strings():
+    req = _request("r", 0, SamplingParams(stop=["xyz", "q"], max_tokens=50))
+    tracker = SeqTracker(req)
+    sent, held = "", []
+    for ch in "abxy xyxyz!":
+        req.append_token(ord(ch), frozenset())
+        delta = tracker.delta()
+        sent += delta.text if delta else ""
+        held.append(len(req.text) - len(sent))
+        assert req.text.startswith(sent)
+        if req.finished:
+            break
+    assert req.finish_reason == "stop" and sent == req.text == "abxy xy"
+    assert max(held) == 2 and tracker.delta() is None and tracker.done
+
+
+def test_scheduler_abort_frees_pages_at_once():
+    pool = PagePool(8)
+    sched = Scheduler(pool, page_size=2, max_running_requests=8, prefill_token_budget=64)
+    group = [_request("a", i, SamplingParams()) for i in range(2)]
+    other = _request("b", 0, SamplingParams())
+    for req in [*group, other]:
+        sched.add(req)
+    assert sched.schedule() is not None and pool.num_free == 2  # 3 requests x 2 pages
+    aborted = sched.abort("a")
+    assert aborted == group and pool.num_free == 6
+    assert all(r.finish_reason == "abort" and r.pages == [] for r in group)
+    assert all(r.status is RequestStatus.FINISHED for r in group)
+    assert list(sched.waiting) == [other] and sched.abort("a") == []
