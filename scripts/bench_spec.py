@@ -5,7 +5,12 @@ the average accept length (accepted drafts + 1 bonus per verify step). Prompts a
 to repeat text, where prompt lookup (NGRAM) helps; ``--prompts general`` uses open questions.
 Medians over repeats; writes JSON.
 
-    python scripts/bench_spec.py --methods NGRAM --batch-sizes 1,16
+Drafts: EAGLE3 and NEXTN run untrained heads written in the published layouts (accept length
+about 1: they measure the cost of drafting and verifying, not a trained head's gain), unless
+``--eagle3-draft`` / ``--nextn-draft`` name checkpoints; STANDALONE runs ``--standalone-draft``,
+by default the target itself (every draft accepted: the ceiling of the method).
+
+    python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,NEXTN --batch-sizes 1,16
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+UNTRAINED = "untrained"
 REPEAT_PROMPTS = [
     "Repeat exactly: the quick brown fox jumps over the lazy dog near the river bank.",
     "Copy this code:\ndef add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
@@ -57,6 +63,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts", choices=("repeat", "general"), default="repeat")
+    p.add_argument("--standalone-draft", default=None, help="default: the target itself")
+    p.add_argument("--eagle3-draft", default=UNTRAINED)
+    p.add_argument("--nextn-draft", default=UNTRAINED)
     p.add_argument("--out", default="bench/results/spec.json")
     args = p.parse_args()
 
@@ -67,9 +76,11 @@ def main() -> None:
     # take mem_fraction_static of the whole GPU.
     base = {"dtype": args.dtype, "log_level": "warning", "max_total_tokens": 1 << 16}
     engines = {"none": LLM(args.model, **base)}
+    drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
         engines[method] = LLM(args.model, speculative_algorithm=method,
-                              speculative_num_steps=args.num_steps, **base)
+                              speculative_num_steps=args.num_steps,
+                              speculative_draft_model_path=drafts.get(method), **base)
     pool = REPEAT_PROMPTS if args.prompts == "repeat" else GENERAL_PROMPTS
     rows = []
     for bs in (int(b) for b in args.batch_sizes.split(",")):
@@ -95,9 +106,31 @@ def main() -> None:
     result = {"date": datetime.now(timezone.utc).isoformat(), "device": device,
               "torch": torch.__version__, "model": model, "dtype": str(config.torch_dtype),
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "num_steps": args.num_steps, "prompts": args.prompts, "rows": rows}
+              "num_steps": args.num_steps, "prompts": args.prompts, "drafts": drafts,
+              "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str]) -> dict:
+    """Draft folder per model-based method; untrained heads are written to a temp folder."""
+    import tempfile
+
+    from pcgspec.models.eagle3 import write_eagle3_checkpoint
+    from pcgspec.models.loader import load_config
+    from pcgspec.models.mtp import write_mtp_checkpoint
+
+    config, root = load_config(target_dir), Path(tempfile.mkdtemp(prefix="pcgspec-drafts-"))
+    paths = {"STANDALONE": args.standalone_draft or str(target_dir)}
+    if args.eagle3_draft == UNTRAINED:
+        paths["EAGLE3"] = str(write_eagle3_checkpoint(root / "eagle3", config, seed=0))
+    else:
+        paths["EAGLE3"] = args.eagle3_draft
+    if args.nextn_draft == UNTRAINED:
+        paths["NEXTN"] = str(write_mtp_checkpoint(root / "mtp", config, seed=0))
+    else:
+        paths["NEXTN"] = args.nextn_draft
+    return {m: paths[m] for m in methods if m in paths}
 
 
 if __name__ == "__main__":

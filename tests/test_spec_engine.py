@@ -142,9 +142,8 @@ def test_config_validation(smollm2_path):
         EngineConfig(speculative_num_steps=4)
     with pytest.raises(ValueError, match="speculative_num_steps"):
         EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=0)
-    for algorithm in ("EAGLE3", "NEXTN"):
+    for algorithm in ("EAGLE3", "NEXTN", "STANDALONE"):
         config = EngineConfig(model=str(smollm2_path), speculative_algorithm=algorithm,
-                              speculative_draft_model_path="draft")
-        with pytest.raises(ValueError, match=f"speculative_algorithm {algorithm} is not "
-                                             "implemented yet; supported: NGRAM, STANDALONE"):
+                              speculative_draft_model_path="/no/such/draft")
+        with pytest.raises(FileNotFoundError, match="/no/such/draft"):
             Engine(config)

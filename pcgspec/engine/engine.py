@@ -16,6 +16,7 @@ from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner
 from pcgspec.sampling.batch import SamplingBatch
@@ -23,7 +24,8 @@ from pcgspec.sampling.sampler import SamplerOutput
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
 from pcgspec.speculative.drafts import load_draft
-from pcgspec.speculative.worker import SpecWorker, check_implemented
+from pcgspec.speculative.model_proposer import ModelProposer
+from pcgspec.speculative.worker import SpecWorker
 
 logger = logging.getLogger("pcgspec")
 _SEED_MASK = (1 << 63) - 1
@@ -32,7 +34,6 @@ _SEED_MASK = (1 << 63) - 1
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        check_implemented(config.speculative_config)  # before the (slow) model load
         self.model_dir: Path = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         self.runner, draft = self._load_models(config)
@@ -50,6 +51,7 @@ class Engine:
             SpecWorker(spec, self.runner, self.scheduler, self.eos_token_ids, draft)
             if spec is not None else None
         )  # fmt: skip
+        self._capture_draft_graphs()
 
     def _load_models(self, config: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
         """The target's runner and, for a model-based drafter, the draft's. The draft loads
@@ -69,6 +71,18 @@ class Engine:
         draft_runner = DraftRunner(draft, runner.kv_cache.num_pages, runner.page_size,
                                    config.resolved_attention_backend, runner.device)
         return runner, draft_runner
+
+    def _capture_draft_graphs(self) -> None:
+        """CUDA: the k-1 one-token draft steps of a model drafter as graphs per batch size."""
+        worker, config = self.spec_worker, self.config
+        proposer = None if worker is None else worker.proposer
+        if (not isinstance(proposer, ModelProposer) or proposer.num_steps < 2
+                or self.runner.device.type != "cuda" or config.disable_cuda_graph):  # fmt: skip
+            return
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        proposer.graphs = DraftGraphRunner(proposer.runner, proposer.num_steps - 1, max_bs,
+                                           self.context_length)  # fmt: skip
+        proposer.graphs.capture()
 
     @property
     def context_length(self) -> int:

@@ -55,6 +55,20 @@ def decode_batch_sizes(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+@contextmanager
+def capture_stream(device: torch.device) -> Iterator[None]:
+    """Warm-ups and captures on a side stream (capture refuses the default stream)."""
+    if device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
 @dataclass(frozen=True)
 class _StaticBuffers:
     """The graph inputs: ``max_bs`` requests of ``n`` tokens each (N = max_bs * n rows);
@@ -148,7 +162,7 @@ class DecodeGraphRunner:
         self.buffers.seq_lens.zero_()
         order = self.batch_sizes[::-1]
         what = f"{self.mode.name.lower()} graphs"
-        with self._capture_stream():
+        with capture_stream(self.device):
             for bs in tqdm(order, desc=f"Capturing {what}", unit="bucket"):
                 self._capture_one(bs)
         logger.info(
@@ -190,19 +204,6 @@ class DecodeGraphRunner:
             capture_hidden_mode=self.capture_hidden_mode,
             spec_num_draft_tokens=n if verify else 0,
         )
-
-    @contextmanager
-    def _capture_stream(self) -> Iterator[None]:
-        """Warm-ups and captures on a side stream (capture refuses the default stream)."""
-        if self.device.type != "cuda":
-            yield
-            return
-        current = torch.cuda.current_stream(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            yield
-        current.wait_stream(stream)
 
     def _reserved_bytes(self) -> int:
         if self.device.type != "cuda":

@@ -8,6 +8,7 @@ from torch import nn
 
 from pcgspec.config import EngineConfig
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
+from pcgspec.models.registry import DRAFT_HEAD_REGISTRY
 from pcgspec.speculative.config import SpeculativeConfig
 from pcgspec.speculative.draft_runner import StandaloneDraft
 
@@ -20,15 +21,8 @@ def load_draft(spec: SpeculativeConfig, config: EngineConfig, target: nn.Module)
         draft = load_model(path, dtype, device)
         check_same_vocabulary(path, config, draft, target)
         return StandaloneDraft(draft)
-    if spec.algorithm == "EAGLE3":
-        from pcgspec.models.eagle3 import load_eagle3_head
-
-        return load_eagle3_head(resolve_model_dir(path), target, dtype, device)
-    if spec.algorithm == "NEXTN":
-        from pcgspec.models.mtp import load_mtp_head
-
-        return load_mtp_head(resolve_model_dir(path), target, dtype, device)
-    raise ValueError(f"speculative_algorithm {spec.algorithm} has no draft model")
+    load_head = DRAFT_HEAD_REGISTRY.get(spec.algorithm)  # EAGLE3, NEXTN
+    return load_head(resolve_model_dir(path), target, dtype, device)
 
 
 def check_same_vocabulary(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.draft_runner import DraftRunner
@@ -42,6 +43,7 @@ class ModelProposer(Proposer):
         self.runner = runner
         self.num_steps = num_steps
         self.uses_target_hidden = runner.uses_target_hidden
+        self.graphs: DraftGraphRunner | None = None  # the k-1 draft steps, captured (CUDA)
         # NOTE: keyed by the Request object: a finished or aborted request's state goes with it.
         self._states: weakref.WeakKeyDictionary[object, DraftState] = weakref.WeakKeyDictionary()
 
@@ -74,18 +76,32 @@ class ModelProposer(Proposer):
         extend, hidden = self._catch_up_batch(reqs, states)
         logits_hidden, next_hidden = self.runner.forward(extend, hidden)
         rows = extend.logits_indices
-        tokens = [self._greedy(logits_hidden[rows])]
-        hidden = next_hidden[rows]
-        decode = self._first_decode_batch(reqs, extend)
-        for step in range(self.num_steps - 1):
-            decode = dataclasses.replace(_advance(decode) if step else decode,
-                                         input_ids=tokens[-1])  # fmt: skip
-            logits_hidden, hidden = self.runner.forward(decode, hidden)
-            tokens.append(self._greedy(logits_hidden))
+        first = self._greedy(logits_hidden[rows])
+        drafts = first[:, None]
+        if self.num_steps > 1:
+            decode = self._first_decode_batch(reqs, extend)
+            rest = self._draft_steps(decode, first, next_hidden[rows])
+            drafts = torch.cat([drafts, rest], dim=1)  # [B, k]
         for state, seq_len in zip(states, extend.seq_lens_cpu):
             state.computed, state.pending = seq_len, None
-        drafts = torch.stack(tokens, dim=1)  # [B, k]
-        return DraftProposal(drafts, torch.full_like(drafts[:, 0], self.num_steps))
+        return DraftProposal(drafts, torch.full_like(first, self.num_steps))
+
+    def _draft_steps(
+        self, decode: ForwardBatch, tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The k-1 one-token draft steps after the catch-up: ``[B, k-1]`` (a graph replay when
+        one is captured for the batch size).
+        """
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(decode.batch_size, max(decode.seq_lens_cpu)):
+            return graphs.run(tokens, hidden, decode.positions, decode.page_table)
+        out = []
+        for step in range(self.num_steps - 1):
+            decode = dataclasses.replace(_advance(decode) if step else decode, input_ids=tokens)
+            logits_hidden, hidden = self.runner.forward(decode, hidden)
+            tokens = self._greedy(logits_hidden)
+            out.append(tokens)
+        return torch.stack(out, dim=1)
 
     def _greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
         return self.runner.draft.compute_logits(logits_hidden).argmax(dim=-1)

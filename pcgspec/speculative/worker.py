@@ -38,15 +38,6 @@ from pcgspec.speculative.draft_runner import DraftRunner
 from pcgspec.speculative.model_proposer import ModelProposer
 from pcgspec.speculative.ngram import NgramProposer
 
-IMPLEMENTED_ALGORITHMS = ("NGRAM", "STANDALONE")
-
-
-def check_implemented(config: SpeculativeConfig | None) -> None:
-    """Raise ``ValueError`` for an algorithm the config accepts but the engine cannot run."""
-    if config is not None and config.algorithm not in IMPLEMENTED_ALGORITHMS:
-        raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented yet; "
-                         f"supported: {', '.join(IMPLEMENTED_ALGORITHMS)}")  # fmt: skip
-
 
 class SpecWorker:
     def __init__(
@@ -57,7 +48,6 @@ class SpecWorker:
         eos_token_ids: frozenset[int],
         draft: DraftRunner | None = None,
     ) -> None:
-        check_implemented(config)
         if (draft is None) != (config.algorithm == "NGRAM"):
             raise ValueError(f"{config.algorithm} needs a draft model exactly when it is not NGRAM")
         self.num_steps = config.num_steps

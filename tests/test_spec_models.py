@@ -1,0 +1,182 @@
+"""Model-based speculative decoding (STANDALONE, EAGLE3, NEXTN) end to end on the real SmolLM2
+(CPU, float32): greedy (also with a repetition penalty) and seeded output equal plain decoding,
+stops inside accepted runs, KV bookkeeping with preemption, draft graphs, the draft checks.
+
+Drafts: STANDALONE uses SmolLM2 cut to its first 2 layers (cheap, and it disagrees often) and
+SmolLM2 itself (every draft accepted); EAGLE3 (reduced draft vocabulary) and NEXTN use untrained
+heads written in the published layouts, which prove losslessness and plumbing, not acceptance.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from oracle import PROMPTS as ALL_PROMPTS
+from oracle import assert_greedy_match
+from test_models import tiny_hf_model
+
+from pcgspec import LLM, SamplingParams
+from pcgspec.models.eagle3 import write_eagle3_checkpoint
+from pcgspec.models.loader import load_config
+from pcgspec.models.mtp import write_mtp_checkpoint
+from pcgspec.runners.draft_graph_runner import DraftGraphRunner
+
+K = 3
+NEW_TOKENS = 64
+PROMPTS = ALL_PROMPTS[:8] + [
+    "Repeat exactly: the old lighthouse keeper climbed the stairs every night to light the "
+    "lamp. The old lighthouse keeper",
+    "a b c d e f g h a b c d e f g h a b",
+]
+ALGORITHMS = ("STANDALONE", "EAGLE3", "NEXTN")
+
+
+@pytest.fixture(scope="module")
+def drafts(smollm2_path, tmp_path_factory) -> dict[str, str]:
+    """A draft folder per algorithm."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("drafts")
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    model.save_pretrained(root / "standalone")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2_path / name).is_file():
+            shutil.copy(smollm2_path / name, root / "standalone" / name)
+    config = load_config(smollm2_path)
+    write_eagle3_checkpoint(root / "eagle3", config, seed=0, draft_vocab_size=4096)
+    write_mtp_checkpoint(root / "mtp", config, seed=0, layout="deepseek")
+    return {"STANDALONE": str(root / "standalone"), "EAGLE3": str(root / "eagle3"),
+            "NEXTN": str(root / "mtp")}
+
+
+def spec_llm(smollm2_path, algorithm: str, draft, **kw) -> LLM:
+    return LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
+               speculative_draft_model_path=str(draft), speculative_num_steps=K, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path) -> LLM:
+    return LLM(str(smollm2_path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(llm) -> list:
+    return llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+
+
+@pytest.fixture(scope="module", params=ALGORITHMS)
+def spec(request, smollm2_path, drafts) -> LLM:
+    return spec_llm(smollm2_path, request.param, drafts[request.param])
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def _assert_all_free(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pages.num_free == engine.pages.num_pages
+
+
+def _assert_same_greedy(llm, hf_model, prompts, want, got) -> None:
+    tok = llm.get_tokenizer()
+    for prompt, w, g in zip(prompts, want, got):
+        assert len(g.token_ids) == len(w.token_ids)
+        assert_greedy_match(hf_model, tok.encode(prompt), g.token_ids, w.token_ids)
+
+
+def test_greedy_equals_plain(llm, spec, plain_outputs, hf_model):
+    outs = spec.generate(PROMPTS, _greedy(), use_tqdm=False)
+    _assert_same_greedy(llm, hf_model, PROMPTS, plain_outputs, outs)
+    assert all(o.metrics.spec_verify_steps > 0 for o in outs)
+    _assert_all_free(spec)
+
+
+def test_greedy_with_repetition_penalty_and_seeded_sampling(llm, spec, hf_model):
+    prompts, params = PROMPTS[-4:], _greedy(24, repetition_penalty=1.2)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    _assert_same_greedy(llm, hf_model, prompts, want, spec.generate(prompts, params,
+                                                                     use_tqdm=False))
+    sampled = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24, ignore_eos=True,
+                              **({"top_p": 0.9, "top_k": 40} if i % 2 else {}))
+               for i in range(3)] + [_greedy(24)]  # a greedy request in a sampled batch
+    want = llm.generate(prompts, sampled, use_tqdm=False)
+    for w, g in zip(want, spec.generate(prompts, sampled, use_tqdm=False)):
+        assert g.token_ids == w.token_ids
+
+
+def test_self_draft_accepts_everything_and_stops_inside_runs(smollm2_path, llm):
+    """The target as its own draft: every draft is accepted, so stops land inside accepted
+    runs and max_tokens cuts runs short.
+    """
+    spec = spec_llm(smollm2_path, "STANDALONE", smollm2_path)
+    prompt = "1, 2, 3, 4, 5,"
+    base = llm.generate(prompt, _greedy(24), use_tqdm=False)[0]
+    out = spec.generate(prompt, _greedy(24), use_tqdm=False)[0]
+    assert out.token_ids == base.token_ids and out.metrics.avg_spec_accept_length == K + 1
+    out = spec.generate(prompt, _greedy(24, stop=[" 8,"]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == base.text[: base.text.index(" 8,")]
+    for max_tokens in (1, K, K + 1, K + 2, 2 * K + 1):
+        out = spec.generate(prompt, _greedy(max_tokens), use_tqdm=False)[0]
+        assert out.token_ids == base.token_ids[:max_tokens] and out.finish_reason == "length"
+    _assert_all_free(spec)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3"])
+def test_preemption_restarts_the_draft(smollm2_path, drafts, llm, hf_model, algorithm):
+    """10 pages of 16 tokens for 4 requests: steps fall back or preempt, and a preempted
+    request's draft starts over from its new prefill (EAGLE3: with fresh hidden states).
+    """
+    small = spec_llm(smollm2_path, algorithm, drafts[algorithm], max_total_tokens=160)
+    prompts = PROMPTS[-4:]
+    want = llm.generate(prompts, _greedy(40), use_tqdm=False)
+    outs = small.generate(prompts, _greedy(40), use_tqdm=False)
+    _assert_same_greedy(llm, hf_model, prompts, want, outs)
+    assert small.engine.scheduler.num_preemptions > 0
+    _assert_all_free(small)
+
+
+def test_draft_graphs_replay_like_eager_drafting(spec, plain_outputs):
+    """The k-1 draft steps from per-batch-size graphs (eager stand-in on CPU) give the same
+    drafts, hence the same accept counts, as eager drafting; batch 3 replays the bucket of 4.
+    """
+    proposer = spec.engine.spec_worker.proposer
+    prompts, params = PROMPTS[:3], _greedy(16)
+    eager = spec.generate(prompts, params, use_tqdm=False)
+    proposer.graphs = DraftGraphRunner(proposer.runner, K - 1, max_bs=4, max_seq_len=2048)
+    try:
+        proposer.graphs.capture()
+        graphed = spec.generate(prompts, params, use_tqdm=False)
+        assert proposer.graphs.num_replays > 0 and sorted(proposer.graphs.graphs) == [1, 2, 4]
+    finally:
+        proposer.graphs = None
+    for e, g, want in zip(eager, graphed, plain_outputs):
+        assert g.token_ids == e.token_ids == want.token_ids[:16]
+        assert g.metrics.spec_accepted_per_position == e.metrics.spec_accepted_per_position
+
+
+def test_every_page_free_after_mixed_requests(spec):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+    params = [_greedy(1 + i % 6) if i % 2 else SamplingParams(temperature=0.8, max_tokens=6)
+              for i in range(24)]
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert all(o.finished and len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params))
+    _assert_all_free(spec)
+
+
+def test_standalone_vocabulary_must_match(smollm2_path, tmp_path):
+    tiny_hf_model("LlamaConfig").save_pretrained(tmp_path)  # vocabulary 256
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens but the target has 49152"):
+        spec_llm(smollm2_path, "STANDALONE", tmp_path)
