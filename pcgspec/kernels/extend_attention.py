@@ -194,10 +194,7 @@ class ExtendPlan:
     qk_scale: float  # softmax scale * log2(e)
     grid: tuple[int, int, int]
     constants: dict[str, Any]  # constexprs, num_warps, num_stages
-
-    @property
-    def empty(self) -> bool:
-        return math.prod(self.grid) == 0
+    empty: bool  # nothing to launch
 
 
 def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
@@ -228,27 +225,21 @@ def plan_extend(
     """Plan the launches of a pass whose requests extend by ``extend_lens`` (host ints) tokens,
     packed in that order into the first ``sum(extend_lens)`` of ``num_rows`` rows.
     """
-    num_real, max_len = sum(extend_lens), max(extend_lens, default=0)
-    _require(min(extend_lens, default=0) >= 0, f"extend_lens must be >= 0, got {extend_lens}")
-    _require(num_rows >= num_real, f"num_rows {num_rows} < sum(extend_lens) {num_real}")
-    _require(num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
-             f"query heads {num_heads} must be a multiple of kv heads {num_kv_heads}")  # fmt: skip
-    _require(1 <= head_dim <= 256, f"head_dim must be in 1..256, got {head_dim}")
-    _require(page_size >= 1, f"page_size must be >= 1, got {page_size}")
-    _require(dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {dtype}")
-    group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    _check_plan(extend_lens, num_rows, num_heads, num_kv_heads, head_dim, dtype, page_size)
+    num_real, max_len, group = (
+        sum(extend_lens),
+        max(extend_lens, default=0),
+        num_heads // num_kv_heads,
+    )
+    block_d = max(16, _pow2(head_dim))
     tile_m, tile_n, num_warps = _tiles(dtype, block_d)
-    block_m = block_m or min(tile_m, max(16, triton.next_power_of_2(max_len * group)))
+    block_m = block_m or min(tile_m, max(16, _pow2(max_len * group)))
     block_n = block_n or tile_n
     for name, size in (("block_m", block_m), ("block_n", block_n)):
-        _require(size >= 16 and size & (size - 1) == 0, f"{name} must be a power of 2 >= 16")
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of 2 >= 16, got {size}")
     pad = num_rows - num_real
-    grid = (
-        len(extend_lens) + (pad > 0),
-        num_kv_heads,
-        triton.cdiv(max(max_len, pad) * group, block_m),
-    )
+    grid = (len(extend_lens) + (pad > 0), num_kv_heads, -(-max(max_len, pad) * group // block_m))
     constants = dict(
         PAGE_SIZE=page_size, GROUP=group, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d, DOT_PREC=_dot_precision(dtype), HAS_PAD=pad > 0,
@@ -256,8 +247,32 @@ def plan_extend(
     )  # fmt: skip
     return ExtendPlan(
         num_rows, num_real, len(extend_lens), num_heads, num_kv_heads, head_dim, dtype, page_size,
-        scale * _LOG2E, grid, constants,
+        scale * _LOG2E, grid, constants, math.prod(grid) == 0,
     )  # fmt: skip
+
+
+def _check_plan(
+    extend_lens: Sequence[int], num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, page_size: int,
+) -> None:  # fmt: skip
+    # NOTE: runs once per pass: the messages are formatted on failure only.
+    if min(extend_lens, default=0) < 0:
+        raise ValueError(f"extend_lens must be >= 0, got {extend_lens}")
+    if num_rows < sum(extend_lens):
+        raise ValueError(f"num_rows {num_rows} < sum(extend_lens) {sum(extend_lens)}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} must be a multiple of kv heads {num_kv_heads}")
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be in 1..256, got {head_dim}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of 2 >= ``n`` (``triton.next_power_of_2`` without its call overhead)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _check_extend(
@@ -305,11 +320,11 @@ def extend_attention(
                       extend_lens, extend_start, plan)  # fmt: skip
     if plan.empty:
         return
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
     _extend_kernel[plan.grid](
         q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens, extend_lens,
-        extend_start, plan.qk_scale, plan.num_real, plan.num_rows, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        page_table.stride(0), **plan.constants,
+        extend_start, plan.qk_scale, plan.num_real, plan.num_rows, sq[0], sq[1], sk[0], sk[1],
+        sv[0], sv[1], so[0], so[1], page_table.stride(0), **plan.constants,
     )  # fmt: skip
 
 
