@@ -26,12 +26,18 @@ from pathlib import Path
 import torch
 
 UNTRAINED = "untrained"
-REPEAT_PROMPTS = [
-    "Repeat exactly: the quick brown fox jumps over the lazy dog near the river bank.",
-    "Copy this code:\ndef add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
-    "Quote the sentence twice: Knowledge is power, and power is responsibility.",
-    "Rewrite with the same words: Paris is the capital of France and its largest city.",
+_PASSAGES = [
+    "The quick brown fox jumps over the lazy dog near the river bank, while the old farmer "
+    "watches from his porch and drinks his morning coffee.",
+    "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+    "def sub(a, b):\n    return a - b\n",
+    "Knowledge is power, and power is responsibility. Those who learn must also teach, and "
+    "those who teach must never stop learning from their students.",
+    "Paris is the capital of France and its largest city. It sits on the Seine river, in the "
+    "north of the country, and is known for its museums and cafes.",
 ]
+# The model copies the passage (code editing, quoting): where prompt lookup (NGRAM) helps.
+REPEAT_PROMPTS = [f"Text: {p}\n\nThe same text, copied exactly:\nText: " for p in _PASSAGES]
 GENERAL_PROMPTS = ["Explain gravity to a child.", "List three prime numbers:",
                    "Write a haiku about the sea.", "What is 12 times 12?"]
 
