@@ -197,16 +197,16 @@ class ExtendPlan:
     empty: bool  # nothing to launch
 
 
-def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
-    """Largest BLOCK_M, BLOCK_N and num_warps that compile for sm_90 without register spills.
-
-    NOTE: fp32 runs its dots on CUDA cores (``ieee``), which needs far more registers.
-    """
+def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
+    """The largest BLOCK_M and BLOCK_N that compile for sm_90 without register spills."""
     if dtype == torch.float32:
-        return (64 if block_d <= 64 else 32), 32, 8
-    if block_d > 128:
-        return 64, 32, 8
-    return 128, 64, (4 if block_d <= 64 else 8)
+        return (64 if block_d <= 64 else 32), 32
+    return (128, 64) if block_d <= 128 else (64, 32)
+
+
+def _num_warps(dtype: torch.dtype, block_m: int, block_d: int) -> int:
+    # NOTE: fp32 runs its dots on CUDA cores (``ieee``): 8 warps' registers at any tile size.
+    return 8 if dtype == torch.float32 or (block_m >= 64 and block_d > 64) else 4
 
 
 def plan_extend(
@@ -232,7 +232,7 @@ def plan_extend(
         num_heads // num_kv_heads,
     )
     block_d = max(16, _pow2(head_dim))
-    tile_m, tile_n, num_warps = _tiles(dtype, block_d)
+    tile_m, tile_n = _tiles(dtype, block_d)
     block_m = block_m or min(tile_m, max(16, _pow2(max_len * group)))
     block_n = block_n or tile_n
     for name, size in (("block_m", block_m), ("block_n", block_n)):
@@ -243,7 +243,7 @@ def plan_extend(
     constants = dict(
         PAGE_SIZE=page_size, GROUP=group, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d, DOT_PREC=_dot_precision(dtype), HAS_PAD=pad > 0,
-        num_warps=num_warps, num_stages=2,
+        num_warps=_num_warps(dtype, block_m, block_d), num_stages=2,
     )  # fmt: skip
     return ExtendPlan(
         num_rows, num_real, len(extend_lens), num_heads, num_kv_heads, head_dim, dtype, page_size,
