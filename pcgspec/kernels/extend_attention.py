@@ -123,6 +123,16 @@ def _attend_new(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _zero_rows(
+    Out, row, keep, head, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    d = tl.arange(0, BLOCK_D)
+    offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    mask = keep[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(Out + offs, tl.zeros_like(offs).to(Out.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_real", "num_rows"])
 def _extend_kernel(
     Q, K, V, Out, KCache, VCache, Loc, PageTable, SeqLens, ExtendLens, ExtendStart, qk_scale,
@@ -142,9 +152,7 @@ def _extend_kernel(
     if HAS_PAD:
         if b == tl.num_programs(0) - 1:  # the padding program: zero rows num_real .. num_rows
             pad = (num_real + rows // GROUP).to(tl.int64)
-            offs = pad[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            mask = (pad < num_rows)[:, None] & (d < HEAD_DIM)[None, :]
-            tl.store(Out + offs, tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty), mask=mask)
+            _zero_rows(Out, pad, pad < num_rows, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_D)
             return
     ext_len = tl.load(ExtendLens + b)
     if r0 >= ext_len * GROUP:
