@@ -6,6 +6,10 @@ the module (SmolLM2, float32 on CPU); about 60 s on the 2-core CI machine.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -15,6 +19,7 @@ from server_process import API_KEY, MODEL, ServerProcess
 
 GREEDY = {"temperature": 0.0}
 IGNORE_EOS = {"ignore_eos": True}
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +261,36 @@ def test_server_info(server):
     assert {"avg_spec_accept_length", "piecewise", "kv", "num_running", "num_waiting"} <= set(state)
     assert state["piecewise"]["runs"] > 0 and "too_many_tokens" in state["piecewise"]["fallbacks"]
     assert state["kv"]["total_pages"] > 0 and state["engine_alive"]
+
+
+def test_bench_serving_smoke(server, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serving", bench)  # NOTE: dataclasses look it up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "serving.json"
+    record = bench.main(
+        [
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "4",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
+    assert record["successful_requests"] == 4 and record["total_output_tokens"] == 16
+    assert record["total_input_tokens"] == 64 and json.loads(out.read_text())["model"] == MODEL
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        assert set(record[name]) == {"mean_ms", "p50_ms", "p90_ms", "p99_ms"}
+    assert record["ttft"]["p50_ms"] > 0 and record["output_token_throughput"] > 0

@@ -1,0 +1,316 @@
+"""Load-test an OpenAI-compatible server, like ``vllm bench serve``.
+
+Sends ``--num-prompts`` streaming requests at ``--request-rate`` (Poisson arrivals; ``inf``
+sends all at once), at most ``--max-concurrency`` at a time, and reports TTFT, TPOT (per output
+token after the first), ITL (between two token-bearing chunks), end-to-end latency (mean,
+p50/p90/p99), request and token throughput, and the speculative accept length over the run
+(from ``/server_info``). Prompts: ``random`` token ids of ``--random-input-len`` (completions
+only; exact lengths), ``builtin`` questions, or a file (one prompt per line, or JSONL with a
+"prompt" field). ``--launch`` starts ``pcgspec serve`` first (and stops it after).
+
+    python scripts/bench_serving.py --launch --server-args "--dtype float32" \\
+        --num-prompts 32 --max-concurrency 8 --random-input-len 64 --random-output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+BUILTIN = [
+    "Explain gravity to a child.",
+    "Write a haiku about the sea.",
+    "List three prime numbers and say why they are prime.",
+    "What is 12 times 12?",
+    "Describe Paris in two sentences.",
+    "Write a Python function that reverses a list.",
+]
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    rng = random.Random(args.seed)
+    if args.dataset == "random":
+        lo, hi = args.random_token_range
+        return [
+            [rng.randrange(lo, hi) for _ in range(args.random_input_len)]
+            for _ in range(args.num_prompts)
+        ]
+    if args.dataset == "builtin":
+        pool = BUILTIN
+    else:
+        lines = [ln for ln in Path(args.dataset).read_text().splitlines() if ln.strip()]
+        pool = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    return [pool[i % len(pool)] for i in range(args.num_prompts)]
+
+
+def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": args.random_output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": args.ignore_eos,
+    }
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:
+    start = time.perf_counter()
+    res, last = Result(ok=False), None
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                return Result(ok=False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if not any(_has_text(c) for c in chunk.get("choices", [])):
+                    continue
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = res.output_tokens > 0
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        res.error = repr(e)
+    return res
+
+
+def _has_text(choice: dict[str, Any]) -> bool:
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+async def run_load(
+    args: argparse.Namespace, model: str, prompts: list[str | list[int]]
+) -> tuple[list[Result], float]:
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    url = args.base_url + path
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    rng = random.Random(args.seed + 1)
+    timeout = aiohttp.ClientTimeout(total=None)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
+        for _ in range(args.warmup):
+            await one_request(s, url, request_body(args, model, prompts[0]))
+
+        async def limited(prompt: str | list[int]) -> Result:
+            async with limit:
+                return await one_request(s, url, request_body(args, model, prompt))
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    """Mean and percentiles in milliseconds."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    return {
+        "mean_ms": statistics.fmean(values) * 1e3,
+        "p50_ms": statistics.median(values) * 1e3,
+        "p90_ms": pct(0.9),
+        "p99_ms": pct(0.99),
+    }
+
+
+def summarize(results: list[Result], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "successful_requests": len(ok),
+        "failed_requests": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft": _dist([r.ttft for r in ok]),
+        "tpot": _dist(tpots),
+        "itl": _dist([x for r in ok for x in r.itls]),
+        "e2e": _dist([r.e2e for r in ok]),
+    }
+
+
+def _get_json(base_url: str, path: str, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(base_url + path, headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def spec_counters(base_url: str) -> tuple[int, int]:
+    """(verify steps, accepted drafts) so far; zeros without speculation or /server_info."""
+    try:
+        spec = _get_json(base_url, "/server_info")["internal_states"][0]["speculative"]
+    except (OSError, KeyError, IndexError, ValueError):
+        return 0, 0
+    return spec.get("verify_steps", 0), spec.get("accepted_draft_tokens", 0)
+
+
+def print_report(summary: dict[str, Any]) -> None:
+    print(f"{' Serving Benchmark Result ':=^60}")
+    for key in (
+        "successful_requests",
+        "failed_requests",
+        "duration_s",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_token_throughput",
+        "total_token_throughput",
+        "avg_spec_accept_length",
+    ):
+        value = summary.get(key)
+        print(f"{key:<44}{value:>16.2f}" if isinstance(value, float) else f"{key:<44}{value!s:>16}")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        print(f"{' ' + name.upper() + ' ':-^60}")
+        for stat, value in summary[name].items():
+            print(f"{name} {stat:<39}{value:>16.2f}")
+    print("=" * 60)
+
+
+def launch(args: argparse.Namespace) -> subprocess.Popen:
+    port = args.base_url.rsplit(":", 1)[-1].split("/")[0]
+    cmd = [sys.executable, "-m", "pcgspec", "serve", "--port", port, *shlex.split(args.server_args)]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            _get_json(args.base_url, "/health")
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not come up: {shlex.join(cmd)}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", default="random", help="random | builtin | a prompt file")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--random-input-len", type=int, default=64)
+    p.add_argument("--random-output-len", type=int, default=32, help="max_tokens per request")
+    p.add_argument("--random-token-range", type=int, nargs=2, default=(1000, 20000))
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--launch", action="store_true", help="start `pcgspec serve` first")
+    p.add_argument("--server-args", default="", help="flags for the launched server")
+    p.add_argument("--device-label", default=None, help="what the JSON calls the device")
+    p.add_argument("--out", default=None, help="write the JSON summary here")
+    args = p.parse_args(argv)
+    if args.dataset == "random" and args.endpoint == "chat":
+        p.error("--dataset random sends token ids: use --endpoint completions")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    server = launch(args) if args.launch else None
+    try:
+        model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
+        prompts = load_prompts(args)
+        steps0, accepted0 = spec_counters(args.base_url)
+        results, duration = asyncio.run(run_load(args, model, prompts))
+        steps, accepted = (a - b for a, b in zip(spec_counters(args.base_url), (steps0, accepted0)))
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+    summary = summarize(results, duration)
+    summary["avg_spec_accept_length"] = (accepted + steps) / steps if steps else None
+    summary["medians_ms"] = {k: summary[k].get("p50_ms") for k in ("ttft", "tpot", "itl", "e2e")}
+    print_report(summary)
+    record = {
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": args.device_label,
+        "host": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "load_average_before_after": [load_before, os.getloadavg()],
+        "torch": _torch_version(),
+        "model": model,
+        "command": shlex.join(["scripts/bench_serving.py", *(argv or sys.argv[1:])]),
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        **summary,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
+
+def _torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.__version__
+
+
+if __name__ == "__main__":
+    main()
