@@ -8,15 +8,13 @@ the Triton launches each decoder layer makes.
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import cProfile
 import dataclasses
 import os
 import pstats
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,28 +25,9 @@ if not torch.cuda.is_available():  # NOTE: before any kernel module is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ttft import engine_config, prefill_batch  # noqa: E402
 
+from pcgspec.kernels.launches import count_triton_launches  # noqa: E402
 from pcgspec.models.random_weights import random_model  # noqa: E402
 from pcgspec.runners.model_runner import ModelRunner  # noqa: E402
-
-
-@contextlib.contextmanager
-def count_triton_launches() -> Iterator[collections.Counter[str]]:
-    """Counts ``kernel[grid](...)`` launches by kernel name, compiled or interpreted."""
-    from pcgspec.kernels import extend_attention
-
-    kernel_type = type(extend_attention._extend_kernel)  # JITFunction or InterpretedFunction
-    counts: collections.Counter[str] = collections.Counter()
-    run = kernel_type.run
-
-    def counting_run(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        counts[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-
-    kernel_type.run = counting_run
-    try:
-        yield counts
-    finally:
-        kernel_type.run = run
 
 
 def parse_args() -> argparse.Namespace:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,9 +17,9 @@ from pcgspec.attention.torch_backend import TorchAttentionBackend
 from pcgspec.attention.triton_backend import TritonAttentionBackend
 from pcgspec.compile import custom_ops  # noqa: F401  (registers torch.ops.pcgspec.attention)
 from pcgspec.compile.forward_context import forward_context
-from pcgspec.kernels import extend_attention as extend_attention_module
 from pcgspec.kernels.attention import decode_attention, decode_attention_ref, store_kv, store_kv_ref
 from pcgspec.kernels.extend_attention import extend_attention, extend_attention_ref, plan_extend
+from pcgspec.kernels.launches import count_triton_launches
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
@@ -290,18 +291,10 @@ LAUNCHES_PER_LAYER = {  # NOTE: the extend path is one fused launch per layer
 
 
 @pytest.fixture
-def triton_launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+def triton_launches() -> Iterator[collections.Counter[str]]:
     """Triton kernel launches by kernel name (compiled or interpreted), while the test runs."""
-    counts: collections.Counter[str] = collections.Counter()
-    kernel_type = type(extend_attention_module._extend_kernel)
-    run = kernel_type.run
-
-    def counting_run(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        counts[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(kernel_type, "run", counting_run)
-    return counts
+    with count_triton_launches() as counts:
+        yield counts
 
 
 @pytest.mark.parametrize("case", list(BACKEND_CASES))

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 from pcgspec.kernels.attention import (
     _DTYPES,
@@ -203,6 +204,9 @@ class ExtendPlan:
     grid: tuple[int, int, int]
     constants: dict[str, Any]  # constexprs, num_warps, num_stages
     empty: bool  # nothing to launch
+    # NOTE: layer 0's compiled kernel and its pointer alignments, filled by its launch: later
+    # layers of the pass launch it directly (same ints, so the same specialization).
+    compiled: list[Any] = field(default_factory=list)
 
 
 def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
@@ -329,11 +333,18 @@ def extend_attention(
     if plan.empty:
         return
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    _extend_kernel[plan.grid](
-        q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens, extend_lens,
-        extend_start, plan.qk_scale, plan.num_real, plan.num_rows, sq[0], sq[1], sk[0], sk[1],
-        sv[0], sv[1], so[0], so[1], page_table.stride(0), **plan.constants,
-    )  # fmt: skip
+    tensors = (q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens, extend_lens,
+               extend_start)  # fmt: skip
+    args = (*tensors, plan.qk_scale, plan.num_real, plan.num_rows, sq[0], sq[1], sk[0], sk[1],
+            sv[0], sv[1], so[0], so[1], page_table.stride(0))  # fmt: skip
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    if plan.compiled and plan.compiled[1] == aligned:
+        plan.compiled[0][plan.grid](*args, *plan.compiled[2])
+        return
+    kernel = _extend_kernel[plan.grid](*args, **plan.constants)
+    if isinstance(kernel, CompiledKernel) and hasattr(kernel, "__getitem__"):
+        constexprs = [plan.constants[name] for name in _extend_kernel.arg_names[len(args) :]]
+        plan.compiled[:] = [kernel, aligned, constexprs]
 
 
 def extend_attention_ref(
