@@ -176,6 +176,22 @@ def test_every_page_free_after_mixed_requests(spec):
     _assert_all_free(spec)
 
 
+def test_logprobs_requests_fall_back_and_the_draft_keeps_up(llm, spec):
+    """While a request in the batch wants logprobs, the batch takes plain decode steps; EAGLE3 /
+    NEXTN still see the hidden state of every position, so once it finishes the other request
+    speculates from where the plain steps left it.
+    """
+    prompts = PROMPTS[-2:]
+    params = [_greedy(4, logprobs=2), _greedy(16)]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    before = spec.engine.spec_stats()["fallback_steps"]
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert len(got[0].logprobs) == 4 and got[1].metrics.spec_verify_steps > 0
+    assert spec.engine.spec_stats()["fallback_steps"] > before
+    _assert_all_free(spec)
+
+
 def test_standalone_vocabulary_must_match(smollm2_path, tmp_path):
     tiny_hf_model("LlamaConfig").save_pretrained(tmp_path)  # vocabulary 256
     with pytest.raises(ValueError, match="vocabulary of 256 tokens but the target has 49152"):
