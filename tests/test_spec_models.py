@@ -250,3 +250,35 @@ def test_cuda_memory_flat_over_1000_steps(smollm2_path, drafts):
             allocated.append(torch.cuda.memory_allocated())
     assert engine.spec_stats()["verify_steps"] >= 4 * 800
     assert allocated[1] - allocated[0] < 1 << 20, f"memory grew by {allocated[1] - allocated[0]}"
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN"])
+def test_tiny_targets_greedy_equal_plain(smollm2_path, tmp_path, algorithm):
+    """Tiny random targets: a MiMo checkpoint whose own MTP layer drafts (NEXTN, no draft path),
+    and a Llama with an EAGLE3 head; greedy output, also with a repetition penalty, equals plain
+    decoding. The SmolLM2 tokenizer stands in (prompt ids stay below the tiny vocabulary).
+    """
+    from pcgspec.models.random_weights import shape_config
+
+    config = shape_config("tiny")
+    if algorithm == "NEXTN":
+        target = write_mtp_checkpoint(tmp_path / "mimo", config, seed=1, layout="mimo")
+        draft = {}
+    else:
+        target = tmp_path / "llama"
+        tiny_hf_model("LlamaConfig").save_pretrained(target)  # context 128
+        draft = {"speculative_draft_model_path": str(
+            write_eagle3_checkpoint(tmp_path / "eagle3", load_config(target), seed=1))}
+    kw = {"dtype": "float32", "device": "cpu", "tokenizer": str(smollm2_path)}
+    plain = LLM(str(target), **kw)
+    spec = LLM(str(target), speculative_algorithm=algorithm, speculative_num_steps=K, **draft,
+               **kw)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (3, 17, 40, 9)]
+    for penalty in (1.0, 1.3):
+        params = _greedy(32, repetition_penalty=penalty)
+        want = plain.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_stats()["verify_steps"] > 0
+    _assert_all_free(spec)
