@@ -31,3 +31,11 @@ def smollm2_path():
     from pcgspec.models.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_path):
+    """transformers' SmolLM2 in float32: the oracle for greedy outputs and near-ties."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pcgspec import LLM, SamplingParams
+
 NEAR_TIE = 1e-4  # a greedy divergence is allowed only where the top-2 logit gap is below this
 
 # Varied prompts: prose, code, lists, arithmetic, other languages, markup.
@@ -63,3 +65,15 @@ def assert_greedy_match(hf_model, prompt_ids: Sequence[int], ours: Sequence[int]
             )
             return
     assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}"
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored)."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def assert_all_pages_free(llm: LLM) -> None:
+    """No request left queued or running and every KV page back in the pool."""
+    engine = llm.engine
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pages.num_free == engine.pages.num_pages

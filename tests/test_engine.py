@@ -19,13 +19,6 @@ def llm(smollm2_path) -> LLM:
 
 
 @pytest.fixture(scope="session")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
 def greedy_refs(llm, hf_model):
     tok = llm.get_tokenizer()
     return {p: hf_greedy(hf_model, tok.encode(p), NEW_TOKENS) for p in PROMPTS}

@@ -5,9 +5,8 @@ against plain decoding, stop handling, KV bookkeeping, metrics and config valida
 from __future__ import annotations
 
 import pytest
-import torch
 from oracle import PROMPTS as ALL_PROMPTS
-from oracle import assert_greedy_match
+from oracle import assert_all_pages_free, assert_greedy_match, greedy
 
 from pcgspec import LLM, SamplingParams
 from pcgspec.config import EngineConfig
@@ -34,21 +33,8 @@ def spec_llm(smollm2_path) -> LLM:
                speculative_num_steps=4)
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-
-
 def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def _assert_all_free(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.pages.num_free == engine.pages.num_pages
+    return greedy(max_tokens, **kw)
 
 
 @pytest.mark.parametrize("repetition_penalty", [1.0, 1.2])
@@ -64,7 +50,7 @@ def test_greedy_equals_plain_decoding(llm, spec_llm, hf_model, repetition_penalt
     if repetition_penalty == 1.0:  # the penalty makes the model avoid repeating the prompt
         for out in spec[-len(REPEAT_PROMPTS):]:
             assert out.metrics.avg_spec_accept_length > 1.0, out.text
-    _assert_all_free(spec_llm)
+    assert_all_pages_free(spec_llm)
 
 
 def test_accept_metrics(spec_llm):
@@ -103,7 +89,7 @@ def test_stop_string_and_max_tokens_inside_accepted_runs(llm, spec_llm):
     for max_tokens in range(1, 10):
         out = spec_llm.generate(REPEAT_PROMPTS[1], _greedy(max_tokens), use_tqdm=False)[0]
         assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
-    _assert_all_free(spec_llm)
+    assert_all_pages_free(spec_llm)
 
 
 def test_every_page_free_after_200_requests(spec_llm):
@@ -112,7 +98,7 @@ def test_every_page_free_after_200_requests(spec_llm):
               for i in range(200)]
     outs = spec_llm.generate(prompts, params, use_tqdm=False)
     assert all(o.finished and len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params))
-    _assert_all_free(spec_llm)
+    assert_all_pages_free(spec_llm)
 
 
 def test_fallbacks_logprobs_and_small_kv_pool(smollm2_path, llm, spec_llm, hf_model):
@@ -132,7 +118,7 @@ def test_fallbacks_logprobs_and_small_kv_pool(smollm2_path, llm, spec_llm, hf_mo
     for prompt, want, got in zip(prompts, ref, outs):
         assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, want.token_ids)
     assert small.engine.spec_stats()["fallback_steps"] > 0
-    _assert_all_free(small)
+    assert_all_pages_free(small)
 
 
 def test_config_validation(smollm2_path):

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from oracle import PROMPTS as ALL_PROMPTS
-from oracle import assert_greedy_match
+from oracle import assert_all_pages_free, assert_greedy_match, greedy
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
@@ -73,21 +73,8 @@ def spec(request, smollm2_path, drafts) -> LLM:
     return spec_llm(smollm2_path, request.param, drafts[request.param])
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-
-
 def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def _assert_all_free(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.pages.num_free == engine.pages.num_pages
+    return greedy(max_tokens, **kw)
 
 
 def _assert_same_greedy(llm, hf_model, prompts, want, got) -> None:
@@ -101,7 +88,7 @@ def test_greedy_equals_plain(llm, spec, plain_outputs, hf_model):
     outs = spec.generate(PROMPTS, _greedy(), use_tqdm=False)
     _assert_same_greedy(llm, hf_model, PROMPTS, plain_outputs, outs)
     assert all(o.metrics.spec_verify_steps > 0 for o in outs)
-    _assert_all_free(spec)
+    assert_all_pages_free(spec)
 
 
 def test_greedy_with_repetition_penalty_and_seeded_sampling(llm, spec, hf_model):
@@ -131,7 +118,7 @@ def test_self_draft_accepts_everything_and_stops_inside_runs(smollm2_path, llm):
     for max_tokens in (1, K, K + 1, K + 2, 2 * K + 1):
         out = spec.generate(prompt, _greedy(max_tokens), use_tqdm=False)[0]
         assert out.token_ids == base.token_ids[:max_tokens] and out.finish_reason == "length"
-    _assert_all_free(spec)
+    assert_all_pages_free(spec)
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE3"])
@@ -145,7 +132,7 @@ def test_preemption_restarts_the_draft(smollm2_path, drafts, llm, hf_model, algo
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
     _assert_same_greedy(llm, hf_model, prompts, want, outs)
     assert small.engine.scheduler.num_preemptions > 0
-    _assert_all_free(small)
+    assert_all_pages_free(small)
 
 
 def test_draft_graphs_replay_like_eager_drafting(spec, plain_outputs):
@@ -173,7 +160,7 @@ def test_every_page_free_after_mixed_requests(spec):
               for i in range(24)]
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert all(o.finished and len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params))
-    _assert_all_free(spec)
+    assert_all_pages_free(spec)
 
 
 def test_logprobs_requests_fall_back_and_the_draft_keeps_up(llm, spec):
@@ -189,7 +176,7 @@ def test_logprobs_requests_fall_back_and_the_draft_keeps_up(llm, spec):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert len(got[0].logprobs) == 4 and got[1].metrics.spec_verify_steps > 0
     assert spec.engine.spec_stats()["fallback_steps"] > before
-    _assert_all_free(spec)
+    assert_all_pages_free(spec)
 
 
 def test_standalone_vocabulary_must_match(smollm2_path, tmp_path):
@@ -229,7 +216,7 @@ def test_cuda_graphs_greedy_equals_plain(smollm2_path, drafts, cuda_plain, hf_mo
     assert proposer.graphs.num_replays > 0
     if algorithm == "STANDALONE":
         assert spec.engine.spec_stats()["avg_spec_accept_length"] > K  # near-ties aside: K + 1
-    _assert_all_free(spec)
+    assert_all_pages_free(spec)
 
 
 @pytest.mark.gpu
@@ -281,4 +268,4 @@ def test_tiny_targets_greedy_equal_plain(smollm2_path, tmp_path, algorithm):
         got = spec.generate(prompts, params, use_tqdm=False)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert spec.engine.spec_stats()["verify_steps"] > 0
-    _assert_all_free(spec)
+    assert_all_pages_free(spec)
