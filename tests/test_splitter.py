@@ -54,7 +54,13 @@ def dynamo_graph(module: nn.Module, *args: torch.Tensor) -> fx.GraphModule:
     for t in args:
         torch._dynamo.mark_dynamic(t, 0)
     compiled = torch.compile(module, backend=capture, fullgraph=True, dynamic=False)
-    with forward_context(None, FakeAttention()), torch.no_grad():  # type: ignore[arg-type]
+    # NOTE: engines built earlier in the session left entries on the same forward's code
+    # object; Dynamo's per-code limit (8) counts them too.
+    with (
+        torch._dynamo.config.patch(recompile_limit=64),
+        forward_context(None, FakeAttention()),  # type: ignore[arg-type]
+        torch.no_grad(),
+    ):
         compiled(*args)
     assert len(graphs) == 1
     return graphs[0]
