@@ -85,7 +85,7 @@ def _attend_tile(
     return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, MASK_KV or CAUSAL, DOT_PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pt"])  # vary per batch, as in extend
 def _split_kv_kernel(
     Q, KCache, VCache, MidO, MidLse, PageTable, SeqLens, qk_scale, num_heads, num_splits,
     stride_qt, stride_qh, stride_pt, stride_cs,
@@ -128,7 +128,7 @@ def _split_kv_kernel(
     tl.store(MidLse + mid, lse, mask=rows < TOKENS * GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_kv_reduce_kernel(
     MidO, MidLse, Out, num_heads, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -134,7 +134,9 @@ def _zero_rows(
     tl.store(Out + offs, tl.zeros_like(offs).to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_real", "num_rows"])
+# NOTE: ints that change from batch to batch are not specialized (Triton would compile a variant
+# per value class: == 1, multiple of 16, other), so a server's first batches compile nothing.
+@triton.jit(do_not_specialize=["num_real", "num_rows", "stride_pt"])
 def _extend_kernel(
     Q, K, V, Out, KCache, VCache, Loc, PageTable, SeqLens, ExtendLens, ExtendStart, qk_scale,
     num_real, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
