@@ -294,3 +294,24 @@ def test_bench_serving_smoke(server, tmp_path, monkeypatch):
     for name in ("ttft", "tpot", "itl", "e2e"):
         assert set(record[name]) == {"mean_ms", "p50_ms", "p90_ms", "p99_ms"}
     assert record["ttft"]["p50_ms"] > 0 and record["output_token_throughput"] > 0
+
+
+def test_speculative_server_matches_and_reports_accept_length(server, client):
+    """A second server with NGRAM: the same greedy text as the plain server, and the accept
+    length in /server_info and /metrics.
+    """
+    prompt = "a b c d e f g h a b c d e f g h a b"
+    params = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "extra_body": IGNORE_EOS}
+    want = client.completions.create(**params, **GREEDY).choices[0].text
+    spec = ServerProcess("--speculative-algorithm", "NGRAM", "--speculative-num-steps", "4")
+    try:
+        spec.wait_healthy()
+        spec_client = openai.OpenAI(base_url=spec.base_url + "/v1", api_key=API_KEY,
+                                    max_retries=0, timeout=120)
+        assert spec_client.completions.create(**params, **GREEDY).choices[0].text == want
+        accept = spec.internal_state()["avg_spec_accept_length"]
+        assert accept is not None and accept > 1
+        metrics = _scrape(spec)
+        assert metrics[f"pcgspec:spec_accept_length[('model_name', '{MODEL}')]"] == accept
+    finally:
+        spec.close()
