@@ -239,23 +239,29 @@ def test_cuda_memory_flat_over_1000_steps(smollm2_path, drafts):
     assert allocated[1] - allocated[0] < 1 << 20, f"memory grew by {allocated[1] - allocated[0]}"
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN"])
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "STANDALONE", "NGRAM"])
 def test_tiny_targets_greedy_equal_plain(smollm2_path, tmp_path, algorithm):
     """Tiny random targets: a MiMo checkpoint whose own MTP layer drafts (NEXTN, no draft path),
-    and a Llama with an EAGLE3 head; greedy output, also with a repetition penalty, equals plain
-    decoding. The SmolLM2 tokenizer stands in (prompt ids stay below the tiny vocabulary).
+    and a Llama with an EAGLE3 head, another tiny Llama (STANDALONE) or prompt lookup; greedy
+    output, also with a repetition penalty, equals plain decoding. The SmolLM2 tokenizer stands
+    in (prompt ids stay below the tiny vocabulary).
     """
     from pcgspec.models.random_weights import shape_config
 
-    config = shape_config("tiny")
+    target, draft = tmp_path / "llama", {}
     if algorithm == "NEXTN":
-        target = write_mtp_checkpoint(tmp_path / "mimo", config, seed=1, layout="mimo")
-        draft = {}
+        target = write_mtp_checkpoint(tmp_path / "mimo", shape_config("tiny"), seed=1,
+                                      layout="mimo")  # fmt: skip
     else:
-        target = tmp_path / "llama"
         tiny_hf_model("LlamaConfig").save_pretrained(target)  # context 128
-        draft = {"speculative_draft_model_path": str(
-            write_eagle3_checkpoint(tmp_path / "eagle3", load_config(target), seed=1))}
+    if algorithm == "EAGLE3":
+        path = write_eagle3_checkpoint(tmp_path / "eagle3", load_config(target), seed=1)
+        draft = {"speculative_draft_model_path": str(path)}
+    if algorithm == "STANDALONE":
+        small = tiny_hf_model("LlamaConfig")  # the target's first layer only
+        small.model.layers, small.config.num_hidden_layers = small.model.layers[:1], 1
+        small.save_pretrained(tmp_path / "small")
+        draft = {"speculative_draft_model_path": str(tmp_path / "small")}
     kw = {"dtype": "float32", "device": "cpu", "tokenizer": str(smollm2_path)}
     plain = LLM(str(target), **kw)
     spec = LLM(str(target), speculative_algorithm=algorithm, speculative_num_steps=K, **draft,
