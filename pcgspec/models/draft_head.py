@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pcgspec.models.layers.rotary import RotaryEmbedding, rope_parameters
-from pcgspec.models.layers.weights import PackedMapping
+from pcgspec.models.layers.weights import PackedMapping, checkpoint_parameter_names
 from pcgspec.models.llama import LlamaForCausalLM, head_dim_of
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ class DraftHead(nn.Module, ABC):
 
     def checkpoint_names(self) -> dict[str, str]:
         """Checkpoint tensor name -> the (unfused) name ``load_named_weights`` takes."""
-        return {name: name for name in unfused_parameter_names(self, self.packed_modules_mapping)}
+        names = checkpoint_parameter_names(self, self.packed_modules_mapping)
+        return {name: name for name in names}
 
 
 def build_head(
@@ -111,23 +112,6 @@ def finish_loading(head: DraftHead) -> None:
     """After the weights landed: RoPE tables in float32, eval mode, no gradients."""
     head.rotary_emb.init_rope()
     head.requires_grad_(False).eval()
-
-
-def unfused_parameter_names(module: nn.Module, mapping: PackedMapping) -> list[str]:
-    """Parameter names with every fused projection split back into its checkpoint parts
-    (``...qkv_proj.weight`` -> ``...q_proj.weight``, ``...k_proj.weight``, ``...v_proj.weight``).
-    """
-    parts: dict[str, dict[int, str]] = {}
-    for hf_name, (fused, shard) in mapping.items():
-        parts.setdefault(fused, {})[shard] = hf_name
-    names: list[str] = []
-    for name, _ in module.named_parameters():
-        *path, owner, leaf = name.split(".")
-        if owner in parts:
-            names += [".".join([*path, part, leaf]) for _, part in sorted(parts[owner].items())]
-        else:
-            names.append(name)
-    return names
 
 
 def check_tensor_names(

@@ -40,10 +40,9 @@ from pcgspec.models.draft_head import (
     finish_loading,
     read_tensors,
     tensor_names,
-    unfused_parameter_names,
 )
 from pcgspec.models.layers.norm import RMSNorm
-from pcgspec.models.layers.weights import load_named_weights
+from pcgspec.models.layers.weights import checkpoint_parameter_names, load_named_weights
 from pcgspec.models.llama import LlamaDecoderLayer
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ class MtpHead(DraftHead):
     def checkpoint_names(self) -> dict[str, str]:
         special = _SPECIAL_NAMES[self.layout.name]
         names: dict[str, str] = {}
-        for name in unfused_parameter_names(self, self.packed_modules_mapping):
+        for name in checkpoint_parameter_names(self, self.packed_modules_mapping):
             module, _, rest = name.partition(".")
             inner = rest if module == "block" else f"{special[module]}.{rest}"
             names[self.layout.prefix + inner] = name

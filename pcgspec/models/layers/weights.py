@@ -39,9 +39,18 @@ def load_named_weights(
             except ValueError as e:
                 raise ValueError(f"cannot load {hf_name!r}: {e}") from None
             loaded.add((name, shard_id))
-    missing = sorted(_hf_name(n, s, packed_modules_mapping) for n, s in _required(model) - loaded)
+    missing = sorted(
+        _hf_name(n, s, packed_modules_mapping) for n, s in _required(model) if (n, s) not in loaded
+    )
     if missing:
         raise ValueError(f"{len(missing)} parameters missing from the checkpoint: {missing[:20]}")
+
+
+def checkpoint_parameter_names(model: nn.Module, mapping: PackedMapping) -> list[str]:
+    """The checkpoint names ``load_named_weights`` fills ``model`` from, in parameter order:
+    every fused projection split back into its parts (``qkv_proj`` -> ``q_proj``, ...).
+    """
+    return [_hf_name(name, shard, mapping) for name, shard in _required(model)]
 
 
 def _packed_name(hf_name: str, mapping: PackedMapping) -> tuple[str, int | None]:
@@ -79,10 +88,11 @@ def _load_one(
         default_weight_loader(param, tensor)
 
 
-def _required(model: nn.Module) -> set[tuple[str, int | None]]:
-    required: set[tuple[str, int | None]] = set()
+def _required(model: nn.Module) -> list[tuple[str, int | None]]:
+    """Every (parameter, shard) a checkpoint must fill, in parameter order."""
+    required: list[tuple[str, int | None]] = []
     for name, _ in model.named_parameters():
         module = model.get_submodule(name.rpartition(".")[0])
         shards = getattr(module, "output_sizes", None)
-        required |= {(name, i) for i in range(len(shards))} if shards else {(name, None)}
+        required += [(name, i) for i in range(len(shards))] if shards else [(name, None)]
     return required
