@@ -67,7 +67,8 @@ class Engine:
         if aux is not None and config.aux_hidden_state_layers is None:
             config = dataclasses.replace(config, aux_hidden_state_layers=tuple(aux))
         runner = ModelRunner(config, model=target,
-                             draft_kv_bytes_per_token=kv_spec(draft).bytes_per_token)
+                             draft_kv_bytes_per_token=kv_spec(draft).bytes_per_token,
+                             drafter_reads_hidden=draft.uses_target_hidden)  # fmt: skip
         draft_runner = DraftRunner(draft, runner.kv_cache.num_pages, runner.page_size,
                                    config.resolved_attention_backend, runner.device)
         return runner, draft_runner

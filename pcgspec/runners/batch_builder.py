@@ -74,6 +74,14 @@ def build_forward_batch(
     )
 
 
+def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[B]`` int64 KV slot of position ``positions[b]`` of request ``b`` (one per request),
+    looked up through its page-table row on the device (no host sync; graph-capturable).
+    """
+    pages = page_table.gather(1, (positions // page_size)[:, None]).squeeze(1)
+    return pages.to(torch.int64) * page_size + positions % page_size
+
+
 def without_kv_writes(batch: ForwardBatch) -> ForwardBatch:
     """``batch`` with every KV slot -1: attention reads the cache but writes nothing (for
     warm-up, memory profiling and capture runs over dummy tokens).

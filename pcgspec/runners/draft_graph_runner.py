@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
+from pcgspec.runners.batch_builder import page_slots
 from pcgspec.runners.decode_graph_runner import capture_stream, decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
@@ -97,12 +98,11 @@ class DraftGraphRunner:
         valid, table = inp.valid[:bs], inp.page_table[:bs]
         drafts = []
         for _ in range(self.num_steps):
-            pages = table.gather(1, (positions // page)[:, None]).squeeze(1).to(torch.int64)
             batch = ForwardBatch(
                 forward_mode=ForwardMode.DECODE,
                 input_ids=tokens,
                 positions=positions,
-                out_cache_loc=torch.where(valid, pages * page + positions % page, -1),
+                out_cache_loc=torch.where(valid, page_slots(table, positions, page), -1),
                 seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
                 extend_lens=torch.ones(bs, dtype=torch.int32, device=self.device),
                 page_table=table,

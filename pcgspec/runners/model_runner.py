@@ -42,11 +42,13 @@ class ModelRunner:
         model_path: Path | None = None,
         model: nn.Module | None = None,
         draft_kv_bytes_per_token: int = 0,
+        drafter_reads_hidden: bool = False,
     ) -> None:
         """Loads ``model_path`` (None: the embedded default model), or runs ``model``, an
         already-built model (e.g. random weights) on the config's device in its dtype.
         ``draft_kv_bytes_per_token``: a draft KV cache of as many pages will follow; the page
-        count is sized for both.
+        count is sized for both. ``drafter_reads_hidden``: the draft (EAGLE3, MTP) reads the
+        hidden states of every position the target computes, so every pass captures them.
         """
         self.config = config
         self.device = config.torch_device
@@ -70,10 +72,7 @@ class ModelRunner:
                     self.kv_cache.num_pages, self.page_size,
                     self.kv_cache.num_slots * spec.bytes_per_token / 2**20,
                     config.resolved_attention_backend)
-        spec_config = config.speculative_config
-        # EAGLE3 / NEXTN drafts read the target's hidden states of every position it computes.
-        self.drafter_reads_hidden = spec_config is not None and (
-            spec_config.algorithm in ("EAGLE3", "NEXTN"))  # fmt: skip
+        self.drafter_reads_hidden = drafter_reads_hidden
         self.extend_capture_hidden_mode = self._configure_aux_hidden_layers()
         self.piecewise: PiecewiseRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None

@@ -70,7 +70,7 @@ class DraftRunner:
 
     @property
     def uses_target_hidden(self) -> bool:
-        return bool(getattr(self.draft, "uses_target_hidden", True))
+        return self.draft.uses_target_hidden
 
     def forward(
         self, batch: ForwardBatch, hidden: torch.Tensor | None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, page_slots
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
@@ -135,12 +135,10 @@ class ModelProposer(Proposer):
 def _advance(batch: ForwardBatch) -> ForwardBatch:
     """The next one-token pass of every request: one position further, same pages."""
     positions = batch.positions + 1
-    page = batch.page_size
-    pages = batch.page_table.gather(1, (positions // page)[:, None]).squeeze(1)
     return dataclasses.replace(
         batch,
         positions=positions,
-        out_cache_loc=pages.to(torch.int64) * page + positions % page,
+        out_cache_loc=page_slots(batch.page_table, positions, batch.page_size),
         seq_lens=batch.seq_lens + 1,
         seq_lens_cpu=tuple(n + 1 for n in batch.seq_lens_cpu),
     )
