@@ -232,6 +232,27 @@ def test_full_hidden_mode_keeps_prefill_on_piecewise(full_runner):
         runner.set_aux_hidden_layers([1])
 
 
+def test_captured_buckets_replay_their_tapes_through_the_runner(tiny_path):
+    """The runner's CUDA path on CPU: capture every bucket (``_EagerGraph`` standing in for CUDA
+    graphs), then replay the tapes for mixed batches, FULL hidden states included.
+    """
+    runner = tiny_runner(
+        tiny_path, piecewise_cuda_graph_tokens="4,8,16,64", aux_hidden_state_layers=AUX_LAYERS
+    )
+    piecewise = runner.piecewise
+    piecewise.use_graphs = True
+    piecewise.capture()
+    assert piecewise.graphs.captured == {4, 8, 16, 64}
+    assert piecewise.graphs.num_graphs == 4 * (runner.model.num_layers + 1)
+    for i, n in enumerate((1, 3, 8, 9, 16, 40, 64, 5)):
+        lens = split(n, 3, random.Random(i))
+        batch = make_batch(runner, lens, [i % 2 * 7] * len(lens), hidden=FULL, seed=i)
+        (want, want_aux), (got, got_aux) = eager_and_piecewise(runner, batch)
+        assert_near(got, want, 1e-5)
+        assert_near(got_aux, want_aux, 1e-5)
+    assert piecewise.backend.num_traces == 1
+
+
 @pytest.mark.slow
 def test_inductor_pieces_through_the_runner(tiny_path):
     runner = tiny_runner(

@@ -81,10 +81,10 @@ class PiecewiseBackend:
         with self._cache() if name == "inductor" else nullcontext(), torch.no_grad():
             for piece in tqdm(pieces, desc=f"Compiling pieces ({name})", disable=name == "eager"):
                 fn = compile_piece(piece.graph_module, _example_inputs(piece.graph_module))
-                runner = PiecewisePiece(piece.name, fn, self.graphs, piece.args_from_pieces)
+                runner = PiecewisePiece(piece.name, fn, self.graphs)
                 setattr(split.split_module, piece.name, runner)
         _check_still_symbolic(sizes)
-        _call_split_ops_directly(split)
+        _call_split_ops_directly(split, self.graphs)
         self.split, self.num_traces = split, self.num_traces + 1
         logger.info(
             "Compiled %d pieces around %d split points (%s) in %.1f s",
@@ -151,14 +151,23 @@ class CompiledDecoder:
     def __call__(self, *args: object, **kwargs: object) -> object:
         signature = _signature(args, kwargs)
         if self._signature is None:
-            return self._trace(signature, args, kwargs)
-        if signature != self._signature:
+            out = self._trace(signature, args, kwargs)
+        elif signature != self._signature:
             raise ValueError(
                 f"decoder traced for arguments {self._signature}, called with {signature}; "
                 "build a second CompiledDecoder for another call signature"
             )
-        with torch.compiler.set_stance("fail_on_recompile"):
-            return self._compiled(*args, **kwargs)
+        else:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = self._compiled(*args, **kwargs)
+        self.graphs.record_decoder_call(_inputs(args, kwargs), out)
+        return out
+
+    def replay(self, bucket: int, *args: object, **kwargs: object) -> object:
+        """The outputs of a call with these arguments, replayed from ``bucket``'s captured
+        graphs (see ``PiecewiseGraphs.replay``): graph memory, valid until the next replay.
+        """
+        return self.graphs.replay(bucket, _inputs(args, kwargs))
 
     def _trace(
         self, signature: tuple[object, ...], args: tuple[object, ...], kwargs: dict[str, object]
@@ -173,15 +182,17 @@ class CompiledDecoder:
         return out
 
 
-def _call_split_ops_directly(split: SplitResult) -> None:
-    """Point every split-op call at its Python implementation (no dispatcher round trip)."""
-    impls = direct_impls()
+def _call_split_ops_directly(split: SplitResult, graphs: PiecewiseGraphs) -> None:
+    """Point every split-op call at its Python implementation (no dispatcher round trip),
+    recorded on the tape while capturing.
+    """
+    recorded = {op: graphs.split_op(impl) for op, impl in direct_impls().items()}
     for piece in split.pieces:
         if not piece.is_split_op:
             continue
         for node in piece.graph_module.graph.nodes:
-            if node.op == "call_function" and node.target in impls:
-                node.target = impls[node.target]
+            if node.op == "call_function" and node.target in recorded:
+                node.target = recorded[node.target]
         piece.graph_module.recompile()
 
 
@@ -194,6 +205,10 @@ def _compile_inductor(piece: fx.GraphModule, example_inputs: list[object]) -> Ca
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(piece, example_inputs, config_patches={"triton.cudagraphs": False})
+
+
+def _inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[object, ...]:
+    return (*args, *(kwargs[name] for name in sorted(kwargs)))
 
 
 def _drop_all_guards(entries: Sequence[object]) -> list[bool]:

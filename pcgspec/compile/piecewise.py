@@ -1,43 +1,47 @@
-"""Piece runners: every compute piece of the split decoder, run directly or as CUDA graphs.
+"""Piece runners: every compute piece of the split decoder, run directly or captured as CUDA
+graphs, and the replay tape that runs a captured bucket without the decoder's Python.
 
-A ``PiecewiseBackend`` wraps each compute piece in a ``PiecewisePiece``; all pieces of one model
-share a ``PiecewiseGraphs`` (the backend's ``graphs``): the memory pool, the capture stream and
-the current step. A runner drives it in three phases:
+A ``PiecewiseBackend`` wraps each compute piece in a ``PiecewisePiece`` and each split-op call
+in ``PiecewiseGraphs.split_op``; all of one model share a ``PiecewiseGraphs`` (the backend's
+``graphs``): the memory pool, the capture stream and the tapes. A runner drives it in three
+phases:
 
-1. Trace: one plain call of the compiled decoder (e.g. the memory-profiling run). Outside any
-   graph context each piece runs its compiled code directly, for any token count.
+1. Trace: one plain call of the compiled decoder (e.g. the memory-profiling run). Outside a
+   capture each piece runs its compiled code directly, for any token count.
 2. Capture: ``graphs.capture(buckets, run)`` calls ``run(bucket)`` for every bucket, largest
-   first, inside ``graphs.capturing(bucket)``; ``run`` runs the whole decoder on a batch padded
-   to ``bucket`` tokens under ``forward_context``. Each piece warms up, captures its CUDA graph
-   into the shared pool and replays it once, so the attention between pieces sees real values.
+   first, inside ``graphs.capturing(bucket)``; ``run`` calls the compiled decoder once on a
+   batch padded to ``bucket`` tokens under ``forward_context``. Each piece warms up, captures
+   its CUDA graph into the shared pool and replays it once, so the attention between pieces
+   sees real values. Meanwhile the bucket's tape records, in order, every piece's graph and
+   every split-op call with its arguments, and the decoder's inputs and outputs.
 3. Replay: pad the batch to ``bucket = pad_to_bucket(n, buckets)`` (padded tokens get
-   ``out_cache_loc = -1``: attention writes no KV for them), call the compiled decoder inside
-   ``graphs.replaying(bucket)`` and ``forward_context``, keep the first ``n`` output rows.
-   The pieces only need the bucket: every tensor between them has ``bucket`` rows.
+   ``out_cache_loc = -1``: attention writes no KV for them) and call
+   ``decoder.replay(bucket, *inputs)`` under ``forward_context``: the inputs are copied into
+   the captured ones (nothing is copied when they are the same memory), the tape runs, and the
+   captured outputs come back; keep their first ``n`` rows.
 
-Each piece keeps, per bucket, the arguments it was captured with. At replay an argument whose
-memory differs from the captured one is copied in (same shape required); arguments produced by
-another piece are that piece's static outputs and never copy. Capture with decoder inputs
-(ids, positions) that the runner owns and keeps, views of persistent buffers: they become the
-static input buffers, and replaying with views of the same buffers copies nothing at all.
+Why a tape: every tensor between the pieces is graph memory at a fixed address per bucket, so
+the stitched module would pass the same arguments on every replay. Running the recorded calls
+directly skips Dynamo's frame, the FX glue and an ``nn.Module`` call per piece: about half the
+host time of a short prefill, which is host-bound.
 
 NOTE: outputs are graph memory, overwritten by the next replay of the same pool: consume or
-copy the decoder's outputs before the next replaying forward. Capture and replay under the
-same grad mode (``torch.inference_mode()``): static buffers are written in place.
+copy them before the next replay. Capture and replay under the same grad mode
+(``torch.inference_mode()``): inputs are written in place. The attention between pieces reads
+the current ``forward_context`` at every replay, so its metadata is the batch's own.
 
-Off CUDA, ``capturing``/``replaying`` run the same bookkeeping with ``_EagerGraph`` standing in
-for ``torch.cuda.CUDAGraph`` (replay recomputes into the static outputs), so tests cover it.
+Off CUDA, capture runs the same bookkeeping with ``_EagerGraph`` standing in for
+``torch.cuda.CUDAGraph`` (replay recomputes into the captured outputs), so tests cover it.
 """
 
 from __future__ import annotations
 
-import enum
 import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -47,19 +51,20 @@ from tqdm.auto import tqdm
 logger = logging.getLogger(__name__)
 
 
-class GraphMode(enum.Enum):
-    CAPTURE = "capture"
-    REPLAY = "replay"
+@dataclass
+class _Tape:
+    """One bucket's replay: the decoder inputs it was captured with, the calls in order (piece
+    graphs and split ops, with their arguments), and the decoder outputs.
+    """
 
-
-@dataclass(frozen=True)
-class GraphStep:
-    mode: GraphMode
-    bucket: int  # token count of every tensor between the pieces in this forward
+    calls: list[tuple[Callable[..., object], tuple[object, ...]]] = field(default_factory=list)
+    num_graphs: int = 0
+    inputs: tuple[object, ...] | None = None  # None until the decoder returns
+    outputs: object = None
 
 
 class PiecewiseGraphs:
-    """What all pieces of one compiled model share: pool, capture stream, current step."""
+    """What all pieces of one compiled model share: pool, capture stream, one tape per bucket."""
 
     def __init__(
         self,
@@ -72,18 +77,21 @@ class PiecewiseGraphs:
         self.device = torch.device(device)
         self.pool = pool  # a torch.cuda.graph_pool_handle(); created at the first capture
         self.num_warmup = num_warmup
-        self.step: GraphStep | None = None
-        self.captured: set[int] = set()
-        self.pieces: list[PiecewisePiece] = []
+        self.tapes: dict[int, _Tape] = {}
+        self.recording: _Tape | None = None  # the tape of the bucket being captured
         self._stream: torch.cuda.Stream | None = None
 
     @property
+    def captured(self) -> set[int]:
+        return set(self.tapes)
+
+    @property
     def num_graphs(self) -> int:
-        return sum(len(piece.entries) for piece in self.pieces)
+        return sum(tape.num_graphs for tape in self.tapes.values())
 
     def capture(self, buckets: Sequence[int], run: Callable[[int], object]) -> None:
-        """Capture every bucket, largest first; ``run(bucket)`` runs the decoder on a batch
-        of ``bucket`` tokens (under ``forward_context``).
+        """Capture every bucket, largest first; ``run(bucket)`` calls the decoder once on a
+        batch of ``bucket`` tokens (under ``forward_context``).
         """
         order = sorted(set(buckets), reverse=True)
         if not order:
@@ -108,29 +116,82 @@ class PiecewiseGraphs:
 
     @contextmanager
     def capturing(self, bucket: int) -> Iterator[None]:
-        """Pieces called inside capture their graph for ``bucket`` tokens."""
-        with self._active(GraphStep(GraphMode.CAPTURE, bucket)), self._capture_stream():
-            yield
-        self.captured.add(bucket)
-
-    @contextmanager
-    def replaying(self, bucket: int) -> Iterator[None]:
-        """Pieces called inside replay their graph for ``bucket`` tokens."""
-        if bucket not in self.captured:
-            have = sorted(self.captured)
-            raise ValueError(f"no graphs captured for {bucket} tokens (captured: {have})")
-        with self._active(GraphStep(GraphMode.REPLAY, bucket)):
-            yield
-
-    @contextmanager
-    def _active(self, step: GraphStep) -> Iterator[None]:
-        if self.step is not None:
-            raise RuntimeError(f"graph step {step} inside {self.step}; nesting is a bug")
-        self.step = step
+        """Pieces called inside capture their graph for ``bucket`` tokens, and the bucket's tape
+        records; the block must call the compiled decoder exactly once.
+        """
+        if self.recording is not None:
+            raise RuntimeError(f"capture of {bucket} tokens inside another; nesting is a bug")
+        tape = self.recording = _Tape()
         try:
-            yield
+            with self._capture_stream():
+                yield
         finally:
-            self.step = None
+            self.recording = None
+        if tape.inputs is None:
+            raise RuntimeError(f"the capture of {bucket} tokens never returned from the decoder")
+        self.tapes[bucket] = tape
+
+    def record_decoder_call(self, inputs: tuple[object, ...], outputs: object) -> None:
+        """While capturing: the decoder's inputs (tensors held: they are the static inputs)
+        and outputs of the bucket being captured.
+        """
+        tape = self.recording
+        if tape is None:
+            return
+        if tape.inputs is not None:
+            raise RuntimeError("the decoder was called twice in one capture")
+        tape.inputs, tape.outputs = inputs, tree_map_only(torch.Tensor, self._keep, outputs)
+
+    def split_op(self, impl: Callable[..., None]) -> Callable[..., None]:
+        """``impl`` of a split op as the stitched module calls it: while capturing, the call
+        and its arguments go on the tape, so replay makes it again between the same graphs.
+        """
+
+        def call(*args: object) -> None:
+            if self.recording is not None:
+                kept = tuple(self._keep(a) if isinstance(a, torch.Tensor) else a for a in args)
+                self.recording.calls.append((impl, kept))
+            impl(*args)
+
+        call.__name__ = f"recorded_{getattr(impl, '__name__', 'split_op')}"
+        return call
+
+    def replay(self, bucket: int, inputs: Sequence[object]) -> object:
+        """Run ``bucket``'s tape on ``inputs`` (shaped as captured; copied in unless they are
+        the captured memory) and return the captured outputs (graph memory).
+        """
+        tape = self.tapes.get(bucket)
+        if tape is None:
+            have = sorted(self.tapes)
+            raise ValueError(f"no graphs captured for {bucket} tokens (captured: {have})")
+        if self.recording is not None:
+            raise RuntimeError("replay inside a capture; nesting is a bug")
+        assert tape.inputs is not None
+        if len(inputs) != len(tape.inputs):
+            raise ValueError(f"{len(inputs)} decoder inputs, captured with {len(tape.inputs)}")
+        for i, (static, arg) in enumerate(zip(tape.inputs, inputs)):
+            if arg is static:
+                continue
+            if isinstance(static, torch.Tensor):
+                if not isinstance(arg, torch.Tensor) or arg.shape != static.shape:
+                    raise ValueError(_mismatch(i, static, arg))
+                if arg.data_ptr() != static.data_ptr():
+                    static.copy_(arg)
+            elif arg != static:
+                raise ValueError(_mismatch(i, static, arg))
+        for fn, args in tape.calls:
+            fn(*args)
+        return tape.outputs
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        """How the tape holds tensors made inside a capture.
+
+        NOTE: on CUDA they live in the graph pool; weak aliases let the pool reuse them as eager
+        execution would, so memory stays about one forward of the largest bucket instead of the
+        sum over buckets. The tape holds the decoder inputs strongly (its static inputs), and
+        weights belong to the model.
+        """
+        return _weak_alias(t) if t.is_cuda else t
 
     @contextmanager
     def _capture_stream(self) -> Iterator[None]:
@@ -155,37 +216,31 @@ class PiecewiseGraphs:
         return torch.cuda.memory_reserved(self.device)
 
 
-class PiecewisePiece(nn.Module):
-    """One compiled compute piece: runs ``fn`` directly, or captures/replays per bucket."""
+def _mismatch(i: int, static: object, arg: object) -> str:
+    def show(x: object) -> object:
+        return tuple(x.shape) if isinstance(x, torch.Tensor) else x
 
-    def __init__(
-        self,
-        name: str,
-        fn: Callable[..., object],
-        graphs: PiecewiseGraphs,
-        args_from_pieces: Sequence[bool],
-    ) -> None:
+    return (
+        f"decoder input {i} is {show(arg)}, captured as {show(static)}; pad every input to the "
+        "bucket passed to replay()"
+    )
+
+
+class PiecewisePiece(nn.Module):
+    """One compiled compute piece: runs ``fn`` directly, or, while its graphs are capturing a
+    bucket, captures a graph of ``fn`` and puts it on the bucket's tape.
+    """
+
+    def __init__(self, name: str, fn: Callable[..., object], graphs: PiecewiseGraphs) -> None:
         super().__init__()
         self.piece_name = name
         self.fn = fn
         self.graphs = graphs
-        self.args_from_pieces = tuple(args_from_pieces)
-        self.entries: dict[int, _BucketGraph] = {}
-        graphs.pieces.append(self)
 
     def forward(self, *args: object) -> object:
-        step = self.graphs.step
-        if step is None:
+        tape = self.graphs.recording
+        if tape is None:
             return self.fn(*args)
-        if step.mode is GraphMode.CAPTURE:
-            return self._capture(step.bucket, args)
-        entry = self.entries.get(step.bucket)
-        if entry is None:
-            raise RuntimeError(f"{self.piece_name}: no graph captured for {step.bucket} tokens")
-        return entry.replay(args)
-
-    def _capture(self, bucket: int, args: tuple[object, ...]) -> object:
-        self.entries.pop(bucket, None)
         for _ in range(self.graphs.num_warmup):
             self.fn(*args)
         on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
@@ -194,49 +249,9 @@ class PiecewisePiece(nn.Module):
         graph = _CudaGraph(self.graphs.pool) if on_cuda else _EagerGraph()
         out = graph.capture(self.fn, args)
         graph.replay()
-        # NOTE: tensors made by other pieces (and our outputs) live in the graph pool; weak
-        # aliases let the pool reuse them as eager execution would, so memory stays about one
-        # forward of the largest bucket instead of the sum over buckets. Graph inputs (ids,
-        # positions, weights) are held strongly: they are our static input buffers.
-        keep = _weak_alias if on_cuda else _same
-        static_args = tuple(
-            keep(a) if from_piece and isinstance(a, torch.Tensor) else a
-            for a, from_piece in zip(args, self.args_from_pieces, strict=True)
-        )
-        outputs = tree_map_only(torch.Tensor, keep, out)
-        self.entries[bucket] = _BucketGraph(self.piece_name, graph, static_args, outputs)
+        tape.calls.append((graph.replay, ()))
+        tape.num_graphs += 1
         return out
-
-
-@dataclass(frozen=True)
-class _BucketGraph:
-    piece_name: str
-    graph: _CudaGraph | _EagerGraph
-    static_args: tuple[object, ...]
-    outputs: object
-
-    def replay(self, args: tuple[object, ...]) -> object:
-        for i, (static, arg) in enumerate(zip(self.static_args, args, strict=True)):
-            if arg is static:  # weights and other captured-as-is inputs: the common case
-                continue
-            if isinstance(static, torch.Tensor):
-                if not isinstance(arg, torch.Tensor) or arg.shape != static.shape:
-                    raise ValueError(self._mismatch(i, static, arg))
-                if arg.data_ptr() != static.data_ptr():
-                    static.copy_(arg)
-            elif arg != static:
-                raise ValueError(self._mismatch(i, static, arg))
-        self.graph.replay()
-        return self.outputs
-
-    def _mismatch(self, i: int, static: object, arg: object) -> str:
-        def show(x: object) -> object:
-            return tuple(x.shape) if isinstance(x, torch.Tensor) else x
-
-        return (
-            f"{self.piece_name}: argument {i} is {show(arg)}, captured as {show(static)}; "
-            "pad every input to the bucket passed to replaying()"
-        )
 
 
 class _CudaGraph:
@@ -272,10 +287,6 @@ class _EagerGraph:
         for dst, src in zip(tree_leaves(self._out), tree_leaves(fresh), strict=True):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _weak_alias(t: torch.Tensor) -> torch.Tensor:

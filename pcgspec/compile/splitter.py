@@ -8,7 +8,6 @@ order. For an L-layer decoder: L split pieces and L + 1 compute pieces, alternat
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,9 +21,6 @@ class Piece:
     name: str  # attribute of the stitched module, e.g. "submod_0"
     graph_module: fx.GraphModule
     is_split_op: bool
-    # per positional argument: True when it is an output of another piece, False when it is
-    # an input of the whole graph (token ids, positions, weights, symbolic sizes)
-    args_from_pieces: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,6 @@ def split_graph(gm: fx.GraphModule, split_ops: Sequence[OpOverload]) -> SplitRes
             name=node.target,
             graph_module=stitched.get_submodule(node.target),
             is_split_op=int(node.target.removeprefix("submod_")) in split_ids,
-            args_from_pieces=tuple(_is_piece_output(a) for a in node.args),
         )
         for node in stitched.graph.nodes
         if node.op == "call_module"
@@ -92,11 +87,3 @@ def _split_matcher(split_ops: Sequence[OpOverload]) -> Callable[[fx.Node], bool]
         return isinstance(target, OpOverload) and target in overloads
 
     return is_split
-
-
-def _is_piece_output(arg: object) -> bool:
-    if not isinstance(arg, fx.Node):
-        return False
-    if arg.op == "call_function" and arg.target is operator.getitem:
-        arg = arg.args[0]
-    return isinstance(arg, fx.Node) and arg.op == "call_module"

@@ -1,9 +1,11 @@
 """Piecewise CUDA graphs at the runner level: one compiled decoder, one graph set per token bucket.
 
 A batch of ``n`` tokens is padded to ``bucket = pad_to_bucket(n, buckets)``: padded tokens have
-input id 0, position 0 and ``out_cache_loc = -1`` (they write no KV), and the per-request
-tensors are unchanged, so attention treats every row past ``sum(extend_lens)`` as padding and
-``logits_indices`` still point at real rows. Batch composition is free; only the token count
+``out_cache_loc = -1`` (they write no KV), and the per-request tensors are unchanged, so
+attention treats every row past ``sum(extend_lens)`` as padding (zero output) and
+``logits_indices`` still point at real rows. Padded ids and positions are whatever the static
+buffers hold (zeros, or an earlier batch's valid values): every piece computes each row on its
+own, so they never reach a real row. Batch composition is free; only the token count
 is padded. Off CUDA the compiled pieces run directly, for any token count: padding only costs
 there (a one-token decode step padded to 4 rows is ~1.5x slower on CPU), so it is off unless
 ``pad_without_graphs`` is set, as the tests do to run the CUDA path's padding on CPU.
@@ -19,7 +21,6 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -143,8 +144,7 @@ class PiecewiseRunner:
         if bucket is None:
             raise ValueError(f"{n} tokens exceed the largest piecewise bucket {self.max_tokens}")
         padded = self._pad(batch, bucket if self.use_graphs or self.pad_without_graphs else n)
-        with self.graphs.replaying(bucket) if self.use_graphs else nullcontext():
-            hidden, aux = self._forward(padded)
+        hidden, aux = self._forward(padded, bucket if self.use_graphs else None)
         self._stats[RUNS] += 1
         return hidden[:n], None if aux is None else aux[:n]
 
@@ -152,22 +152,26 @@ class PiecewiseRunner:
         """Piecewise runs and eager fallbacks by reason, since start."""
         return dict(self._stats)
 
-    def _forward(self, padded: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, padded: ForwardBatch, bucket: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder on ``padded``: called (trace, capture, no graphs), or replayed from the
+        graphs of ``bucket``.
+        """
         self.attn_backend.init_forward_metadata(padded)
         with forward_context(padded, self.attn_backend):
+            if bucket is not None:
+                return self.decoder.replay(bucket, padded.input_ids, padded.positions)
             return self.decoder(padded.input_ids, padded.positions)
 
     def _pad(self, batch: ForwardBatch, bucket: int) -> ForwardBatch:
         """``batch`` with ``bucket`` tokens whose ids and positions are views of the static
-        buffers; the padded tokens are id 0, position 0, KV slot -1.
+        buffers; the padded tokens have KV slot -1.
         """
         n = batch.num_tokens
         input_ids, positions = self.input_ids[:bucket], self.positions[:bucket]
         input_ids[:n].copy_(batch.input_ids)
         positions[:n].copy_(batch.positions)
-        if bucket > n:
-            input_ids[n:].zero_()
-            positions[n:].zero_()
         out_cache_loc = F.pad(batch.out_cache_loc, (0, bucket - n), value=-1)
         return dataclasses.replace(
             batch, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc
