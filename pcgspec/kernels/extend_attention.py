@@ -12,15 +12,16 @@ once per pass (grid, block sizes, constants, from host ints only: graph-capturab
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from triton.compiler import CompiledKernel
 
 from pcgspec.kernels.attention import (
     _DTYPES,
@@ -34,6 +35,7 @@ from pcgspec.kernels.attention import (
     _online_softmax,
     _require,
 )
+from pcgspec.kernels.launches import compiled_launcher
 
 
 @triton.jit
@@ -206,9 +208,10 @@ class ExtendPlan:
     grid: tuple[int, int, int]
     constants: dict[str, Any]  # constexprs, num_warps, num_stages
     empty: bool  # nothing to launch
-    # NOTE: layer 0's compiled kernel and its pointer alignments, filled by its launch: later
-    # layers of the pass launch it directly (same ints, so the same specialization).
-    compiled: list[Any] = field(default_factory=list)
+    # NOTE: lean launches of the kernel Triton compiled for this pass, by the strides it was
+    # specialized for, all pointers 16-byte aligned; filled by layer 0's launch, used by the
+    # later layers (the other ints are not specialized).
+    launches: dict[tuple[int, ...], Callable[..., None] | None] = field(default_factory=dict)
 
 
 def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
@@ -337,16 +340,19 @@ def extend_attention(
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
     tensors = (q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens, extend_lens,
                extend_start)  # fmt: skip
-    args = (*tensors, plan.qk_scale, plan.num_real, plan.num_rows, sq[0], sq[1], sk[0], sk[1],
-            sv[0], sv[1], so[0], so[1], page_table.stride(0))  # fmt: skip
-    aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
-    if plan.compiled and plan.compiled[1] == aligned:
-        plan.compiled[0][plan.grid](*args, *plan.compiled[2])
+    strides = (sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1])
+    scalars = (plan.qk_scale, plan.num_real, plan.num_rows, *strides, page_table.stride(0))
+    ptrs = [t.data_ptr() for t in tensors]
+    aligned = not functools.reduce(operator.or_, ptrs) & 15
+    launch = plan.launches.get(strides) if aligned else None
+    if launch is not None:
+        launch(plan.grid, *ptrs, *scalars)
         return
-    kernel = _extend_kernel[plan.grid](*args, **plan.constants)
-    if isinstance(kernel, CompiledKernel) and hasattr(kernel, "__getitem__"):
-        constexprs = [plan.constants[name] for name in _extend_kernel.arg_names[len(args) :]]
-        plan.compiled[:] = [kernel, aligned, constexprs]
+    kernel = _extend_kernel[plan.grid](*tensors, *scalars, **plan.constants)
+    if aligned and strides not in plan.launches:
+        constexpr_names = _extend_kernel.arg_names[len(ptrs) + len(scalars) :]
+        constexprs = [plan.constants[name] for name in constexpr_names]
+        plan.launches[strides] = compiled_launcher(kernel, constexprs)
 
 
 def extend_attention_ref(

@@ -1,19 +1,70 @@
-"""Counting Triton launches (tests and ``scripts/profile_step.py``): one place that knows both
-ways a kernel is launched here, ``kernel[grid](...)`` and a compiled kernel reused directly.
+"""How compiled Triton kernels are launched here, and counting those launches (tests and
+``scripts/profile_step.py``).
+
+``compiled_launcher`` is Triton's own ``kernel[grid](*args)`` minus its per-launch Python, for a
+kernel launched many times per pass with the same specialization (the extend kernel, once per
+layer): a short prefill is host-bound, and this launch is most of its host time per layer.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+from triton import knobs
 from triton.compiler import CompiledKernel
+from triton.runtime import driver
+
+_counts: collections.Counter[str] | None = None  # set while count_triton_launches runs
+
+
+def compiled_launcher(
+    kernel: object, trailing: Sequence[object] = ()
+) -> Callable[..., None] | None:
+    """``launch(grid, *args)`` for ``kernel`` as Triton compiled it (what ``jit_fn[grid](...)``
+    returns), or None when it is not a compiled kernel (the interpreter).
+
+    The arguments must match the specialization ``kernel`` was compiled for (pointer alignment,
+    specialized ints); ``trailing`` is appended to every launch (the constexpr values, which
+    the launcher takes positionally). Pointers may be passed as ints (``data_ptr()``): the
+    launcher then skips its per-pointer ``cuPointerGetAttribute`` check, so the caller vouches
+    for them. No launch-metadata dict is built and no hook is called while no launch hook is
+    installed; with one (e.g. a profiler), every launch takes Triton's full path.
+    """
+    if not isinstance(kernel, CompiledKernel):
+        return None
+    kernel._init_handles()
+    run, function, packed, name = kernel.run, kernel.function, kernel.packed_metadata, kernel.name
+    active = driver.active
+    current_device, current_stream = active.get_current_device, active.get_current_stream
+    trailing = tuple(trailing)
+
+    def launch(grid: tuple[int, int, int], *args: object) -> None:
+        if _hooks_installed():
+            kernel[grid](*args, *trailing)
+            return
+        if _counts is not None:
+            _counts[name] += 1
+        stream = current_stream(current_device())
+        run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *trailing)
+
+    return launch
+
+
+def _hooks_installed() -> bool:
+    """Whether a Triton launch hook is set (None or an empty HookChain: none)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(hook, "calls", hook) for hook in hooks)
 
 
 @contextlib.contextmanager
 def count_triton_launches() -> Iterator[collections.Counter[str]]:
-    """Launches by kernel name while the block runs, compiled or interpreted."""
+    """Launches by kernel name while the block runs, compiled or interpreted, through any of
+    the three ways a kernel is launched here: ``jit_fn[grid](...)``, ``compiled[grid](...)``
+    and a ``compiled_launcher``.
+    """
+    global _counts
     from pcgspec.kernels import extend_attention
 
     kernel_type = type(extend_attention._extend_kernel)  # JITFunction or InterpretedFunction
@@ -29,7 +80,9 @@ def count_triton_launches() -> Iterator[collections.Counter[str]]:
         return getitem(self, grid)
 
     kernel_type.run, CompiledKernel.__getitem__ = counting_run, counting_getitem
+    _counts = counts
     try:
         yield counts
     finally:
         kernel_type.run, CompiledKernel.__getitem__ = run, getitem
+        _counts = None
