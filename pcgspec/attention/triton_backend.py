@@ -85,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
             extend_lens=batch.extend_lens,
-            extend_start=torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens,
+            extend_start=_extend_start(batch),
             out_cache_loc=batch.out_cache_loc,
             num_real_tokens=num_real,
             num_kv_splits=num_splits,
@@ -127,6 +127,12 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
         if out.shape[0] > n:
             out[n:].zero_()
+
+
+def _extend_start(batch: ForwardBatch) -> torch.Tensor:
+    if batch.extend_start is not None:
+        return batch.extend_start
+    return torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens
 
 
 def _tokens_per_seq(batch: ForwardBatch) -> int:

@@ -154,29 +154,39 @@ def _require(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+# NOTE: the checks run once per pass on the host's critical path: every message is formatted
+# on failure only.
+
+
 def _check_rows(name: str, x: torch.Tensor, cache: torch.Tensor, heads: int | None) -> None:
     """``x`` is ``[rows, heads, D]`` with unit stride along D (a view of a fused qkv is fine)."""
-    shape = f"[rows, {heads or 'H'}, {cache.shape[2]}]"
-    ok = x.dim() == 3 and x.shape[2] == cache.shape[2] and heads in (None, x.shape[1])
-    _require(ok, f"{name} must be {shape}, got {tuple(x.shape)}")
-    _require(x.dtype in _DTYPES, f"{name} dtype must be one of {_DTYPES}, got {x.dtype}")
-    _require(x.stride(2) == 1, f"{name} must have unit stride along the head dim")
-    _require(x.device == cache.device, f"{name} is on {x.device}, the cache on {cache.device}")
+    if not (x.dim() == 3 and x.shape[2] == cache.shape[2] and heads in (None, x.shape[1])):
+        raise ValueError(f"{name} must be [rows, {heads or 'H'}, {cache.shape[2]}], "
+                         f"got {tuple(x.shape)}")  # fmt: skip
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{name} dtype must be one of {_DTYPES}, got {x.dtype}")
+    if x.stride(2) != 1:
+        raise ValueError(f"{name} must have unit stride along the head dim")
+    if x.device != cache.device:
+        raise ValueError(f"{name} is on {x.device}, the cache on {cache.device}")
 
 
 def _check_index(name: str, x: torch.Tensor, shape: tuple[int | None, ...]) -> None:
-    ok = x.dim() == len(shape) and all(n in (None, m) for n, m in zip(shape, x.shape))
-    _require(ok, f"{name} must have shape {shape} (None = any), got {tuple(x.shape)}")
-    _require(x.dtype in _INDEX_DTYPES, f"{name} must be int32 or int64, got {x.dtype}")
-    _require(x.is_contiguous(), f"{name} must be contiguous")
+    if not (x.dim() == len(shape) and all(n in (None, m) for n, m in zip(shape, x.shape))):
+        raise ValueError(f"{name} must have shape {shape} (None = any), got {tuple(x.shape)}")
+    if x.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    _require(k_cache.dim() == 3, f"k_cache must be [slots, KV, D], got {tuple(k_cache.shape)}")
+    if k_cache.dim() != 3:
+        raise ValueError(f"k_cache must be [slots, KV, D], got {tuple(k_cache.shape)}")
     _require(v_cache.shape == k_cache.shape, "v_cache shape must equal k_cache shape")
-    dtypes = f"{k_cache.dtype}/{v_cache.dtype}"
-    ok = k_cache.dtype in _DTYPES and v_cache.dtype == k_cache.dtype
-    _require(ok, f"caches must share a dtype in {_DTYPES}, got {dtypes}")
+    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches must share a dtype in {_DTYPES}, "
+                         f"got {k_cache.dtype}/{v_cache.dtype}")  # fmt: skip
     _require(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
 
 
@@ -189,11 +199,12 @@ def _check_attention(
     _check_rows("out", out, k_cache, q.shape[1])
     _require(out.shape == q.shape and out.dtype == q.dtype, "out must match q in shape and dtype")
     num_heads, num_kv = q.shape[1], k_cache.shape[1]
-    _require(
-        num_heads % num_kv == 0, f"query heads {num_heads} must be a multiple of kv heads {num_kv}"
-    )
-    _require(k_cache.shape[2] <= 256, f"head dim {k_cache.shape[2]} > 256 is not supported")
-    _require(page_size >= 1, f"page_size must be >= 1, got {page_size}")
+    if num_heads % num_kv:
+        raise ValueError(f"query heads {num_heads} must be a multiple of kv heads {num_kv}")
+    if k_cache.shape[2] > 256:
+        raise ValueError(f"head dim {k_cache.shape[2]} > 256 is not supported")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
     _check_index("seq_lens", seq_lens, (None,))
     _check_index("page_table", page_table, (len(seq_lens), None))
 
@@ -205,16 +216,19 @@ def _check_decode(
 ) -> None:  # fmt: skip
     _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
     num_rows, num_heads, head_dim = q.shape
-    _require(tokens_per_seq >= 1, f"tokens_per_seq must be >= 1, got {tokens_per_seq}")
-    _require(num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    _require(num_rows == len(seq_lens) * tokens_per_seq, f"q must have {len(seq_lens)} x "
-             f"{tokens_per_seq} rows, got {num_rows}")  # fmt: skip
+    if tokens_per_seq < 1:
+        raise ValueError(f"tokens_per_seq must be >= 1, got {tokens_per_seq}")
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    if num_rows != len(seq_lens) * tokens_per_seq:
+        raise ValueError(f"q must have {len(seq_lens)} x {tokens_per_seq} rows, got {num_rows}")
     mid_o, mid_lse = workspace
     ok = mid_o.shape[0] >= num_rows and mid_o.shape[1:] == (num_heads, num_kv_splits, head_dim)
     ok &= mid_lse.shape == mid_o.shape[:3] and mid_o.is_contiguous() and mid_lse.is_contiguous()
     ok &= mid_o.dtype == mid_lse.dtype == torch.float32
-    _require(ok, f"workspace must be decode_workspace(>={num_rows}, {num_heads}, {head_dim}, "
-             f"{num_kv_splits})")  # fmt: skip
+    if not ok:
+        raise ValueError(f"workspace must be decode_workspace(>={num_rows}, {num_heads}, "
+                         f"{head_dim}, {num_kv_splits})")  # fmt: skip
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -35,7 +35,7 @@ from pcgspec.kernels.attention import (
     _online_softmax,
     _require,
 )
-from pcgspec.kernels.launches import compiled_launcher
+from pcgspec.kernels.launches import CompiledLaunches
 
 
 @triton.jit
@@ -208,9 +208,9 @@ class ExtendPlan:
     grid: tuple[int, int, int]
     constants: dict[str, Any]  # constexprs, num_warps, num_stages
     empty: bool  # nothing to launch
-    # NOTE: lean launches of the kernel Triton compiled for this pass, by the strides it was
-    # specialized for, all pointers 16-byte aligned; filled by layer 0's launch, used by the
-    # later layers (the other ints are not specialized).
+    specialization: tuple[tuple[str, Any], ...]  # the constants, hashable
+    # NOTE: the lean launches of this pass by the strides they were specialized for (all
+    # pointers 16-byte aligned); filled at layer 0, used by the later layers.
     launches: dict[tuple[int, ...], Callable[..., None] | None] = field(default_factory=dict)
 
 
@@ -264,7 +264,7 @@ def plan_extend(
     )  # fmt: skip
     return ExtendPlan(
         num_rows, num_real, len(extend_lens), num_heads, num_kv_heads, head_dim, dtype, page_size,
-        scale * _LOG2E, grid, constants, math.prod(grid) == 0,
+        scale * _LOG2E, grid, constants, math.prod(grid) == 0, tuple(sorted(constants.items())),
     )  # fmt: skip
 
 
@@ -308,8 +308,9 @@ def _check_extend(
     got = (len(q), len(seq_lens), q.shape[1], *k_cache.shape[1:], q.dtype)
     want = (plan.num_rows, plan.num_reqs, plan.num_heads, plan.num_kv_heads, plan.head_dim,
             plan.dtype)  # fmt: skip
-    _require(got == want, f"(rows, requests, heads, kv heads, head dim, dtype) {got} differ from "
-             f"the plan's {want}")  # fmt: skip
+    if got != want:
+        raise ValueError(f"(rows, requests, heads, kv heads, head dim, dtype) {got} differ from "
+                         f"the plan's {want}")  # fmt: skip
 
 
 def extend_attention(
@@ -342,17 +343,21 @@ def extend_attention(
                extend_start)  # fmt: skip
     strides = (sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1])
     scalars = (plan.qk_scale, plan.num_real, plan.num_rows, *strides, page_table.stride(0))
+    # NOTE: layers after the first reuse its lean launch (every layer of a pass has the same
+    # dtypes): their strides (the specialized ints) and pointer alignment decide whether the
+    # same compiled kernel applies.
     ptrs = [t.data_ptr() for t in tensors]
-    aligned = not functools.reduce(operator.or_, ptrs) & 15
-    launch = plan.launches.get(strides) if aligned else None
-    if launch is not None:
+    launch = plan.launches.get(strides)
+    if launch is not None and not functools.reduce(operator.or_, ptrs) & 15:
         launch(plan.grid, *ptrs, *scalars)
         return
-    kernel = _extend_kernel[plan.grid](*tensors, *scalars, **plan.constants)
-    if aligned and strides not in plan.launches:
-        constexpr_names = _extend_kernel.arg_names[len(ptrs) + len(scalars) :]
-        constexprs = [plan.constants[name] for name in constexpr_names]
-        plan.launches[strides] = compiled_launcher(kernel, constexprs)
+    key = (strides, plan.specialization)
+    launch = _EXTEND(plan.grid, tensors, scalars, plan.constants, key)
+    if launch is not None:
+        plan.launches[strides] = launch
+
+
+_EXTEND = CompiledLaunches(_extend_kernel)
 
 
 def extend_attention_ref(

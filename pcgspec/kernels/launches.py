@@ -1,17 +1,22 @@
 """How compiled Triton kernels are launched here, and counting those launches (tests and
 ``scripts/profile_step.py``).
 
-``compiled_launcher`` is Triton's own ``kernel[grid](*args)`` minus its per-launch Python, for a
-kernel launched many times per pass with the same specialization (the extend kernel, once per
-layer): a short prefill is host-bound, and this launch is most of its host time per layer.
+``compiled_launcher`` is Triton's own ``kernel[grid](*args)`` minus its per-launch Python, and
+``CompiledLaunches`` keeps one per specialization of a kernel, so only the first launch of each
+takes Triton's binder: a short prefill is host-bound, and the launches before the GPU has work
+(and the attention launch of every layer) are on its critical path.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import functools
+import operator
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
 
+import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
@@ -50,6 +55,48 @@ def compiled_launcher(
         run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *trailing)
 
     return launch
+
+
+class CompiledLaunches:
+    """Launches of one ``@triton.jit`` kernel, each specialization's compiled kernel kept as a
+    ``compiled_launcher`` after its first launch.
+
+    ``key`` must pin everything of the launch that Triton specializes on besides the tensors'
+    device and dtypes and the 16-byte alignment of their pointers (those are added here): the
+    specialized ints and the constexprs. Tensors come first in the argument list, then scalars,
+    then the constexprs (by name in ``constants``).
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._launches: dict[Hashable, Callable[..., None] | None] = {}
+
+    def __call__(
+        self,
+        grid: tuple[int, int, int],
+        tensors: Sequence[torch.Tensor],
+        scalars: Sequence[object],
+        constants: dict[str, object],
+        key: Hashable,
+    ) -> Callable[..., None] | None:
+        """Launch; returns the lean launch of this specialization (None: Triton's path only,
+        e.g. under the interpreter or with a misaligned pointer), which takes the same
+        ``(grid, *tensors or data_ptrs, *scalars)``.
+        """
+        ptrs = [t.data_ptr() for t in tensors]
+        if functools.reduce(operator.or_, ptrs) & 15:  # Triton specializes on alignment
+            self.fn[grid](*tensors, *scalars, **constants)
+            return None
+        full_key = (key, tensors[0].device, *(t.dtype for t in tensors))
+        launch = self._launches.get(full_key)
+        if launch is not None:
+            launch(grid, *ptrs, *scalars)
+            return launch
+        kernel = self.fn[grid](*tensors, *scalars, **constants)
+        names = self.fn.arg_names[len(tensors) + len(scalars) :]
+        launch = compiled_launcher(kernel, [constants[name] for name in names])
+        self._launches[full_key] = launch
+        return launch
 
 
 def _hooks_installed() -> bool:

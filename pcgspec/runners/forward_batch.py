@@ -60,6 +60,9 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None  # [T, hidden]; replaces the embedding lookup
     return_input_logprobs: bool = False
     spec_num_draft_tokens: int = 0  # k+1 in TARGET_VERIFY mode, else 0
+    # [B] int32, each request's first row (exclusive cumsum of extend_lens), where whoever built
+    # the batch had it at hand; attention backends compute it otherwise
+    extend_start: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -24,12 +24,12 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from pcgspec.compile.backend import CompiledDecoder, PiecewiseBackend
 from pcgspec.compile.buckets import capture_buckets, pad_to_bucket
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.compile.piecewise import PiecewiseGraphs
+from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
@@ -80,10 +80,14 @@ class PiecewiseRunner:
         self.graphs = PiecewiseGraphs(self.device)
         self.backend = PiecewiseBackend(config.resolved_piecewise_compiler, graphs=self.graphs)
         self.decoder = CompiledDecoder(model_runner.model.model, self.backend)
-        # Static inputs: every compiled call reads views of these, so replays copy nothing.
+        # Static inputs: every compiled call reads views of these, so replays copy nothing; the
+        # padded batch's KV slots and request starts live here too (filled by one launch).
         size = max(2, self.max_tokens)
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.out_cache_loc = torch.full((size,), -1, dtype=torch.int64, device=self.device)
+        self.extend_start = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._pad_batch = pad_batch if self.device.type == "cuda" else pad_batch_ref
         self._stats: Counter[str] = Counter(dict.fromkeys((RUNS, *FALLBACKS), 0))
 
     @torch.inference_mode()
@@ -165,17 +169,17 @@ class PiecewiseRunner:
             return self.decoder(padded.input_ids, padded.positions)
 
     def _pad(self, batch: ForwardBatch, bucket: int) -> ForwardBatch:
-        """``batch`` with ``bucket`` tokens whose ids and positions are views of the static
-        buffers; the padded tokens have KV slot -1.
+        """``batch`` with ``bucket`` tokens in views of the static buffers (padded tokens have
+        KV slot -1), and its requests' first rows.
         """
-        n = batch.num_tokens
-        input_ids, positions = self.input_ids[:bucket], self.positions[:bucket]
-        input_ids[:n].copy_(batch.input_ids)
-        positions[:n].copy_(batch.positions)
-        out_cache_loc = F.pad(batch.out_cache_loc, (0, bucket - n), value=-1)
+        ids, positions = self.input_ids[:bucket], self.positions[:bucket]
+        out_cache_loc, start = self.out_cache_loc[:bucket], self.extend_start[: batch.batch_size]
+        self._pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
+                        ids, positions, out_cache_loc, start)  # fmt: skip
         return dataclasses.replace(
-            batch, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc
-        )
+            batch, input_ids=ids, positions=positions, out_cache_loc=out_cache_loc,
+            extend_start=start,
+        )  # fmt: skip
 
     def _dummy_batch(self, num_tokens: int) -> ForwardBatch:
         """One token reading page 0, padded to ``num_tokens``; nothing is written to the KV
