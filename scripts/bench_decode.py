@@ -127,8 +127,11 @@ def bench_steps(args: argparse.Namespace, device: torch.device, dtype: torch.dty
             print(f"{mode:>6} batch {bs:>3}: {median:8.3f} ms (p90 {p90:.3f}), "
                   f"{nbytes / median / 1e6:7.1f} GB/s of weights", flush=True)
     graphs = runners.get("graphs")
+    copy = device_copy_gb_s(device) if device.type == "cuda" else None
+    for step in steps:
+        step["copy_fraction"] = None if copy is None else step["weight_gb_s"] / copy
     result = {**header(args, device, dtype, name), "context": args.context,
-              "weight_bytes": nbytes, "steps": steps,
+              "weight_bytes": nbytes, "device_copy_gb_s": copy, "steps": steps,
               "decode_graph_stats": graphs.decode_graphs.stats() if graphs else None}
     print_steps(result)
     return result
@@ -254,6 +257,24 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total - (0 if tied else embed.numel() * embed.element_size())
 
 
+def device_copy_gb_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median over CUDA
+    events: what the weight bandwidth of a decode step is measured against, in the same run.
+    """
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del src, dst
+    return 2 * nbytes / statistics.median(times[3:]) / 1e6
+
+
 def print_steps(result: dict) -> None:
     print(f"\ndecode step (decoder + LM head), {result['model']}, {result['dtype']}, "
           f"{result['context']} tokens of context, {result['device']}; "
@@ -264,6 +285,11 @@ def print_steps(result: dict) -> None:
         err = "-" if r["rel_err_vs_eager"] is None else f"{r['rel_err_vs_eager']:.1e}"
         print(f"{r['batch']:>5} {r['mode']:>6} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} "
               f"{r['tok_s']:>9.1f} {r['weight_gb_s']:>12.1f} {err:>8}")
+    copy = result.get("device_copy_gb_s")
+    if copy:
+        print(f"device copy {copy:.1f} GB/s in this run; weight bandwidth as a fraction of it: "
+              + ", ".join(f"{r['mode']} batch {r['batch']} {r['copy_fraction']:.1%}"
+                          for r in result["steps"] if r["mode"] != "eager"))  # fmt: skip
 
 
 # vs transformers -------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ CASES = [  # extend_lens, rows
 ]
 
 
+@pytest.mark.parametrize("with_start", [True, False])
 @pytest.mark.parametrize(("lens", "rows"), CASES)
-def test_pad_batch_matches_reference(lens: list[int], rows: int) -> None:
+def test_pad_batch_matches_reference(lens: list[int], rows: int, with_start: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
     n = sum(lens)
     src = [torch.randint(0, 1 << 40, (n,), generator=gen).to(DEVICE) for _ in range(3)]
@@ -29,14 +30,15 @@ def test_pad_batch_matches_reference(lens: list[int], rows: int) -> None:
         stale = torch.arange(rows, dtype=torch.int64, device=DEVICE) + 7
         bufs = [stale.clone(), stale.clone(), stale.clone()]
         start = torch.full((len(lens),), -5, dtype=torch.int32, device=DEVICE)
-        fn(*src, extend_lens, *bufs, start)
+        fn(*src, extend_lens, *bufs, start if with_start else None)
         outs[name] = (*bufs, start)
     for got, want in zip(outs["kernel"], outs["ref"]):
         assert torch.equal(got, want)
     ids, positions, loc, start = outs["kernel"]
     assert torch.equal(ids[:n], src[0]) and torch.equal(ids[n:], stale[n:])
     assert torch.equal(positions[n:], stale[n:]) and (loc[n:] == -1).all()
-    assert start.tolist() == [sum(lens[:b]) for b in range(len(lens))]
+    want = [sum(lens[:b]) for b in range(len(lens))] if with_start else [-5] * len(lens)
+    assert start.tolist() == want
 
 
 def test_pad_batch_rejects_bad_shapes() -> None:

@@ -9,10 +9,10 @@ built by ``AttentionBackend.init_capture_metadata`` over static buffers. Buckets
 largest first into one memory pool.
 
 Static buffers hold ``max_bs`` requests; bucket ``bs`` sees requests ``[:bs]``. A replay copies
-the batch into the first ``B`` requests' rows (``copy_``, never a new tensor), resets requests
-``B..bs`` to padding (id 0, position 0, ``out_cache_loc`` -1: no KV write, ``seq_len`` 0: no KV
-read), replays the smallest bucket ``bs >= B`` and returns the real requests' output rows.
-Page-table entries past a request's pages keep older values: no kernel reads them.
+the batch into the first ``B`` requests' rows (in place, three launches), makes requests
+``B..bs`` padding (``out_cache_loc`` -1: no KV write, ``seq_len`` 0: no KV read), replays the
+smallest bucket ``bs >= B`` and returns the real requests' output rows. Padded ids and positions,
+and page-table entries past a request's pages, keep older values: no real row reads them.
 
 NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
 Off CUDA the piecewise ``_EagerGraph`` stands in for ``torch.cuda.CUDAGraph`` (replay reruns the
@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
+from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ class DecodeGraphRunner:
             min(config.cuda_graph_max_bs, config.max_running_requests)
         )
         self.max_bs = self.batch_sizes[-1]
+        self._pad_batch = pad_batch if self.device.type == "cuda" else pad_batch_ref
         self.buffers = _StaticBuffers.allocate(
             self.max_bs, tokens_per_seq, self.max_pages, self.device
         )
@@ -257,17 +259,14 @@ class DecodeGraphRunner:
         return hidden[:t], None if aux is None else aux[:t]
 
     def _load(self, batch: ForwardBatch, bs: int) -> None:
-        n, buf = batch.batch_size, self.buffers
-        t, padded_t = batch.num_tokens, bs * self.tokens_per_seq
-        buf.input_ids[:t].copy_(batch.input_ids)
-        buf.positions[:t].copy_(batch.positions)
-        buf.out_cache_loc[:t].copy_(batch.out_cache_loc)
+        # NOTE: few launches: before the graph launch the GPU has nothing to do.
+        n, buf, rows = batch.batch_size, self.buffers, bs * self.tokens_per_seq
+        self._pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
+                        buf.input_ids[:rows], buf.positions[:rows], buf.out_cache_loc[:rows],
+                        None)  # fmt: skip
         buf.seq_lens[:n].copy_(batch.seq_lens)
         buf.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
         if bs > n:
-            buf.input_ids[t:padded_t].zero_()
-            buf.positions[t:padded_t].zero_()
-            buf.out_cache_loc[t:padded_t].fill_(-1)
             buf.seq_lens[n:bs].zero_()
 
     def stats(self) -> dict[str, int]:
