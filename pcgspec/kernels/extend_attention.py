@@ -12,9 +12,7 @@ once per pass (grid, block sizes, constants, from host ints only: graph-capturab
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +33,7 @@ from pcgspec.kernels.attention import (
     _online_softmax,
     _require,
 )
-from pcgspec.kernels.launches import CompiledLaunches
+from pcgspec.kernels.launches import CompiledLaunches, all_aligned
 
 
 @triton.jit
@@ -348,7 +346,7 @@ def extend_attention(
     # same compiled kernel applies.
     ptrs = [t.data_ptr() for t in tensors]
     launch = plan.launches.get(strides)
-    if launch is not None and not functools.reduce(operator.or_, ptrs) & 15:
+    if launch is not None and all_aligned(ptrs):
         launch(plan.grid, *ptrs, *scalars)
         return
     key = (strides, plan.specialization)

@@ -84,7 +84,7 @@ class CompiledLaunches:
         ``(grid, *tensors or data_ptrs, *scalars)``.
         """
         ptrs = [t.data_ptr() for t in tensors]
-        if functools.reduce(operator.or_, ptrs) & 15:  # Triton specializes on alignment
+        if not all_aligned(ptrs):  # Triton specializes on alignment
             self.fn[grid](*tensors, *scalars, **constants)
             return None
         full_key = (key, tensors[0].device, *(t.dtype for t in tensors))
@@ -97,6 +97,11 @@ class CompiledLaunches:
         launch = compiled_launcher(kernel, [constants[name] for name in names])
         self._launches[full_key] = launch
         return launch
+
+
+def all_aligned(ptrs: Sequence[int]) -> bool:
+    """Whether every pointer is 16-byte aligned (what Triton specializes pointers on)."""
+    return not functools.reduce(operator.or_, ptrs) & 15
 
 
 def _hooks_installed() -> bool:
