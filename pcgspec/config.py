@@ -41,13 +41,14 @@ class EngineConfig:
     random_seed: int = 0
     log_level: str | None = None
     # Speculative decoding (SGLang's names); None = SpeculativeConfig's default.
-    speculative_algorithm: str | None = None  # NGRAM (EAGLE3, NEXTN, STANDALONE: not yet)
+    speculative_algorithm: str | None = None  # EAGLE3, NEXTN, STANDALONE or NGRAM
     speculative_num_steps: int | None = None  # k drafts per request and step
     speculative_num_draft_tokens: int | None = None  # k+1
     speculative_eagle_topk: int | None = None
     speculative_draft_model_path: str | None = None
     speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int | None = None
+    speculative_policy: str | None = None  # auto (default) | always
 
     def __post_init__(self) -> None:
         self._validate()

@@ -1,16 +1,20 @@
 """Decode throughput with and without speculative decoding, side by side in one run.
 
-For each batch size: output tokens/s of plain decoding and of each speculative method, with
-the average accept length (accepted drafts + 1 bonus per verify step). Prompts ask the model
-to repeat text, where prompt lookup (NGRAM) helps; ``--prompts general`` uses open questions.
-Medians over repeats; writes JSON.
+For each prompt set and batch size: output tokens/s of plain decoding and of each speculative
+method, the average accept length (accepted drafts + 1 bonus per verify step), the median wall
+time of a decode step, and the split of a speculative step into draft (propose), verify and
+host (everything else: batch building, commit, stop checks, scheduling). The split comes from a
+separate pass that synchronizes after each phase and speculates every step; tokens/s and step
+times come from passes without it. Prompts ask the model to repeat text ("repeat": where
+prompt lookup helps) or open questions ("general"). Medians over repeats; writes JSON.
 
 Drafts: EAGLE3 and NEXTN run untrained heads written in the published layouts (accept length
-about 1: they measure the cost of drafting and verifying, not a trained head's gain), unless
-``--eagle3-draft`` / ``--nextn-draft`` name checkpoints; STANDALONE runs ``--standalone-draft``,
-by default the target itself (every draft accepted: the ceiling of the method).
+about 1: they measure the cost of drafting and verifying, not a trained head's gain; EAGLE3
+with a reduced draft vocabulary, as published heads have), unless ``--eagle3-draft`` /
+``--nextn-draft`` name checkpoints; STANDALONE runs ``--standalone-draft``, by default the
+target itself (every draft accepted: the ceiling of the method).
 
-    python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,NEXTN --batch-sizes 1,16
+    python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,NEXTN --batch-sizes 1,4,16,32
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import json
 import statistics
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,10 +42,75 @@ _PASSAGES = [
     "Paris is the capital of France and its largest city. It sits on the Seine river, in the "
     "north of the country, and is known for its museums and cafes.",
 ]
-# The model copies the passage (code editing, quoting): where prompt lookup (NGRAM) helps.
-REPEAT_PROMPTS = [f"Text: {p}\n\nThe same text, copied exactly:\nText: " for p in _PASSAGES]
-GENERAL_PROMPTS = ["Explain gravity to a child.", "List three prime numbers:",
-                   "Write a haiku about the sea.", "What is 12 times 12?"]
+PROMPT_SETS = {
+    # The model copies the passage (code editing, quoting): where prompt lookup (NGRAM) helps.
+    "repeat": [f"Text: {p}\n\nThe same text, copied exactly:\nText: " for p in _PASSAGES],
+    "general": ["Explain gravity to a child.", "List three prime numbers:",
+                "Write a haiku about the sea.", "What is 12 times 12?"],
+}
+PHASES = ("propose", "verify", "accept_and_commit")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepTimes:
+    """While open: the wall time of every decode step of ``engine``; with ``phases``, also of
+    each speculative phase, synchronized before and after (which slows the step: a separate
+    pass). Patches the engine's instance attributes and removes the patches on exit.
+    """
+
+    def __init__(self, engine, phases: bool = False) -> None:
+        self.engine, self.phases = engine, phases
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def __enter__(self) -> StepTimes:
+        from pcgspec.runners.forward_batch import ForwardMode
+
+        engine, mode = self.engine, {}
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def scheduled():
+            batch = schedule()
+            mode["decode"] = batch is not None and batch.mode is ForwardMode.DECODE
+            return batch
+
+        def timed_step():
+            start = time.perf_counter()
+            out = step()
+            if mode["decode"]:
+                self.times["step"].append(time.perf_counter() - start)
+            return out
+
+        engine.scheduler.schedule, engine.step = scheduled, timed_step
+        if self.phases:
+            for name in PHASES:
+                setattr(engine.spec_worker, name, self._timed(name, getattr(engine.spec_worker,
+                                                                              name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.scheduler.schedule, self.engine.step  # the class's methods again
+        if self.phases:
+            for name in PHASES:
+                delattr(self.engine.spec_worker, name)
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def run(*args):
+            _sync()
+            start = time.perf_counter()
+            out = fn(*args)
+            _sync()
+            self.times[name].append(time.perf_counter() - start)
+            return out
+
+        return run
+
+    def median_ms(self, name: str) -> float | None:
+        values = self.times.get(name)
+        return 1e3 * statistics.median(values) if values else None
 
 
 def _time_generate(llm, prompts: list[str], max_tokens: int, repeats: int) -> tuple[float, list]:
@@ -49,14 +120,48 @@ def _time_generate(llm, prompts: list[str], max_tokens: int, repeats: int) -> tu
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     rates, outs = [], []
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
         rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
     return statistics.median(rates), outs
+
+
+def _split(llm, prompts: list[str], max_tokens: int) -> dict[str, float | None]:
+    """Median ms of a speculative step and its phases (every step speculates in this pass)."""
+    from pcgspec import SamplingParams
+
+    policy = llm.engine.spec_worker.policy
+    mode, policy.mode = policy.mode, "always"
+    try:
+        with StepTimes(llm.engine, phases=True) as times:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
+                         use_tqdm=False)  # fmt: skip
+    finally:
+        policy.mode = mode
+    step, draft, verify = (times.median_ms(n) for n in ("step", "propose", "verify"))
+    host = None if None in (step, draft, verify) else step - draft - verify
+    return {"spec_step_ms": step, "draft_ms": draft, "verify_ms": verify, "host_ms": host}
+
+
+def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> list[dict]:
+    rows: list[dict] = []
+    for name, llm in engines.items():
+        with StepTimes(llm.engine) as times:
+            rate, outs = _time_generate(llm, prompts, args.max_tokens, args.repeats)
+        accept = [o.metrics.avg_spec_accept_length for o in outs]
+        accept = [a for a in accept if a is not None]
+        row = {"batch": len(prompts), "method": name, "tok_s": rate,
+               "speedup": rate / (rows[0]["tok_s"] if rows else rate),
+               "avg_accept_length": statistics.mean(accept) if accept else None,
+               "decode_step_ms": times.median_ms("step")}
+        if name != "none":
+            row.update(llm.engine.spec_stats())
+            row.update(_split(llm, prompts, args.max_tokens))
+            row["spec_step_vs_plain_step"] = row["spec_step_ms"] / rows[0]["decode_step_ms"]
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -65,57 +170,74 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", default="NGRAM", help="comma-separated speculative algorithms")
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
-    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--policy", choices=("auto", "always"), default="auto",
+                   help="--speculative-policy of the speculative engines")
+    p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompts", choices=("repeat", "general"), default="repeat")
+    p.add_argument("--prompts", default="repeat,general", help="comma-separated: repeat, general")
     p.add_argument("--standalone-draft", default=None, help="default: the target itself")
     p.add_argument("--eagle3-draft", default=UNTRAINED)
+    p.add_argument("--eagle3-draft-vocab", type=int, default=16384,
+                   help="draft vocabulary of the untrained EAGLE3 head")
     p.add_argument("--nextn-draft", default=UNTRAINED)
     p.add_argument("--out", default="bench/results/spec.json")
     args = p.parse_args()
 
+    methods = [m for m in args.methods.split(",") if m]
+    engines = _engines(args, methods)
+    rows = []
+    for prompt_set in args.prompts.split(","):
+        pool = PROMPT_SETS[prompt_set]
+        for bs in (int(b) for b in args.batch_sizes.split(",")):
+            prompts = (pool * (bs // len(pool) + 1))[:bs]
+            rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, prompts, args)]
+    config = engines["none"].config
+    device = torch.cuda.get_device_name() if config.torch_device.type == "cuda" else "CPU"
+    model = engines["none"].engine.model_dir.name
+    _print(rows, f"{model}, {config.torch_dtype}, {device}, k={args.num_steps}, "
+                 f"policy {args.policy}")  # fmt: skip
+    result = {"date": datetime.now(timezone.utc).isoformat(), "device": device,
+              "torch": torch.__version__, "model": model, "dtype": str(config.torch_dtype),
+              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "num_steps": args.num_steps, "policy": args.policy, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def _print(rows: list[dict], title: str) -> None:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    print(f"\ndecode tokens/s, {title}")
+    print(f"{'prompts':>8} {'batch':>5} {'method':>10} {'tok/s':>9} {'speedup':>8} "
+          f"{'accept':>7} {'step ms':>8} {'spec step':>9} {'draft':>6} {'verify':>6} "
+          f"{'host':>6} {'plain by policy':>15}")  # fmt: skip
+    for r in rows:
+        acc = f"{r['avg_accept_length']:.2f}" if r["avg_accept_length"] is not None else "-"
+        chosen = f"{r.get('policy_plain_steps', 0)}/{r.get('speculative_steps', 0)}"
+        print(f"{r['prompts']:>8} {r['batch']:>5} {r['method']:>10} {r['tok_s']:>9.1f} "
+              f"{r['speedup']:>7.2f}x {acc:>7} {ms(r['decode_step_ms']):>8} "
+              f"{ms(r.get('spec_step_ms')):>9} {ms(r.get('draft_ms')):>6} "
+              f"{ms(r.get('verify_ms')):>6} {ms(r.get('host_ms')):>6} "
+              f"{chosen if 'speculative_steps' in r else '-':>15}")  # fmt: skip
+
+
+def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
+    """The plain engine ("none") and one per method, each with a capped KV cache (several
+    engines share the device: the first would take mem_fraction_static of the whole GPU).
+    """
     from pcgspec import LLM
 
-    methods = [m for m in args.methods.split(",") if m]
-    # NOTE: several engines share the device: cap each KV cache instead of letting the first
-    # take mem_fraction_static of the whole GPU.
     base = {"dtype": args.dtype, "log_level": "warning", "max_total_tokens": 1 << 16}
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
         engines[method] = LLM(args.model, speculative_algorithm=method,
                               speculative_num_steps=args.num_steps,
-                              speculative_draft_model_path=drafts.get(method), **base)
-    pool = REPEAT_PROMPTS if args.prompts == "repeat" else GENERAL_PROMPTS
-    rows = []
-    for bs in (int(b) for b in args.batch_sizes.split(",")):
-        prompts = (pool * (bs // len(pool) + 1))[:bs]
-        plain = None
-        for name, llm in engines.items():
-            rate, outs = _time_generate(llm, prompts, args.max_tokens, args.repeats)
-            plain = rate if name == "none" else plain
-            accept = [o.metrics.avg_spec_accept_length for o in outs]
-            accept = [a for a in accept if a is not None]
-            rows.append({"batch": bs, "method": name, "tok_s": rate, "speedup": rate / plain,
-                         "avg_accept_length": statistics.mean(accept) if accept else None})
-    config = engines["none"].config
-    device = torch.cuda.get_device_name() if config.torch_device.type == "cuda" else "CPU"
-    model = engines["none"].engine.model_dir.name
-    print(f"\ndecode tokens/s, {model}, {config.torch_dtype}, {device}, k={args.num_steps}, "
-          f"{args.prompts} prompts")
-    print(f"{'batch':>5} {'method':>8} {'tok/s':>9} {'speedup':>8} {'accept len':>11}")
-    for r in rows:
-        acc = f"{r['avg_accept_length']:.2f}" if r["avg_accept_length"] is not None else "-"
-        print(f"{r['batch']:>5} {r['method']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
-              f"{acc:>11}")
-    result = {"date": datetime.now(timezone.utc).isoformat(), "device": device,
-              "torch": torch.__version__, "model": model, "dtype": str(config.torch_dtype),
-              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "num_steps": args.num_steps, "prompts": args.prompts, "drafts": drafts,
-              "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+                              speculative_draft_model_path=drafts.get(method),
+                              speculative_policy=args.policy, **base)  # fmt: skip
+    return engines
 
 
 def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str]) -> dict:
@@ -128,14 +250,13 @@ def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str])
 
     config, root = load_config(target_dir), Path(tempfile.mkdtemp(prefix="pcgspec-drafts-"))
     paths = {"STANDALONE": args.standalone_draft or str(target_dir)}
-    if args.eagle3_draft == UNTRAINED:
-        paths["EAGLE3"] = str(write_eagle3_checkpoint(root / "eagle3", config, seed=0))
-    else:
-        paths["EAGLE3"] = args.eagle3_draft
-    if args.nextn_draft == UNTRAINED:
-        paths["NEXTN"] = str(write_mtp_checkpoint(root / "mtp", config, seed=0))
-    else:
-        paths["NEXTN"] = args.nextn_draft
+    if "EAGLE3" in methods:
+        paths["EAGLE3"] = args.eagle3_draft if args.eagle3_draft != UNTRAINED else str(
+            write_eagle3_checkpoint(root / "eagle3", config, seed=0,
+                                    draft_vocab_size=args.eagle3_draft_vocab))  # fmt: skip
+    if "NEXTN" in methods:
+        paths["NEXTN"] = args.nextn_draft if args.nextn_draft != UNTRAINED else str(
+            write_mtp_checkpoint(root / "mtp", config, seed=0))
     return {m: paths[m] for m in methods if m in paths}
 
 

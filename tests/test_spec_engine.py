@@ -30,7 +30,7 @@ def llm(smollm2_path) -> LLM:
 @pytest.fixture(scope="module")
 def spec_llm(smollm2_path) -> LLM:
     return LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm="NGRAM",
-               speculative_num_steps=4)
+               speculative_num_steps=4, speculative_policy="always")
 
 
 def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
@@ -110,7 +110,7 @@ def test_fallbacks_logprobs_and_small_kv_pool(smollm2_path, llm, spec_llm, hf_mo
     assert spec_llm.engine.spec_stats()["fallback_steps"] > before
     # 10 pages of 16 tokens: verify slots often do not fit, so steps fall back or preempt.
     small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=160,
-                speculative_algorithm="NGRAM", speculative_num_steps=4)
+                speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always")
     prompts = PROMPTS[-4:]
     ref = llm.generate(prompts, _greedy(40), use_tqdm=False)
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)

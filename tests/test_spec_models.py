@@ -10,6 +10,7 @@ heads written in the published layouts, which prove losslessness and plumbing, n
 from __future__ import annotations
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -55,7 +56,8 @@ def drafts(smollm2_path, tmp_path_factory) -> dict[str, str]:
 
 def spec_llm(smollm2_path, algorithm: str, draft, **kw) -> LLM:
     return LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
-               speculative_draft_model_path=str(draft), speculative_num_steps=K, **kw)
+               speculative_draft_model_path=str(draft), speculative_num_steps=K,
+               speculative_policy="always", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +138,14 @@ def test_preemption_restarts_the_draft(smollm2_path, drafts, llm, hf_model, algo
 
 
 def test_draft_graphs_replay_like_eager_drafting(spec, plain_outputs):
-    """The k-1 draft steps from per-batch-size graphs (eager stand-in on CPU) give the same
-    drafts, hence the same accept counts, as eager drafting; batch 3 replays the bucket of 4.
+    """The propose phase (padded catch-up + k-1 draft steps) from per-batch-size graphs (eager
+    stand-in on CPU) gives the same drafts, hence the same accept counts, as eager drafting;
+    batch 3 replays the bucket of 4 (a padded request).
     """
     proposer = spec.engine.spec_worker.proposer
     prompts, params = PROMPTS[:3], _greedy(16)
     eager = spec.generate(prompts, params, use_tqdm=False)
-    proposer.graphs = DraftGraphRunner(proposer.runner, K - 1, max_bs=4, max_seq_len=2048)
+    proposer.graphs = DraftGraphRunner(proposer.runner, K, max_bs=4, max_seq_len=2048)
     try:
         proposer.graphs.capture()
         graphed = spec.generate(prompts, params, use_tqdm=False)
@@ -187,7 +190,9 @@ def test_standalone_vocabulary_must_match(smollm2_path, tmp_path):
 
 # GPU -------------------------------------------------------------------------------------------
 
-GPU_KW = {"dtype": "float32", "device": "cuda", "max_total_tokens": 1 << 15}  # several engines
+# several engines on one device: each caps its KV cache
+GPU_KW = {"dtype": "float32", "device": "cuda", "max_total_tokens": 1 << 15}
+SPEC_KW = {"speculative_num_steps": K, "speculative_policy": "always"}
 
 
 @pytest.fixture(scope="module")
@@ -198,21 +203,22 @@ def cuda_plain(smollm2_path) -> LLM:
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "STANDALONE"])
 def test_cuda_graphs_greedy_equals_plain(smollm2_path, drafts, cuda_plain, hf_model, algorithm):
-    """Verify and draft graphs on (CUDA defaults): greedy output equals plain decoding at batch
-    sizes 1, 3 and 16 (the draft graphs replay buckets 1, 4 and 16).
+    """Verify and draft graphs on, 16 the largest captured batch: greedy output equals plain
+    decoding at batch sizes 1, 3, 16 (the graphs replay buckets 1, 4 and 16) and 17 (eager).
     """
     draft = smollm2_path if algorithm == "STANDALONE" else drafts[algorithm]  # self-draft
-    spec = LLM(str(smollm2_path), speculative_algorithm=algorithm, speculative_num_steps=K,
-               speculative_draft_model_path=str(draft), **GPU_KW)
+    spec = LLM(str(smollm2_path), speculative_algorithm=algorithm, cuda_graph_max_bs=16,
+               speculative_draft_model_path=str(draft), **SPEC_KW, **GPU_KW)
     runner, proposer = spec.engine.runner, spec.engine.spec_worker.proposer
     assert runner.verify_graphs is not None and proposer.graphs is not None
-    for bs in (1, 3, 16):
+    for bs in (1, 3, 16, 17):
         prompts = (PROMPTS * 2)[:bs]
         want = cuda_plain.generate(prompts, _greedy(), use_tqdm=False)
         got = spec.generate(prompts, _greedy(), use_tqdm=False)
         _assert_same_greedy(cuda_plain, hf_model, prompts, want, got)
-    assert runner.verify_graphs.stats()["replays"] > 0
-    assert not any(k.startswith("rejected") for k in runner.verify_graphs.stats())
+    stats = runner.verify_graphs.stats()
+    assert stats["replays"] > 0 and stats["rejected_batch_size"] > 0
+    assert stats.keys() <= {"graphs", "replays", "padded_rows", "rejected_batch_size"}
     assert proposer.graphs.num_replays > 0
     if algorithm == "STANDALONE":
         assert spec.engine.spec_stats()["avg_spec_accept_length"] > K  # near-ties aside: K + 1
@@ -220,11 +226,41 @@ def test_cuda_graphs_greedy_equals_plain(smollm2_path, drafts, cuda_plain, hf_mo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3", "NGRAM"])
+def test_cuda_speculative_step_syncs_once(smollm2_path, drafts, algorithm):
+    """A speculative step (propose, verify, accept, commit) makes one synchronizing CUDA call:
+    the copy of accepted lengths and tokens to the host (counted by torch's sync debug mode).
+    """
+    draft = {"STANDALONE": str(smollm2_path), "EAGLE3": drafts["EAGLE3"], "NGRAM": None}
+    spec = LLM(str(smollm2_path), speculative_algorithm=algorithm,
+               speculative_draft_model_path=draft[algorithm], **SPEC_KW, **GPU_KW)
+    engine = spec.engine
+    ids = spec.get_tokenizer().encode(PROMPTS[-2])
+    for _ in range(3):
+        engine.add_request(ids, _greedy(64))
+    for _ in range(4):  # the prefill, then speculative steps (kernels compiled)
+        engine.step()
+    for _ in range(3):
+        before = engine.spec_stats()["verify_steps"]
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+        assert engine.spec_stats()["verify_steps"] == before + 3
+        assert len(syncs) == 1, syncs
+
+
+@pytest.mark.gpu
 def test_cuda_memory_flat_over_1000_steps(smollm2_path, drafts):
     from pcgspec.engine.engine import Engine
 
-    spec = LLM(str(smollm2_path), speculative_algorithm="EAGLE3", speculative_num_steps=K,
-               speculative_draft_model_path=drafts["EAGLE3"], **GPU_KW)
+    spec = LLM(str(smollm2_path), speculative_algorithm="EAGLE3",
+               speculative_draft_model_path=drafts["EAGLE3"], **SPEC_KW, **GPU_KW)
     engine: Engine = spec.engine
     ids = spec.get_tokenizer().encode(PROMPTS[0])
     for _ in range(4):
@@ -264,8 +300,7 @@ def test_tiny_targets_greedy_equal_plain(smollm2_path, tmp_path, algorithm):
         draft = {"speculative_draft_model_path": str(tmp_path / "small")}
     kw = {"dtype": "float32", "device": "cpu", "tokenizer": str(smollm2_path)}
     plain = LLM(str(target), **kw)
-    spec = LLM(str(target), speculative_algorithm=algorithm, speculative_num_steps=K, **draft,
-               **kw)
+    spec = LLM(str(target), speculative_algorithm=algorithm, **SPEC_KW, **draft, **kw)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (3, 17, 40, 9)]
     for penalty in (1.0, 1.3):

@@ -57,7 +57,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_capture_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Split-KV over every row of ``batch`` (padded requests: ``seq_len`` 0, zero output)
-        with a ``num_kv_splits`` fixed for ``max_seq_len``; captured: DECODE, TARGET_VERIFY.
+        with a ``num_kv_splits`` fixed for ``max_seq_len``; captured: DECODE, TARGET_VERIFY and
+        padded draft catch-ups.
         """
         tokens_per_seq = _tokens_per_seq(batch)
         if not tokens_per_seq:
@@ -136,9 +137,12 @@ def _extend_start(batch: ForwardBatch) -> torch.Tensor:
 
 
 def _tokens_per_seq(batch: ForwardBatch) -> int:
-    """Tokens per request on the split-KV path (DECODE: 1, TARGET_VERIFY: k+1), else 0."""
-    ext_cpu = batch.extend_lens_cpu
-    split_kv = batch.forward_mode.is_decode() or batch.forward_mode is ForwardMode.TARGET_VERIFY
+    """Tokens per request on the split-KV path (DECODE: 1; TARGET_VERIFY and a draft catch-up
+    padded to k+1 rows per request: k+1), else 0.
+    """
+    ext_cpu, mode = batch.extend_lens_cpu, batch.forward_mode
+    split_kv = mode.is_decode() or mode is ForwardMode.TARGET_VERIFY or (
+        mode is ForwardMode.DRAFT_EXTEND and batch.spec_num_draft_tokens > 0)  # fmt: skip
     return ext_cpu[0] if split_kv and len(set(ext_cpu)) == 1 else 0
 
 

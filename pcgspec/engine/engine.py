@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,19 +70,20 @@ class Engine:
         runner = ModelRunner(config, model=target,
                              draft_kv_bytes_per_token=kv_spec(draft).bytes_per_token,
                              drafter_reads_hidden=draft.uses_target_hidden)  # fmt: skip
-        draft_runner = DraftRunner(draft, runner.kv_cache.num_pages, runner.page_size,
-                                   config.resolved_attention_backend, runner.device)
+        draft_runner = DraftRunner(draft, runner.kv_cache.num_pages, runner.page_size, config)
         return runner, draft_runner
 
     def _capture_draft_graphs(self) -> None:
-        """CUDA: the k-1 one-token draft steps of a model drafter as graphs per batch size."""
+        """CUDA: a model drafter's propose phase (catch-up + k-1 draft steps) as one graph per
+        batch size.
+        """
         worker, config = self.spec_worker, self.config
         proposer = None if worker is None else worker.proposer
-        if (not isinstance(proposer, ModelProposer) or proposer.num_steps < 2
-                or self.runner.device.type != "cuda" or config.disable_cuda_graph):  # fmt: skip
+        if (not isinstance(proposer, ModelProposer) or self.runner.device.type != "cuda"
+                or config.disable_cuda_graph):  # fmt: skip
             return
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-        proposer.graphs = DraftGraphRunner(proposer.runner, proposer.num_steps - 1, max_bs,
+        proposer.graphs = DraftGraphRunner(proposer.runner, proposer.num_steps, max_bs,
                                            self.context_length)  # fmt: skip
         proposer.graphs.capture()
 
@@ -152,10 +154,14 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        start = time.perf_counter()
         committed = self._speculate(batch)
         if committed is None:
             self._forward_and_sample(batch)
         self.scheduler.update(committed if committed is not None else batch)
+        if self.spec_worker is not None and batch.mode.is_decode():
+            self.spec_worker.policy.record_step(committed is not None, len(batch.requests),
+                                                time.perf_counter() - start)  # fmt: skip
         return batch.requests
 
     def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch | None:
@@ -184,6 +190,8 @@ class Engine:
             "avg_spec_accept_length": stats.avg_accept_length,
             "accepted_per_position": list(stats.accepted_per_position),
             "fallback_steps": worker.num_fallbacks,
+            "speculative_steps": worker.policy.speculative_steps,
+            "policy_plain_steps": worker.policy.plain_steps,
         }
 
     def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:

@@ -71,7 +71,7 @@ def capture_stream(device: torch.device) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class _StaticBuffers:
+class StaticBuffers:
     """The graph inputs: ``max_bs`` requests of ``n`` tokens each (N = max_bs * n rows);
     requests past a batch are padding.
     """
@@ -87,7 +87,7 @@ class _StaticBuffers:
     @classmethod
     def allocate(
         cls, max_bs: int, tokens_per_seq: int, max_pages: int, device: torch.device
-    ) -> _StaticBuffers:
+    ) -> StaticBuffers:
         num_rows = max_bs * tokens_per_seq
 
         def full(value: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -102,6 +102,41 @@ class _StaticBuffers:
             page_table=full(0, torch.int32, max_bs, max_pages),
             rows=torch.arange(num_rows, dtype=torch.int64, device=device),
         )
+
+    @property
+    def tokens_per_seq(self) -> int:
+        return self.input_ids.shape[0] // self.seq_lens.shape[0]
+
+    def batch(self, mode: ForwardMode, bs: int, page_size: int, max_seq_len: int,
+              **fields: object) -> ForwardBatch:  # fmt: skip
+        """The static batch of bucket ``bs``: views of the first ``bs`` requests' rows."""
+        n = self.tokens_per_seq
+        return ForwardBatch(
+            forward_mode=mode,
+            input_ids=self.input_ids[: bs * n],
+            positions=self.positions[: bs * n],
+            out_cache_loc=self.out_cache_loc[: bs * n],
+            seq_lens=self.seq_lens[:bs],
+            extend_lens=self.extend_lens[:bs],
+            page_table=self.page_table[:bs],
+            page_size=page_size,
+            seq_lens_cpu=(max_seq_len,) * bs,  # bounds, not contents
+            extend_lens_cpu=(n,) * bs,
+            **{"logits_indices": self.rows[: bs * n], **fields},  # type: ignore[arg-type]
+        )
+
+    def load(self, batch: ForwardBatch, bs: int, pad: Callable[..., None]) -> None:
+        """Copy ``batch`` into the first requests' rows, requests ``B..bs`` padding (``pad``:
+        ``pad_batch`` or its reference).
+        """
+        # NOTE: few launches: before the graph launch the GPU has nothing to do.
+        n, rows = batch.batch_size, bs * self.tokens_per_seq
+        pad(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
+            self.input_ids[:rows], self.positions[:rows], self.out_cache_loc[:rows], None)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        self.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
+        if bs > n:
+            self.seq_lens[n:bs].zero_()
 
 
 class DecodeGraphRunner:
@@ -141,7 +176,7 @@ class DecodeGraphRunner:
         )
         self.max_bs = self.batch_sizes[-1]
         self._pad_batch = pad_batch if self.device.type == "cuda" else pad_batch_ref
-        self.buffers = _StaticBuffers.allocate(
+        self.buffers = StaticBuffers.allocate(
             self.max_bs, tokens_per_seq, self.max_pages, self.device
         )
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
@@ -189,23 +224,12 @@ class DecodeGraphRunner:
             return self.decoder(batch.input_ids, batch.positions)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        buf, n = self.buffers, self.tokens_per_seq
         verify = self.mode is ForwardMode.TARGET_VERIFY
-        return ForwardBatch(
-            forward_mode=self.mode,
-            input_ids=buf.input_ids[: bs * n],
-            positions=buf.positions[: bs * n],
-            out_cache_loc=buf.out_cache_loc[: bs * n],
-            seq_lens=buf.seq_lens[:bs],
-            extend_lens=buf.extend_lens[:bs],
-            page_table=buf.page_table[:bs],
-            page_size=self.page_size,
-            seq_lens_cpu=(self.max_seq_len,) * bs,  # bounds, not contents
-            extend_lens_cpu=(n,) * bs,
-            logits_indices=buf.rows[: bs * n],
+        return self.buffers.batch(
+            self.mode, bs, self.page_size, self.max_seq_len,
             capture_hidden_mode=self.capture_hidden_mode,
-            spec_num_draft_tokens=n if verify else 0,
-        )
+            spec_num_draft_tokens=self.tokens_per_seq if verify else 0,
+        )  # fmt: skip
 
     def _reserved_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -250,24 +274,13 @@ class DecodeGraphRunner:
             raise ValueError(
                 f"no {self.mode.name} graph for batch size {n} (captured: {sorted(self.graphs)})"
             )
-        self._load(batch, bs)
+        self.buffers.load(batch, bs, self._pad_batch)
         self.graphs[bs].replay()
         self.counters["replays"] += 1
         self.counters["padded_rows"] += bs - n
         hidden, aux = self.outputs[bs]
         t = batch.num_tokens
         return hidden[:t], None if aux is None else aux[:t]
-
-    def _load(self, batch: ForwardBatch, bs: int) -> None:
-        # NOTE: few launches: before the graph launch the GPU has nothing to do.
-        n, buf, rows = batch.batch_size, self.buffers, bs * self.tokens_per_seq
-        self._pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
-                        buf.input_ids[:rows], buf.positions[:rows], buf.out_cache_loc[:rows],
-                        None)  # fmt: skip
-        buf.seq_lens[:n].copy_(batch.seq_lens)
-        buf.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
-        if bs > n:
-            buf.seq_lens[n:bs].zero_()
 
     def stats(self) -> dict[str, int]:
         """Replays, padded requests replayed, and refusals by reason (``rejected_<reason>``)."""

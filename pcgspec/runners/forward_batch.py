@@ -59,7 +59,8 @@ class ForwardBatch:
     sampling: SamplingBatch | None = None
     input_embeds: torch.Tensor | None = None  # [T, hidden]; replaces the embedding lookup
     return_input_logprobs: bool = False
-    spec_num_draft_tokens: int = 0  # k+1 in TARGET_VERIFY mode, else 0
+    # k+1 in TARGET_VERIFY mode and in a DRAFT_EXTEND catch-up padded to k+1 rows per request
+    spec_num_draft_tokens: int = 0
     # [B] int32, each request's first row (exclusive cumsum of extend_lens), where whoever built
     # the batch had it at hand; attention backends compute it otherwise
     extend_start: torch.Tensor | None = None

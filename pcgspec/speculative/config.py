@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SUPPORTED_ALGORITHMS = ("EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+POLICIES = ("auto", "always")
 _NEEDS_DRAFT_MODEL = ("EAGLE3", "STANDALONE")
 
 
@@ -22,6 +23,8 @@ class SpeculativeConfig:
     speculative_eagle_topk: int = 1
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # auto: speculate where the measured costs and accept lengths say it pays; always: every step
+    speculative_policy: str = "auto"
 
     def __post_init__(self) -> None:
         algorithm = self.speculative_algorithm
@@ -72,6 +75,8 @@ class SpeculativeConfig:
                      "speculative_ngram_min_match_window_size"):  # fmt: skip
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be an integer >= 1")
+        if self.speculative_policy not in POLICIES:
+            raise bad("speculative_policy", f"must be one of {', '.join(POLICIES)}")
         if self.speculative_eagle_topk > 1:
             raise bad("speculative_eagle_topk", "> 1 needs tree drafting, not supported yet")
         if self.speculative_num_draft_tokens != self.num_steps + 1:

@@ -11,23 +11,34 @@ of the target's tokenizer that ignores them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from pcgspec.attention import ATTENTION_BACKENDS
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.compile.forward_context import forward_context
-from pcgspec.runners.forward_batch import ForwardBatch
+from pcgspec.config import EngineConfig
+from pcgspec.runners.batch_builder import page_slots
+from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from pcgspec.runners.piecewise_runner import PiecewiseRunner
 
 
 class StandaloneDraft(nn.Module):
-    """A whole causal LM as a draft (STANDALONE): its input is its own tokens, not hidden states."""
+    """A whole causal LM as a draft (STANDALONE): its input is its own tokens, not hidden states.
+    Its decoder stack runs as ``compiled_decoder`` (its piecewise runner's) when one is set.
+    """
 
     uses_target_hidden = False
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.compiled_decoder: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "attn_scale",
                      "hidden_size", "vocab_size"):  # fmt: skip
             setattr(self, name, getattr(model, name))
@@ -42,7 +53,7 @@ class StandaloneDraft(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, _ = self.model.model(input_ids, positions)
+        h, _ = (self.compiled_decoder or self.model.model)(input_ids, positions)
         return h, h
 
     def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
@@ -54,28 +65,111 @@ def kv_spec(draft: nn.Module) -> KVCacheSpec:
 
 
 class DraftRunner:
-    """Runs ``draft`` over a ``ForwardBatch`` against the draft KV cache."""
+    """Runs ``draft`` over a ``ForwardBatch`` against the draft KV cache.
+
+    A STANDALONE draft (a whole decoder stack) gets its own piecewise runner unless the config
+    disables piecewise graphs: long catch-ups (a new prompt) replay its graphs, and every other
+    pass, the captured propose phase included, runs its compiled pieces.
+    """
+
+    extend_capture_hidden_mode = CaptureHiddenMode.NULL  # what a piecewise runner captures
 
     def __init__(
-        self, draft: nn.Module, num_pages: int, page_size: int, backend: str,
-        device: torch.device,
+        self, draft: nn.Module, num_pages: int, page_size: int, config: EngineConfig,
     ) -> None:  # fmt: skip
         self.draft = draft
-        self.device = device
+        self.config = config
+        self.device = config.torch_device
         self.page_size = page_size
-        self.kv_cache = KVCache(kv_spec(draft), num_pages, page_size, device)
-        self.attn_backend = ATTENTION_BACKENDS.get(backend)(
+        self.kv_cache = KVCache(kv_spec(draft), num_pages, page_size, self.device)
+        self.attn_backend = ATTENTION_BACKENDS.get(config.resolved_attention_backend)(
             self.kv_cache, draft.num_heads, draft.head_dim, draft.attn_scale
         )
+        self.piecewise: PiecewiseRunner | None = None
+        if isinstance(draft, StandaloneDraft) and not config.disable_piecewise_cuda_graph:
+            from pcgspec.runners.piecewise_runner import PiecewiseRunner
+
+            self.model = draft.model  # what the piecewise runner compiles: model.model
+            self.piecewise = PiecewiseRunner(self)
+            self.piecewise.capture()
+            draft.compiled_decoder = self.piecewise.decoder
 
     @property
     def uses_target_hidden(self) -> bool:
         return self.draft.uses_target_hidden
 
     def forward(
-        self, batch: ForwardBatch, hidden: torch.Tensor | None
+        self, batch: ForwardBatch, hidden: torch.Tensor | None, capture_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits_hidden, next_hidden)``, each ``[T, H]``, for every row of ``batch``."""
-        self.attn_backend.init_forward_metadata(batch)
+        """``(logits_hidden, next_hidden)``, each ``[T, H]``, for every row of ``batch``.
+        ``capture_len``: the batch is a graph runner's static one, keys bounded by it.
+        """
+        if capture_len is None:
+            self.attn_backend.init_forward_metadata(batch)
+        else:
+            self.attn_backend.init_capture_metadata(batch, capture_len)
         with forward_context(batch, self.attn_backend):
             return self.draft(batch.input_ids, batch.positions, hidden)
+
+    def extend(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> None:
+        """A DRAFT_EXTEND pass for its K/V only (a long catch-up): piecewise graphs when they
+        serve it.
+        """
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            self.piecewise.run(batch)
+        else:
+            self.forward(batch, hidden)
+
+    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft.compute_logits(logits_hidden).argmax(dim=-1)
+
+    def propose(
+        self,
+        catch_up: ForwardBatch,
+        hidden: torch.Tensor | None,
+        num_steps: int,
+        capture_len: int | None = None,
+    ) -> torch.Tensor:
+        """The propose phase on the device: ``[B, num_steps]`` greedy drafts.
+
+        ``catch_up`` is a padded DRAFT_EXTEND batch, ``spec_num_draft_tokens`` rows per request
+        (padded rows write no KV; a request with ``seq_len`` 0 is padding); each request's last
+        real row (``logits_indices``) gives the first draft. Then ``num_steps - 1`` one-token
+        passes feed back the previous draft and the head's ``next_hidden``. Eager, or captured
+        whole by ``DraftGraphRunner`` (``capture_len`` set).
+        """
+        logits_hidden, next_hidden = self.forward(catch_up, hidden, capture_len)
+        rows = catch_up.logits_indices  # [B]
+        tokens, hidden = self.greedy(logits_hidden[rows]), next_hidden[rows]
+        valid = catch_up.seq_lens > 0
+        positions = torch.where(valid, catch_up.positions[rows] + 1, 0)  # padding: position 0
+        # NOTE: host bounds of each pass's sequence lengths (sizing only, e.g. KV splits).
+        bound = max(catch_up.seq_lens_cpu) + 1
+        drafts = [tokens]
+        for _ in range(num_steps - 1):
+            step = self._step_batch(catch_up, tokens, positions, valid, bound)
+            logits_hidden, hidden = self.forward(step, hidden, capture_len)
+            tokens = self.greedy(logits_hidden)
+            drafts.append(tokens)
+            positions, bound = positions + 1, bound + 1
+        return torch.stack(drafts, dim=1)
+
+    def _step_batch(
+        self, catch_up: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor,
+        valid: torch.Tensor, bound: int,
+    ) -> ForwardBatch:  # fmt: skip
+        """One draft token per request at ``positions``, built on the device."""
+        bs, table = len(tokens), catch_up.page_table
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=tokens,
+            positions=positions,
+            out_cache_loc=torch.where(valid, page_slots(table, positions, self.page_size), -1),
+            seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
+            extend_lens=torch.ones(bs, dtype=torch.int32, device=tokens.device),
+            page_table=table,
+            page_size=self.page_size,
+            seq_lens_cpu=(bound,) * bs,
+            extend_lens_cpu=(1,) * bs,
+            logits_indices=torch.arange(bs, device=tokens.device),
+        )

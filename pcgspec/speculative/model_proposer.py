@@ -6,36 +6,43 @@ position ``p``, so it runs one position behind: its last catch-up row ``p = n-2`
 predicts ``T[n]``, the first draft, for a request of ``n`` tokens.
 
 Lazy catch-up. The draft's K/V are valid for positions below ``DraftState.computed``. A propose
-step first runs one DRAFT_EXTEND pass over every position from there (a whole prompt the first
-time; after a verify step, the accepted run), then k-1 one-token DECODE passes, each feeding
-back the previous draft token and the head's own ``next_hidden``. The decode passes write draft
-K/V at positions the next catch-up rewrites, so ``computed`` ends at the catch-up's end.
+step catches every request up from there, then drafts (``DraftRunner.propose``): a catch-up
+padded to k+1 rows per request (after a verify step a request is accept_len + 1 <= k+1 rows
+behind), greedy on each request's last row, then k-1 one-token passes, all one graph replay
+(``DraftGraphRunner``) where one is captured. A request further behind (a new prompt, or plain
+decode steps) first runs a DRAFT_EXTEND over all but its last k+1 rows (the draft's piecewise
+graphs where it has them, else eagerly). The draft steps
+write K/V at positions the next catch-up rewrites, so ``computed`` ends at the catch-up's end.
 
 The target's hidden states reach the proposer through ``observe`` after every target pass that
-computed positions of a request (prefill chunks, fallback decode steps, verify's accepted rows);
+computed positions of a request (prefill chunks, plain decode steps, verify's accepted rows);
 they wait in ``DraftState.pending`` until the next catch-up consumes them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, page_slots
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
-from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
+from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.draft_runner import DraftRunner
 
 
 @dataclass
 class DraftState:
     computed: int = 0  # positions whose draft K/V are valid
-    pending: torch.Tensor | None = None  # [m, Hh] target hidden of positions computed..+m-1
+    # target hidden states of positions computed.., one [m_i, Hh] chunk per target pass
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(h) for h in self.pending)
 
 
 class ModelProposer(Proposer):
@@ -43,7 +50,8 @@ class ModelProposer(Proposer):
         self.runner = runner
         self.num_steps = num_steps
         self.uses_target_hidden = runner.uses_target_hidden
-        self.graphs: DraftGraphRunner | None = None  # the k-1 draft steps, captured (CUDA)
+        self.lag = 1 if self.uses_target_hidden else 0  # catch-up rows trail the tokens by this
+        self.graphs: DraftGraphRunner | None = None  # the propose phase, captured (CUDA)
         # NOTE: keyed by the Request object: a finished or aborted request's state goes with it.
         self._states: weakref.WeakKeyDictionary[object, DraftState] = weakref.WeakKeyDictionary()
 
@@ -61,11 +69,11 @@ class ModelProposer(Proposer):
             return
         if hidden is None:
             raise ValueError("this draft needs the target's hidden states (CaptureHiddenMode.FULL)")
-        have = state.computed + (0 if state.pending is None else len(state.pending))
+        have = state.computed + state.num_pending
         if have != start:
             raise RuntimeError(f"target hidden states of positions {have}.. are missing: the "
                                f"next pass starts at {start}")  # fmt: skip
-        state.pending = hidden if state.pending is None else torch.cat([state.pending, hidden])
+        state.pending.append(hidden)
 
     # propose ---------------------------------------------------------------------------------
 
@@ -73,72 +81,101 @@ class ModelProposer(Proposer):
     def propose(self, batch: ProposeInput) -> DraftProposal:
         reqs = batch.requests
         states = [self._states.setdefault(r, DraftState()) for r in reqs]
-        extend, hidden = self._catch_up_batch(reqs, states)
-        logits_hidden, next_hidden = self.runner.forward(extend, hidden)
-        rows = extend.logits_indices
-        first = self._greedy(logits_hidden[rows])
-        drafts = first[:, None]
-        if self.num_steps > 1:
-            decode = self._first_decode_batch(reqs, extend)
-            rest = self._draft_steps(decode, first, next_hidden[rows])
-            drafts = torch.cat([drafts, rest], dim=1)  # [B, k]
-        for state, seq_len in zip(states, extend.seq_lens_cpu):
-            state.computed, state.pending = seq_len, None
-        return DraftProposal(drafts, torch.full_like(first, self.num_steps))
-
-    def _draft_steps(
-        self, decode: ForwardBatch, tokens: torch.Tensor, hidden: torch.Tensor
-    ) -> torch.Tensor:
-        """The k-1 one-token draft steps after the catch-up: ``[B, k-1]`` (a graph replay when
-        one is captured for the batch size).
-        """
+        self._check_pending(reqs, states)
+        self._catch_up_far_behind(reqs, states)
+        catch_up, hidden = self._catch_up_batch(reqs, states)
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(decode.batch_size, max(decode.seq_lens_cpu)):
-            return graphs.run(tokens, hidden, decode.positions, decode.page_table)
-        out = []
-        for step in range(self.num_steps - 1):
-            decode = dataclasses.replace(_advance(decode) if step else decode, input_ids=tokens)
-            logits_hidden, hidden = self.runner.forward(decode, hidden)
-            tokens = self._greedy(logits_hidden)
-            out.append(tokens)
-        return torch.stack(out, dim=1)
+        if graphs is not None and graphs.can_run(catch_up):
+            drafts = graphs.run(catch_up, hidden)
+        else:
+            drafts = self.runner.propose(catch_up, hidden, self.num_steps)
+        for req, state in zip(reqs, states):
+            state.computed, state.pending = len(req.token_ids) - self.lag, []
+        num = torch.full((len(reqs),), self.num_steps, dtype=torch.int64, device=drafts.device)
+        return DraftProposal(drafts, num)
 
-    def _greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.draft.compute_logits(logits_hidden).argmax(dim=-1)
+    def _behind(self, req: object, state: DraftState) -> int:
+        """Catch-up rows of ``req``: positions ``computed .. len(tokens) - 1 - lag``."""
+        return len(req.token_ids) - self.lag - state.computed
+
+    def _check_pending(self, reqs: Sequence[object], states: Sequence[DraftState]) -> None:
+        """Every request is >= 1 row behind (its newest token is new to the draft), and a head
+        fed by the target holds exactly one target hidden state per catch-up row.
+        """
+        for req, state in zip(reqs, states):
+            behind = self._behind(req, state)
+            have = behind
+            if self.uses_target_hidden:
+                have = state.num_pending
+            if behind < 1 or have != behind:
+                raise RuntimeError(f"request {req.request_id}: {behind} draft rows to catch up, "
+                                   f"{have} target hidden states")  # fmt: skip
+
+    def _catch_up_far_behind(self, reqs: Sequence[object], states: Sequence[DraftState]) -> None:
+        """One eager DRAFT_EXTEND over all but the last k+1 catch-up rows of the requests more
+        than k+1 rows behind, so that every request fits the padded catch-up.
+        """
+        k1 = self.num_steps + 1
+        far = [(r, s, self._behind(r, s) - k1) for r, s in zip(reqs, states)
+               if self._behind(r, s) > k1]  # fmt: skip
+        if not far:
+            return
+        chunks = [SeqChunk(r.token_ids[s.computed + self.lag : s.computed + self.lag + n],
+                           s.computed, r.pages, sample=False) for r, s, n in far]  # fmt: skip
+        batch = build_forward_batch(ForwardMode.DRAFT_EXTEND, chunks, self.runner.page_size,
+                                    self.runner.device)  # fmt: skip
+        hidden = None
+        if self.uses_target_hidden:
+            hidden = torch.cat([torch.cat(s.pending)[:n] for _, s, n in far])
+        self.runner.extend(batch, hidden)
+        for _, state, n in far:
+            state.computed += n
+            if state.pending:
+                state.pending = [torch.cat(state.pending)[n:]]
 
     def _catch_up_batch(
         self, reqs: Sequence[object], states: Sequence[DraftState]
     ) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """One DRAFT_EXTEND over positions ``computed ..`` of each request; last rows sample."""
-        lag = 1 if self.uses_target_hidden else 0
-        chunks = []
-        for req, state in zip(reqs, states):
-            tokens = req.token_ids[state.computed + lag :]
-            if self.uses_target_hidden and (state.pending is None
-                                            or len(state.pending) != len(tokens)):  # fmt: skip
-                have = 0 if state.pending is None else len(state.pending)
-                raise RuntimeError(f"request {req.request_id}: {len(tokens)} draft rows to catch "
-                                   f"up but {have} target hidden states")  # fmt: skip
-            chunks.append(SeqChunk(tokens, state.computed, req.pages))
-        batch = build_forward_batch(ForwardMode.DRAFT_EXTEND, chunks, self.runner.page_size,
-                                    self.runner.device)  # fmt: skip
-        hidden = torch.cat([s.pending for s in states]) if self.uses_target_hidden else None
-        return batch, hidden
+        """The padded catch-up: k+1 rows per request (``spec_num_draft_tokens``), the first
+        ``behind`` real, the rest writing no KV; ``logits_indices`` = each request's last real
+        row. Returns it with the target hidden rows in the same layout (None: not read).
+        """
+        k1, page = self.num_steps + 1, self.runner.page_size
+        ids, positions, slots, last_rows, src_rows = [], [], [], [], []
+        have = 0
+        for b, (req, state) in enumerate(zip(reqs, states)):
+            n, start = self._behind(req, state), state.computed
+            tokens = req.token_ids[start + self.lag : start + self.lag + n]
+            ids += [*tokens, *[FILLER_TOKEN] * (k1 - n)]
+            positions += range(start, start + k1)
+            slots += [req.pages[p // page] * page + p % page for p in range(start, start + n)]
+            slots += [-1] * (k1 - n)
+            last_rows.append(b * k1 + n - 1)
+            src_rows += [have + min(j, n - 1) for j in range(k1)]
+            have += n
+        seq_lens = tuple(s.computed + k1 for s in states)
+        max_pages = max(len(r.pages) for r in reqs)
+        table = [list(r.pages) + [0] * (max_pages - len(r.pages)) for r in reqs]
+        device = self.runner.device
 
-    def _first_decode_batch(self, reqs: Sequence[object], extend: ForwardBatch) -> ForwardBatch:
-        """The first draft DECODE pass: one token per request right after its catch-up rows."""
-        chunks = [SeqChunk([0], seq_len, r.pages) for r, seq_len in zip(reqs, extend.seq_lens_cpu)]
-        return build_forward_batch(ForwardMode.DECODE, chunks, self.runner.page_size,
-                                   self.runner.device)  # fmt: skip
+        def tensor(data: object, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
 
-
-def _advance(batch: ForwardBatch) -> ForwardBatch:
-    """The next one-token pass of every request: one position further, same pages."""
-    positions = batch.positions + 1
-    return dataclasses.replace(
-        batch,
-        positions=positions,
-        out_cache_loc=page_slots(batch.page_table, positions, batch.page_size),
-        seq_lens=batch.seq_lens + 1,
-        seq_lens_cpu=tuple(n + 1 for n in batch.seq_lens_cpu),
-    )
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND,
+            input_ids=tensor(ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            out_cache_loc=tensor(slots, torch.int64),
+            seq_lens=tensor(seq_lens, torch.int32),
+            extend_lens=torch.full((len(reqs),), k1, dtype=torch.int32, device=device),
+            page_table=tensor(table, torch.int32),
+            page_size=page,
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=(k1,) * len(reqs),
+            logits_indices=tensor(last_rows, torch.int64),
+            spec_num_draft_tokens=k1,
+        )
+        if not self.uses_target_hidden:
+            return batch, None
+        pending = torch.cat([h for s in states for h in s.pending])  # [sum(behind), Hh]
+        return batch, pending[tensor(src_rows, torch.int64)]

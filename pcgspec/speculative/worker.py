@@ -1,15 +1,20 @@
 """The speculative step of a DECODE batch: propose -> verify -> accept -> commit/rollback.
 
 The target scores ``[last token, d_0 .. d_{k-1}]`` per request in one ``TARGET_VERIFY`` pass
-(eager: the piecewise runner rejects that mode). Row ``j`` of request ``b`` chooses output
-position ``num_output_tokens + j`` with the penalties as of that position, so a verify step
-emits exactly the tokens that plain decoding would: greedy by argmax, seeded sampling by
-``TARGET_MATCH`` (the target's own seeded draw must equal the deterministic NGRAM draft).
+(a verify graph where one is captured). Row ``j`` of request ``b`` chooses output position
+``num_output_tokens + j`` with the penalties as of that position, so a verify step emits
+exactly the tokens that plain decoding would: greedy by argmax, seeded sampling by
+``TARGET_MATCH`` (the target's own seeded draw must equal the deterministic draft).
 
-Falls back to a plain decode step (the caller's) when a request wants logprobs (not computed
-for accepted drafts yet), when a request would pass the context length, or when the KV pool
-cannot hold k more slots per request. Model drafters see every target pass through
-``observe`` (the positions it computed and, for EAGLE3 / MTP, their hidden states).
+The drafts stay on the device from propose to verify: the verify batch's ids and its rows'
+penalty counts take them there. The step copies to the host once, the accepted lengths and
+tokens that stop checks, streaming and page bookkeeping need.
+
+A plain decode step (the caller's) runs instead when the policy (``SpecPolicy``) says
+speculation does not pay, when a request wants logprobs (not computed for accepted drafts yet),
+when a request would pass the context length, or when the KV pool cannot hold k more slots per
+request. Model drafters see every target pass through ``observe`` (the positions it computed
+and, for EAGLE3 / MTP, their hidden states).
 """
 
 from __future__ import annotations
@@ -28,15 +33,17 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens_ref,
 )
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
-from pcgspec.sampling.batch import SamplingBatch
+from pcgspec.sampling.batch import SamplingBatch, add_draft_counts
 from pcgspec.sampling.sampler import probs_from_logits, process_logits
-from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
+from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.config import SpeculativeConfig
 from pcgspec.speculative.draft_runner import DraftRunner
 from pcgspec.speculative.model_proposer import ModelProposer
 from pcgspec.speculative.ngram import NgramProposer
+from pcgspec.speculative.policy import SpecPolicy
 
 
 class SpecWorker:
@@ -58,8 +65,10 @@ class SpecWorker:
             NgramProposer.from_config(config) if draft is None
             else ModelProposer(draft, config.num_steps)
         )  # fmt: skip
+        self.policy = SpecPolicy(config.speculative_policy, config.num_steps,
+                                 decode_batch_sizes(scheduler.max_running_requests))
         self.stats = SpecCounters()  # summed over requests
-        self.num_fallbacks = 0
+        self.num_fallbacks = 0  # plain steps for logprobs, the context length or KV space
 
     def observe(self, batch: ScheduledBatch, out: ForwardOutput) -> None:
         """A plain target pass ran ``batch`` (before ``Scheduler.update``): tell the proposer
@@ -76,6 +85,8 @@ class SpecWorker:
         the tokens committed per request), or None: nothing ran, do a plain decode step.
         """
         reqs = batch.requests
+        if not self.policy.choose(reqs):
+            return None
         if not self._can_speculate(reqs):
             self.num_fallbacks += 1
             return None
@@ -106,9 +117,9 @@ class SpecWorker:
         returns the pass's captured hidden states (``[B * (k+1), Hh]``) when the drafter reads them.
         """
         k, device = self.num_steps, self.runner.device
-        drafts = proposal.tokens.tolist()
-        chunks = [SeqChunk([r.token_ids[-1], *d], len(r.token_ids) - 1, r.pages)
-                  for r, d in zip(reqs, drafts)]  # fmt: skip
+        drafts = proposal.tokens.to(device, non_blocking=True)  # [B, k]
+        chunks = [SeqChunk([r.token_ids[-1], *[FILLER_TOKEN] * k], len(r.token_ids) - 1, r.pages)
+                  for r in reqs]  # fmt: skip
         sampling = self._sampling_rows(reqs, drafts)
         batch = build_forward_batch(
             ForwardMode.TARGET_VERIFY, chunks, self.runner.page_size, device,
@@ -116,33 +127,32 @@ class SpecWorker:
             spec_num_draft_tokens=k + 1,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )  # fmt: skip
+        batch.input_ids.view(len(reqs), k + 1)[:, 1:].copy_(drafts)
         out = self.runner.forward(batch)
         with torch.inference_mode():
             target, strategy = _target_rows(process_logits(out.logits, sampling), sampling)
             verify = verify_draft_tokens if device.type == "cuda" else verify_draft_tokens_ref
             verified = verify(
-                target.view(len(reqs), k + 1, -1), proposal.tokens.to(device), strategy,
+                target.view(len(reqs), k + 1, -1), drafts, strategy,
                 seed=sampling.seed.view(len(reqs), k + 1),
                 position=sampling.position.view(len(reqs), k + 1),
-                num_draft=proposal.num_tokens.to(device),
+                num_draft=proposal.num_tokens.to(device, non_blocking=True),
             )  # fmt: skip
         return verified, out.hidden_states
 
-    def _sampling_rows(self, reqs: Sequence[Request], drafts: list[list[int]]) -> SamplingBatch:
-        """k+1 rows per request; row j sees the outputs plus drafts[:j] (for penalties)."""
+    def _sampling_rows(self, reqs: Sequence[Request], drafts: torch.Tensor) -> SamplingBatch:
+        """k+1 rows per request; row j sees the outputs plus ``drafts[:j]`` (for penalties)."""
         rows = [(r, j) for r in reqs for j in range(self.num_steps + 1)]
-        outputs = [r.output_token_ids for r in reqs]
-        output_ids = [outputs[i] + drafts[i][:j]
-                      for i in range(len(reqs)) for j in range(self.num_steps + 1)]  # fmt: skip
-        return SamplingBatch.build(
+        sampling = SamplingBatch.build(
             params=[r.params for r, _ in rows],
             seeds=[r.seed for r, _ in rows],
             positions=[r.num_output_tokens + j for r, j in rows],
             prompt_ids=[r.prompt_token_ids for r, _ in rows],
-            output_ids=output_ids,
+            output_ids=[r.output_token_ids for r, _ in rows],
             vocab_size=self.runner.vocab_size,
             device=self.runner.device,
         )
+        return add_draft_counts(sampling, drafts)
 
     # accept + commit / rollback ----------------------------------------------------------
 
@@ -154,10 +164,12 @@ class SpecWorker:
         stand (the input token and the accepted drafts). Returns the tokens committed per request.
         """
         committed, k1 = [], self.num_steps + 1
-        accept_lens, out_tokens = out.accept_len.tolist(), out.tokens.tolist()
-        for b, (req, accept_len, tokens) in enumerate(zip(reqs, accept_lens, out_tokens)):
+        # NOTE: the step's one device-to-host copy.
+        rows = torch.cat([out.accept_len[:, None], out.tokens], dim=1).tolist()
+        for b, (req, (accept_len, *tokens)) in enumerate(zip(reqs, rows)):
             req.spec.record(accept_len, self.num_steps)
             self.stats.record(accept_len, self.num_steps)
+            self.policy.record_accept(req, accept_len + 1)
             start, n = len(req.token_ids) - 1, 0
             for token in tokens[: accept_len + 1]:
                 req.append_token(token, self.eos_token_ids)

@@ -1,0 +1,110 @@
+"""``SpecPolicy``: speculate exactly where the measured step times and accept lengths say it
+pays, probe back from plain steps, and always speculate under ``always``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pcgspec.speculative.policy import MIN_PROBE_INTERVAL, SpecPolicy
+
+K = 4
+
+
+class Req:  # a request stand-in (the policy keys requests weakly)
+    pass
+
+
+def policy(mode: str = "auto") -> SpecPolicy:
+    return SpecPolicy(mode, K, [1, 2, 4, 8, 16])
+
+
+def measured(p: SpecPolicy, batch: int, t_spec: float, t_plain: float) -> SpecPolicy:
+    for _ in range(3):
+        p.record_step(True, batch, t_spec)
+        p.record_step(False, batch, t_plain)
+    return p
+
+
+def test_measures_both_kinds_of_step_first():
+    p, reqs = policy(), [Req()]
+    assert p.choose(reqs)  # nothing measured: speculate
+    p.record_step(True, 1, 10.0)
+    assert not p.choose(reqs)  # then a plain step, to measure it
+    p.record_step(False, 1, 1.0)
+    assert p.plain_steps == 1 and p.speculative_steps == 1
+
+
+@pytest.mark.parametrize(("accept", "t_spec", "want"), [
+    (5.0, 2.0, True),  # 5 tokens for 2x the time of one
+    (1.0, 1.5, False),  # an untrained head: 1 token for 1.5x the time
+    (2.0, 1.9, True),
+    (2.0, 2.1, False),
+])  # fmt: skip
+def test_speculates_when_tokens_per_second_are_higher(accept, t_spec, want):
+    reqs = [Req(), Req()]
+    p = measured(policy(), 2, t_spec, 1.0)
+    for _ in range(30):  # the running averages converge
+        for r in reqs:
+            p.record_accept(r, accept)
+    assert p.choose(reqs) is want
+
+
+def test_accept_length_is_a_running_average_per_request():
+    p, good, bad = policy(), Req(), Req()
+    assert p.expected_accept(good) == K + 1  # before any verify step: every draft accepted
+    p.record_accept(bad, 1)
+    assert 1 < p.expected_accept(bad) < K + 1  # one early miss does not stop drafting
+    for _ in range(20):
+        p.record_accept(good, 5)
+        p.record_accept(bad, 1)
+    assert p.expected_accept(good) == pytest.approx(5, abs=0.01) and p.expected_accept(bad) < 1.01
+    p.record_accept(bad, 5)
+    assert 1 < p.expected_accept(bad) < 5
+    measured(p, 2, 2.5, 1.0)  # a batch speculates on their mean: (5 + 2.2) / 2 > 2.5
+    assert p.choose([good, bad]) is (p.expected_accept(good) + p.expected_accept(bad) > 5.0)
+
+
+def test_probes_back_off_while_speculation_does_not_pay():
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 1)
+    chosen = [p.choose([r]) for _ in range(200)]
+    probes = [i for i, c in enumerate(chosen) if c]
+    gaps = [b - a - 1 for a, b in zip([-1, *probes], probes)]
+    assert gaps == [MIN_PROBE_INTERVAL * 2**i for i in range(len(gaps))] and len(gaps) == 4
+    assert p.plain_steps == chosen.count(False)
+
+
+def test_a_probe_that_pays_resumes_speculation():
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 1)
+    while not p.choose([r]):  # plain steps until the probe
+        pass
+    for _ in range(20):  # the probe finds the request accepting again
+        p.record_accept(r, 5)
+    assert p.choose([r]) and p.choose([r])
+
+
+def test_new_requests_start_from_the_average_over_requests():
+    p = policy()
+    for _ in range(200):
+        p.record_accept(Req(), 1)  # an untrained head: nothing is accepted
+    assert p.expected_accept(Req()) < 1.1
+
+
+def test_times_are_kept_per_batch_bucket():
+    p, r = policy(), Req()
+    for _ in range(20):
+        p.record_accept(r, 3)
+    measured(p, 1, 1.5, 1.0)  # batch 1: 3 tokens for 1.5x
+    measured(p, 16, 4.0, 1.0)  # batch 9..16: 3 tokens for 4x
+    assert p.choose([r])
+    assert not p.choose([r] * 12)  # bucket 16
+
+
+def test_always_speculates():
+    p, r = measured(policy("always"), 1, 100.0, 1.0), Req()
+    p.record_accept(r, 1)
+    assert all(p.choose([r]) for _ in range(10)) and p.plain_steps == 0
