@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from pcgspec.kernels.build_sampling_params import rng_uniform
+from pcgspec.kernels.launches import CompiledLaunches
 from pcgspec.sampling.rng import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TOKEN, uniform
 from pcgspec.sampling.sampler import sample_from_probs
 
@@ -182,6 +183,11 @@ def _accept_kernel(Accept, Cand, Draft, AcceptLen, Out, K, BLOCK_K: tl.constexpr
     tl.store(AcceptLen + b, accept_len.to(tl.int64))
 
 
+# NOTE: a verify step is host-bound at small batch: launch without Triton's binder.
+_VERIFY_ROWS = CompiledLaunches(_verify_rows_kernel)
+_ACCEPT_RUNS = CompiledLaunches(_accept_kernel)
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -248,21 +254,22 @@ def verify_draft_tokens(
     cand = torch.empty(b, k1, dtype=torch.int64, device=target_probs.device)
     q = draft_probs if draft_probs is not None else target_probs
     dummy = draft_tokens  # stands in for absent optional pointers; never read
-    _verify_rows_kernel[(b, k1)](
-        target_probs, q, draft_tokens, seed if seed is not None else dummy,
-        position if position is not None else dummy,
-        num_draft if num_draft is not None else dummy,
-        is_greedy if is_greedy is not None else dummy, accept, cand,
-        target_probs.stride(0), target_probs.stride(1), q.stride(0), q.stride(1), v, k1 - 1,
-        STRATEGY=int(strategy), HAS_NUM_DRAFT=num_draft is not None,
-        HAS_GREEDY=is_greedy is not None and strategy != VerifyStrategy.GREEDY,
-        BLOCK_V=block_v or min(4096, triton.next_power_of_2(v)),
-        num_warps=8 if v >= 8192 else 4,
-    )  # fmt: skip
-    _accept_kernel[(b,)](
-        accept, cand, draft_tokens, out.accept_len, out.tokens, k1 - 1,
-        BLOCK_K=triton.next_power_of_2(k1),
-    )  # fmt: skip
+    tensors = (target_probs, q, draft_tokens, seed if seed is not None else dummy,
+               position if position is not None else dummy,
+               num_draft if num_draft is not None else dummy,
+               is_greedy if is_greedy is not None else dummy, accept, cand)  # fmt: skip
+    scalars = (target_probs.stride(0), target_probs.stride(1), q.stride(0), q.stride(1), v,
+               k1 - 1)  # fmt: skip
+    constants = {
+        "STRATEGY": int(strategy), "HAS_NUM_DRAFT": num_draft is not None,
+        "HAS_GREEDY": is_greedy is not None and strategy != VerifyStrategy.GREEDY,
+        "BLOCK_V": block_v or min(4096, triton.next_power_of_2(v)),
+        "num_warps": 8 if v >= 8192 else 4,
+    }  # fmt: skip
+    _VERIFY_ROWS((b, k1, 1), tensors, scalars, constants, key=(*scalars, *constants.values()))
+    constants = {"BLOCK_K": triton.next_power_of_2(k1)}
+    _ACCEPT_RUNS((b, 1, 1), (accept, cand, draft_tokens, out.accept_len, out.tokens), (k1 - 1,),
+            constants, key=(k1, *constants.values()))  # fmt: skip
     return out
 
 
