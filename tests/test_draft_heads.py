@@ -224,6 +224,7 @@ def test_eagle3_logits_are_over_target_ids(tmp_path, target) -> None:
     assert torch.equal(logits.isfinite(), tensors["t2d"].expand(6, -1))
     torch.testing.assert_close(logits[:, target_ids], hidden @ tensors["lm_head.weight"].T)
     assert set(logits.argmax(-1).tolist()) <= set(target_ids.tolist())
+    assert torch.equal(head.greedy(hidden), logits.argmax(-1))  # argmax in the draft vocabulary
 
 
 def test_eagle3_aux_layers(tmp_path, target) -> None:

@@ -91,6 +91,10 @@ class DraftHead(nn.Module, ABC):
     def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
         """``[R, H] -> [R, vocab_size]`` float32 over the target vocabulary."""
 
+    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, H] -> [R]`` the greedy draft token of each row (target ids)."""
+        return self.compute_logits(logits_hidden).argmax(dim=-1)
+
     def checkpoint_names(self) -> dict[str, str]:
         """Checkpoint tensor name -> the (unfused) name ``load_named_weights`` takes."""
         names = checkpoint_parameter_names(self, self.packed_modules_mapping)

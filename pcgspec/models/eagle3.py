@@ -130,6 +130,12 @@ class Eagle3Head(DraftHead):
         out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.draft_to_target, logits)
 
+    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, H] -> [R]`` target ids of the argmax over the draft vocabulary (no scatter)."""
+        lm_head = self.shared.lm_head if self.lm_head is None else self.lm_head
+        ids = F.linear(logits_hidden, lm_head.weight).argmax(dim=-1)
+        return ids if self.identity_vocab else self.draft_to_target[ids]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in the published checkpoint; every parameter must be filled."""
         vocab_map: dict[str, torch.Tensor] = {}

@@ -59,6 +59,9 @@ class StandaloneDraft(nn.Module):
     def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(logits_hidden)
 
+    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(logits_hidden).argmax(dim=-1)
+
 
 def kv_spec(draft: nn.Module) -> KVCacheSpec:
     return KVCacheSpec(draft.num_layers, draft.num_kv_heads, draft.head_dim, draft.dtype)
@@ -121,7 +124,7 @@ class DraftRunner:
             self.forward(batch, hidden)
 
     def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
-        return self.draft.compute_logits(logits_hidden).argmax(dim=-1)
+        return self.draft.greedy(logits_hidden)
 
     def propose(
         self,
