@@ -164,7 +164,7 @@ def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> l
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
     p.add_argument("--dtype", default="auto")
@@ -181,8 +181,11 @@ def main() -> None:
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384,
                    help="draft vocabulary of the untrained EAGLE3 head")
     p.add_argument("--nextn-draft", default=UNTRAINED)
+    p.add_argument("--random-weights", metavar="SHAPE", default=None,
+                   help="a target of this shape (pcgspec.models.random_weights) with random "
+                        "weights and the default model's tokenizer; STANDALONE drafts with it")
     p.add_argument("--out", default="bench/results/spec.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     methods = [m for m in args.methods.split(",") if m]
     engines = _engines(args, methods)
@@ -194,7 +197,7 @@ def main() -> None:
             rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, prompts, args)]
     config = engines["none"].config
     device = torch.cuda.get_device_name() if config.torch_device.type == "cuda" else "CPU"
-    model = engines["none"].engine.model_dir.name
+    model = args.random_weights or engines["none"].engine.model_dir.name
     _print(rows, f"{model}, {config.torch_dtype}, {device}, k={args.num_steps}, "
                  f"policy {args.policy}")  # fmt: skip
     result = {"date": datetime.now(timezone.utc).isoformat(), "device": device,
@@ -203,6 +206,7 @@ def main() -> None:
               "num_steps": args.num_steps, "policy": args.policy, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
 
 
 def _print(rows: list[dict], title: str) -> None:
@@ -230,6 +234,11 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     from pcgspec import LLM
 
     base = {"dtype": args.dtype, "log_level": "warning", "max_total_tokens": 1 << 16}
+    if args.random_weights:
+        from pcgspec.models.default_model import default_model_path
+
+        args.model = str(_random_checkpoint(args.random_weights))
+        base["tokenizer"] = str(default_model_path())
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
@@ -238,6 +247,21 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
                               speculative_draft_model_path=drafts.get(method),
                               speculative_policy=args.policy, **base)  # fmt: skip
     return engines
+
+
+def _random_checkpoint(shape: str) -> Path:
+    """A Hugging Face folder with random bfloat16 weights of ``shape`` (N(0, 0.02^2))."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from pcgspec.models.random_weights import shape_config
+
+    out = Path(tempfile.mkdtemp(prefix=f"pcgspec-{shape}-"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    return out
 
 
 def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str]) -> dict:

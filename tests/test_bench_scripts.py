@@ -98,6 +98,30 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
     assert not any(v for k, v in stats.items() if k.startswith("fallback"))
 
 
+def test_bench_spec_writes_json(tmp_path, smollm2_path):
+    bench = _load_script("bench_spec")
+    out = tmp_path / "spec.json"
+    result = bench.main([
+        "--model", str(smollm2_path), "--methods", "NGRAM", "--batch-sizes", "1,2",
+        "--max-tokens", "6", "--repeats", "1", "--prompts", "general", "--out", str(out),
+    ])
+    written = json.loads(out.read_text())
+    assert written["rows"] == json.loads(json.dumps(result["rows"]))
+    for key in ("date", "device", "torch", "command", "model", "num_steps", "policy"):
+        assert key in written, key
+    rows = {(r["batch"], r["method"]): r for r in written["rows"]}
+    assert sorted(rows) == [(1, "NGRAM"), (1, "none"), (2, "NGRAM"), (2, "none")]
+    for batch in (1, 2):
+        plain, ngram = rows[(batch, "none")], rows[(batch, "NGRAM")]
+        assert plain["speedup"] == 1.0 and plain["tok_s"] > 0 and plain["decode_step_ms"] > 0
+        assert math.isclose(ngram["speedup"], ngram["tok_s"] / plain["tok_s"])
+        for key in ("spec_step_ms", "draft_ms", "verify_ms"):
+            assert ngram[key] > 0, key
+        assert math.isclose(ngram["host_ms"],
+                            ngram["spec_step_ms"] - ngram["draft_ms"] - ngram["verify_ms"])
+        assert ngram["speculative_steps"] + ngram["policy_plain_steps"] > 0
+
+
 def test_model_runner_rejects_a_model_of_another_dtype():
     from pcgspec.config import EngineConfig
     from pcgspec.runners.model_runner import ModelRunner
