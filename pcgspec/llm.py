@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
+from pcgspec.engine.request import Request
 from pcgspec.outputs import RequestOutput
 from pcgspec.sampling_params import SamplingParams
 
@@ -17,6 +18,16 @@ from pcgspec.sampling_params import SamplingParams
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = dict[str, str]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``generate``/``chat``: ``outputs`` holds what was generated so far (the
+    unfinished sequences are aborted, finish reason "abort").
+    """
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__("generation interrupted")
+        self.outputs = outputs
 
 
 class LLM:
@@ -76,7 +87,15 @@ class LLM:
         groups = [
             (text, self.engine.add_request(ids, p)) for (text, ids), p in zip(prompts, params)
         ]
-        self._run(sum(len(reqs) for _, reqs in groups), use_tqdm)
+        try:
+            self._run(sum(len(reqs) for _, reqs in groups), use_tqdm)
+        except KeyboardInterrupt:
+            for _, reqs in groups:
+                self.engine.abort(reqs[0].group_id)
+            raise GenerationInterrupted(self._outputs(groups)) from None
+        return self._outputs(groups)
+
+    def _outputs(self, groups: list[tuple[str | None, list[Request]]]) -> list[RequestOutput]:
         decode = self._decode_token
         return [RequestOutput.from_requests(text, reqs, decode) for text, reqs in groups]
 
