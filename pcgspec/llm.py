@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from pcgspec.sampling_params import SamplingParams
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = dict[str, str]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+logger = logging.getLogger("pcgspec")
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -41,7 +43,10 @@ class LLM:
         if config.log_level:
             logging.getLogger("pcgspec").setLevel(config.log_level.upper())
         self.config = config
+        start = time.perf_counter()
         self.engine = Engine(config)
+        logger.info("Engine ready in %.1f s (piecewise path %s)", time.perf_counter() - start,
+                    "on" if self.engine.runner.piecewise is not None else "off")
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,12 +127,15 @@ def _start(args: list[str], **env: str) -> subprocess.Popen[str]:
                                  "INFO", **env})
 
 
-def _interrupt_after(proc: subprocess.Popen[str], marker: str) -> tuple[str, str]:
-    """SIGINT once stderr shows ``marker``; returns (stdout, stderr)."""
+def _interrupt_after(
+    proc: subprocess.Popen[str], marker: str, delay_s: float = 0.0
+) -> tuple[str, str]:
+    """SIGINT ``delay_s`` after stderr shows ``marker``; returns (stdout, stderr)."""
     seen = []
     for line in proc.stderr:
         seen.append(line)
         if marker in line:
+            time.sleep(delay_s)
             proc.send_signal(signal.SIGINT)
             break
     out, rest = proc.communicate(timeout=120)
@@ -141,7 +145,8 @@ def _interrupt_after(proc: subprocess.Popen[str], marker: str) -> tuple[str, str
 def test_ctrl_c_in_generate_prints_what_was_generated_and_exits_130(smollm2_path):
     proc = _start(["generate", "--model-path", str(smollm2_path), *SMALL, "--prompt", "Count:",
                    "--max-tokens", "4000", "--ignore-eos", "--context-length", "4096"])
-    out, err = _interrupt_after(proc, "Generating for 1 prompt")
+    # NOTE: the delay lets tokenizing the prompt pass; 4000 tokens take minutes on CPU.
+    out, err = _interrupt_after(proc, "Generating for 1 prompt", delay_s=1.0)
     assert proc.returncode == 130, err
     assert out.startswith(">>> Count:\n") and "[abort; " in out, out
     assert "interrupted" in err and "Traceback" not in err, err

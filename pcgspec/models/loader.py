@@ -144,4 +144,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of ``path`` (with its chat template)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(path))
+    logger.info("Loaded tokenizer in %.1f s", time.perf_counter() - start)
+    return tokenizer
