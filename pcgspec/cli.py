@@ -5,63 +5,53 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
+import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
 
-from pcgspec import envs
-from pcgspec.config import EngineConfig
+from pcgspec import __version__, envs
+from pcgspec.engine_args import HelpFormatter, add_engine_args, engine_config_from_args
 
-# EngineConfig field -> flag, where SGLang's name differs from the field name.
-_FLAG_NAMES = {"model": "--model-path", "tokenizer": "--tokenizer-path"}
-_TYPES = {"int": int, "float": float, "str": str}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineConfig`` field, so the two never drift apart."""
-    group = parser.add_argument_group("engine")
-    for f in fields(EngineConfig):
-        flag = _FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
-        kind = str(f.type).split(" |")[0]
-        default = None if f.default is MISSING else f.default
-        if kind == "bool":
-            group.add_argument(flag, dest=f.name, action="store_true", default=default)
-        elif kind.startswith("tuple"):
-            group.add_argument(flag, dest=f.name, type=str, default=default,
-                               help="comma-separated integers")
-        else:
-            group.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+logger = logging.getLogger("pcgspec")
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+DEFAULT_PROMPT = "Write a haiku about a fast GPU."
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p = sub.add_parser("generate", help="generate text for one or more prompts",
+                       formatter_class=HelpFormatter)
     add_engine_args(p)
     s = p.add_argument_group("sampling")
-    s.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    s.add_argument("--prompt", action="append",
+                   help=f"a prompt, repeat for a batch (default: {DEFAULT_PROMPT!r})")
     s.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--stop", action="append", default=None)
-    s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("-n", type=int, default=1)
+    s.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int,
+                   default=64, help="most tokens generated per sequence")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    s.add_argument("--top-k", type=int, default=-1, help="-1 = all tokens")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = none")
+    s.add_argument("--seed", type=int, default=None,
+                   help="per-request seed: same seed, same tokens (default: random)")
+    s.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    s.add_argument("-n", type=int, default=1, help="sequences per prompt")
     s.add_argument("--json", action="store_true", help="print JSON with token ids and metrics")
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                       formatter_class=HelpFormatter)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model to serve, as --model-path (vLLM's `serve MODEL`)")
     add_engine_args(p)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=30000, help="port to listen on")
     s.add_argument("--api-key", default=None, help="Bearer key required on /v1/*")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model folder's name)")
@@ -72,44 +62,60 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face folder")
+    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face folder",
+                       formatter_class=HelpFormatter)
     p.add_argument("gguf", help="path of the .gguf file")
     p.add_argument("output", help="folder to write (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing converted folder at OUTPUT")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pcgspec.llm import LLM
+    from pcgspec.llm import LLM, GenerationInterrupted
     from pcgspec.sampling_params import SamplingParams
 
-    prompts = args.prompt or ["Write a haiku about a fast GPU."]
+    prompts = args.prompt or [DEFAULT_PROMPT]
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
         max_tokens=args.max_new_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     llm = LLM(**vars(engine_config_from_args(args)))
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                           use_tqdm=False)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+    logger.info("Generating for %d prompt(s)", len(prompts))
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                               use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    except GenerationInterrupted as interrupted:
+        _print_outputs(prompts, interrupted.outputs, args.json)
+        print("interrupted: printed what was generated so far", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    _print_outputs(prompts, outputs, args.json)
+    return 0
+
+
+def _print_outputs(prompts: list[str], outputs: list[Any], as_json: bool) -> None:
     for prompt, out in zip(prompts, outputs):
-        if args.json:
+        if as_json:
             print(json.dumps({"prompt": prompt, "text": [o.text for o in out.outputs],
                               "token_ids": [o.token_ids for o in out.outputs],
                               "finish_reason": [o.finish_reason for o in out.outputs],
                               "ttft_s": out.metrics.ttft,
                               "tokens_per_s": out.metrics.tokens_per_s}))
-        else:
-            for o in out.outputs:
-                print(f">>> {prompt}\n{o.text}\n[{o.finish_reason}; {len(o.token_ids)} tokens, "
-                      f"{out.metrics.tokens_per_s or 0:.1f} tok/s]")
-    return 0
+            continue
+        for o in out.outputs:
+            print(f">>> {prompt}\n{o.text}\n[{o.finish_reason}; {len(o.token_ids)} tokens, "
+                  f"{out.metrics.tokens_per_s or 0:.1f} tok/s]")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from pcgspec.server.app import run_server
     from pcgspec.server.state import ServerSettings
+
+    _take_positional_model(args)
+    _check_port_free(args.host, args.port)
 
     settings = ServerSettings(
         host=args.host, port=args.port, api_key=args.api_key,
@@ -119,20 +125,63 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_server(engine_config_from_args(args), settings)
 
 
+def _take_positional_model(args: argparse.Namespace) -> None:
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model-path {args.model!r}")
+    args.model = args.model_tag
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads when ``host:port`` cannot be listened on."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                probe.bind(address)
+            except OSError as e:
+                raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (is another "
+                                 "server running there? pick another --port)") from None
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     from pcgspec.models.gguf import convert_gguf
 
-    print(convert_gguf(args.gguf, args.output))
+    output = Path(args.output).expanduser()
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        print(convert_gguf(args.gguf, output))
+        return 0
+    if not args.force:
+        raise ValueError(f"{output} already exists; pass --force to convert again")
+    if not (output / "config.json").is_file():
+        raise ValueError(f"{output} is not a converted model folder (no config.json); "
+                         "refusing to replace it, even with --force")
+    # NOTE: convert next to it first, so a failed conversion keeps the old folder.
+    staged = output.with_name(f".{output.name}.replacing")
+    shutil.rmtree(staged, ignore_errors=True)
+    convert_gguf(args.gguf, staged)
+    shutil.rmtree(output)
+    print(staged.rename(output))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pcgspec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pcgspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
     _convert_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=(getattr(args, "log_level", None) or envs.log_level()).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -141,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

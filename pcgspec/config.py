@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from pcgspec import envs
 from pcgspec.speculative.config import SpeculativeConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: torch is imported where a value needs it, so `pcgspec --help` starts without it.
+_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
 
@@ -76,6 +80,7 @@ class EngineConfig:
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        self._check_device()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
@@ -91,6 +96,22 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be torch or triton, got {self.attention_backend!r}")
         _ = self.speculative_config  # validates the speculative_* fields
+
+    def _check_device(self) -> None:
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
+                                                                 self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device is {self.device!r} but CUDA is not available (torch "
+                                 f"{torch.__version__}, CUDA build {torch.version.cuda}); "
+                                 "use --device cpu or auto")
+            index = torch.device(self.device).index
+            if index is not None and index >= torch.cuda.device_count():
+                raise ValueError(f"device is {self.device!r} but there are only "
+                                 f"{torch.cuda.device_count()} CUDA devices")
 
     def _int_tuple_field(self, name: str, minimum: int) -> None:
         """Accept ``"4,8,16"`` or a list for a tuple-of-ints field; store the tuple."""
@@ -119,15 +140,29 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[_DTYPE_ALIASES.get(self.dtype, self.dtype)]
+        return getattr(torch, _DTYPE_ALIASES.get(self.dtype, self.dtype))
+
+    @property
+    def use_piecewise(self) -> bool:
+        """Whether piecewise graphs serve extend batches: on CUDA unless disabled. On CPU no
+        graph is captured and the trace costs seconds at start-up, so the pieces run only with
+        ``PCGSPEC_CPU_PIECEWISE=1`` (the tests set it to run the CUDA path's logic on CPU).
+        """
+        if self.disable_piecewise_cuda_graph:
+            return False
+        return self.torch_device.type == "cuda" or envs.cpu_piecewise()
 
     @property
     def resolved_attention_backend(self) -> str:

@@ -20,3 +20,10 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """Log level of the ``pcgspec`` logger (``PCGSPEC_LOG_LEVEL``, default INFO)."""
     return os.environ.get("PCGSPEC_LOG_LEVEL", "INFO").upper()
+
+
+def cpu_piecewise() -> bool:
+    """Run the piecewise path on CPU too (``PCGSPEC_CPU_PIECEWISE=1``; off by default: without
+    graphs it only adds the decoder's trace to start-up).
+    """
+    return os.environ.get("PCGSPEC_CPU_PIECEWISE", "0").lower() in ("1", "true", "yes")

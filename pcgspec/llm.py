@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
+from pcgspec.engine.request import Request
 from pcgspec.outputs import RequestOutput
 from pcgspec.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# vLLM's prompt forms: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = dict[str, str]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+logger = logging.getLogger("pcgspec")
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``generate``/``chat``: ``outputs`` holds what was generated so far (the
+    unfinished sequences are aborted, finish reason "abort").
+    """
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__("generation interrupted")
+        self.outputs = outputs
 
 
 class LLM:
@@ -28,7 +43,10 @@ class LLM:
         if config.log_level:
             logging.getLogger("pcgspec").setLevel(config.log_level.upper())
         self.config = config
+        start = time.perf_counter()
         self.engine = Engine(config)
+        logger.info("Engine ready in %.1f s (piecewise path %s)", time.perf_counter() - start,
+                    "on" if self.engine.runner.piecewise is not None else "off")
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -39,10 +57,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
-        prompts = _as_prompt_list(prompts)
+        """Generate for one prompt or a list of them, each text, token ids, ``{"prompt": text}``
+        or ``{"prompt_token_ids": ids}`` (vLLM's forms); outputs come back in prompt order.
+        """
         encode = self.engine.tokenizer.encode
-        pairs = [(p, encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        pairs = [(text, encode(text) if ids is None else ids)
+                 for text, ids in map(_parse_prompt, _as_prompt_list(prompts))]  # fmt: skip
         return self._generate(pairs, sampling_params, use_tqdm)
 
     def chat(
@@ -72,8 +92,20 @@ class LLM:
         groups = [
             (text, self.engine.add_request(ids, p)) for (text, ids), p in zip(prompts, params)
         ]
-        self._run(sum(len(reqs) for _, reqs in groups), use_tqdm)
-        return [RequestOutput.from_requests(text, reqs) for text, reqs in groups]
+        try:
+            self._run(sum(len(reqs) for _, reqs in groups), use_tqdm)
+        except KeyboardInterrupt:
+            for _, reqs in groups:
+                self.engine.abort(reqs[0].group_id)
+            raise GenerationInterrupted(self._outputs(groups)) from None
+        return self._outputs(groups)
+
+    def _outputs(self, groups: list[tuple[str | None, list[Request]]]) -> list[RequestOutput]:
+        decode = self._decode_token
+        return [RequestOutput.from_requests(text, reqs, decode) for text, reqs in groups]
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
 
     def _run(self, num_sequences: int, use_tqdm: bool) -> None:
         with tqdm(total=num_sequences, desc="generate", unit="seq", disable=not use_tqdm) as bar:
@@ -83,12 +115,52 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, got {_what(prompts)}")
+    if prompts and _is_token_id(prompts[0]):
         return [prompts]  # one prompt given as token ids
-    return prompts
+    return list(prompts)
+
+
+def _parse_prompt(prompt: object) -> tuple[str | None, list[int] | None]:
+    """``(text, token_ids)`` of one prompt, one of them None; anything else raises."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        keys = set(prompt)
+        if len(keys) != 1 or not keys <= set(_PROMPT_KEYS):
+            raise ValueError(f"a prompt dict needs exactly one of the keys {_PROMPT_KEYS}, "
+                             f"got keys {sorted(map(str, keys))}")
+        if "prompt" in prompt:
+            return _parse_text(prompt["prompt"]), None
+        return None, _parse_token_ids(prompt["prompt_token_ids"])
+    if isinstance(prompt, Sequence):
+        return None, _parse_token_ids(prompt)
+    raise TypeError("a prompt must be a str, a list of token ids, {'prompt': str} or "
+                    f"{{'prompt_token_ids': [int, ...]}}, got {_what(prompt)}")
+
+
+def _parse_text(text: object) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"'prompt' must be a str, got {_what(text)}")
+    return text
+
+
+def _parse_token_ids(ids: object) -> list[int]:
+    if isinstance(ids, str) or not isinstance(ids, Sequence) or not all(map(_is_token_id, ids)):
+        raise TypeError(f"token ids must be a list of ints, got {_what(ids)}")
+    return list(ids)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _what(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _as_params_list(

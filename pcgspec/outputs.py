@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pcgspec.engine.request import Request, SpecCounters, TokenLogprobs
+
+TokenDecoder = Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log probability, as vLLM's ``Logprob``: ``rank`` is 1 for the most likely
+    token, None for a sampled token outside the requested top-N (its rank is not computed).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -14,7 +28,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None  # per token: sampled token, then top-N
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: sampled token, then top-N
 
 
 @dataclass(frozen=True)
@@ -53,11 +67,14 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @property
-    def logprobs(self) -> list[dict[int, float]] | None:
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
         return self.outputs[0].logprobs
 
     @classmethod
-    def from_requests(cls, prompt: str | None, reqs: list[Request]) -> RequestOutput:
+    def from_requests(
+        cls, prompt: str | None, reqs: list[Request], decode: TokenDecoder | None = None
+    ) -> RequestOutput:
+        """``decode`` (token id -> text) fills each ``Logprob.decoded_token``."""
         first = reqs[0]
         wants_logprobs = first.params.logprobs is not None
         outputs = [
@@ -67,7 +84,7 @@ class RequestOutput:
                 token_ids=r.output_token_ids,
                 finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason,
-                logprobs=[_as_dict(lp) for lp in r.logprobs] if wants_logprobs else None,
+                logprobs=[_as_dict(lp, decode) for lp in r.logprobs] if wants_logprobs else None,
             )
             for r in reqs
         ]
@@ -75,8 +92,15 @@ class RequestOutput:
                    all(r.finished for r in reqs), _metrics(reqs))
 
 
-def _as_dict(lp: TokenLogprobs) -> dict[int, float]:
-    return {lp.token_id: lp.logprob, **{t: v for t, v in lp.top if t != lp.token_id}}
+def _as_dict(lp: TokenLogprobs, decode: TokenDecoder | None) -> dict[int, Logprob]:
+    """The sampled token first, then the top-N in rank order (``lp.top`` is sorted)."""
+    ranks = {t: rank for rank, (t, _) in enumerate(lp.top, start=1)}
+
+    def entry(token: int, logprob: float) -> Logprob:
+        return Logprob(logprob, ranks.get(token), decode(token) if decode else None)
+
+    return {lp.token_id: entry(lp.token_id, lp.logprob),
+            **{t: entry(t, v) for t, v in lp.top if t != lp.token_id}}
 
 
 def _metrics(reqs: list[Request]) -> RequestMetrics:

@@ -1,4 +1,7 @@
-"""Test-session setup. Triton kernels run in the interpreter when there is no GPU."""
+"""Test-session setup. Triton kernels run in the interpreter when there is no GPU, and the
+piecewise path runs on CPU too (off by default there: it captures no graph), so its logic is
+tested without one.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("PCGSPEC_CPU_PIECEWISE", "1")
 
 import pytest  # noqa: E402
 

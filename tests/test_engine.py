@@ -105,9 +105,11 @@ def test_logprobs_are_raw_log_softmax(llm, hf_model):
     ref = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
     for j, entry in enumerate(out.logprobs):
         token = out.token_ids[j]
-        assert abs(entry[token] - ref[j, token].item()) < 1e-4
+        assert abs(entry[token].logprob - ref[j, token].item()) < 1e-4
         top = torch.topk(ref[j], 5)
         assert set(entry) == set(top.indices.tolist()) | {token}
+        for rank, t in enumerate(top.indices.tolist(), start=1):  # vLLM's Logprob shape
+            assert entry[t].rank == rank and entry[t].decoded_token == tok.decode([t])
 
 
 def test_n_sequences_and_metrics(llm):

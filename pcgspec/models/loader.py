@@ -103,6 +103,21 @@ def load_config(path: str | Path) -> PretrainedConfig:
     return AutoConfig.for_model(alias, **fields)
 
 
+def context_length(requested: int | None, hf_config: PretrainedConfig) -> int:
+    """``requested`` (None: the model's ``max_position_embeddings``); above the model's
+    maximum raises ``ValueError`` naming both.
+    """
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings: pass context_length")
+        return limit
+    if limit is not None and requested > limit:
+        raise ValueError(f"context_length {requested} exceeds the model's maximum "
+                         f"(max_position_embeddings = {limit}); use at most {limit}")
+    return requested
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """Build the model for ``path``'s architecture on the meta device, allocate it on ``device``
     in ``dtype``, and load every weight. Returned in eval mode without gradients.
@@ -129,4 +144,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of ``path`` (with its chat template)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(path))
+    logger.info("Loaded tokenizer in %.1f s", time.perf_counter() - start)
+    return tokenizer

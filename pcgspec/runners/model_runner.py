@@ -16,7 +16,7 @@ from pcgspec.attention.base import AttentionBackend
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
-from pcgspec.models.loader import load_model
+from pcgspec.models.loader import context_length, load_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
@@ -60,7 +60,7 @@ class ModelRunner:
                              f"{self.dtype} on {self.device}")
         self.model = model
         hf = self.model.config
-        self.context_length = config.context_length or hf.max_position_embeddings
+        self.context_length = context_length(config.context_length, hf)
         self.page_size = config.page_size
         spec = KVCacheSpec(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
                            self.dtype)
@@ -105,11 +105,12 @@ class ModelRunner:
         return CaptureHiddenMode.NULL
 
     def _init_graph_runners(self) -> None:
-        """Piecewise graphs serve extend batches on every device (pieces run without graphs
-        off CUDA); decode graphs, and with speculation TARGET_VERIFY graphs of k+1 tokens per
-        request, need CUDA. All capture after the KV cache exists.
+        """Piecewise graphs serve extend batches when ``config.use_piecewise`` (CUDA; pieces
+        without graphs on CPU only when asked); decode graphs, and with speculation
+        TARGET_VERIFY graphs of k+1 tokens per request, need CUDA. All capture after the KV
+        cache exists.
         """
-        if not self.config.disable_piecewise_cuda_graph:
+        if self.config.use_piecewise:
             from pcgspec.runners.piecewise_runner import PiecewiseRunner
 
             self.piecewise = PiecewiseRunner(self)

@@ -191,6 +191,10 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     engine = AsyncEngine()
     await engine.start(config)
+    if stop.is_set():  # Ctrl-C / SIGTERM while the model loaded: never announce "serving"
+        await engine.stop()
+        logger.info("interrupted during start-up")
+        return 130
     state = ServerState.build(engine, config, settings)
     runner = web.AppRunner(
         build_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=2.0
