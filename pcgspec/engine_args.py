@@ -9,7 +9,7 @@ import argparse
 from dataclasses import MISSING, fields
 
 from pcgspec.config import EngineConfig
-from pcgspec.speculative.config import SUPPORTED_ALGORITHMS
+from pcgspec.speculative.config import POLICIES, SUPPORTED_ALGORITHMS
 
 # EngineConfig field -> flag, where SGLang's name differs from the field name.
 FLAG_NAMES = {"model": "--model-path", "tokenizer": "--tokenizer-path"}
@@ -66,6 +66,9 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
                                                 None),
     "speculative_ngram_max_match_window_size": ("NGRAM: longest suffix looked up (default: 12)",
                                                 None),
+    "speculative_policy": ("auto: a plain decode step where the measured step times and accept "
+                           "lengths say speculation does not pay; always: speculate every step "
+                           "(default: auto)", POLICIES),
 }
 
 

@@ -70,9 +70,9 @@ def kv_spec(draft: nn.Module) -> KVCacheSpec:
 class DraftRunner:
     """Runs ``draft`` over a ``ForwardBatch`` against the draft KV cache.
 
-    A STANDALONE draft (a whole decoder stack) gets its own piecewise runner unless the config
-    disables piecewise graphs: long catch-ups (a new prompt) replay its graphs, and every other
-    pass, the captured propose phase included, runs its compiled pieces.
+    A STANDALONE draft (a whole decoder stack) gets its own piecewise runner where the target
+    has one (``config.use_piecewise``): long catch-ups (a new prompt) replay its graphs, and
+    every other pass, the captured propose phase included, runs its compiled pieces.
     """
 
     extend_capture_hidden_mode = CaptureHiddenMode.NULL  # what a piecewise runner captures
@@ -89,7 +89,7 @@ class DraftRunner:
             self.kv_cache, draft.num_heads, draft.head_dim, draft.attn_scale
         )
         self.piecewise: PiecewiseRunner | None = None
-        if isinstance(draft, StandaloneDraft) and not config.disable_piecewise_cuda_graph:
+        if isinstance(draft, StandaloneDraft) and config.use_piecewise:
             from pcgspec.runners.piecewise_runner import PiecewiseRunner
 
             self.model = draft.model  # what the piecewise runner compiles: model.model
