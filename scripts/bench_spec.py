@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--nextn-draft", default=UNTRAINED)
     p.add_argument("--random-weights", metavar="SHAPE", default=None,
                    help="a target of this shape (pcgspec.models.random_weights) with random "
-                        "weights and the default model's tokenizer; STANDALONE drafts with it")
+                        "weights; STANDALONE drafts with it")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --random-weights (default: the default model's)")
     p.add_argument("--out", default="bench/results/spec.json")
     args = p.parse_args(argv)
 
@@ -238,7 +240,7 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
         from pcgspec.models.default_model import default_model_path
 
         args.model = str(_random_checkpoint(args.random_weights))
-        base["tokenizer"] = str(default_model_path())
+        base["tokenizer"] = args.tokenizer or str(default_model_path())
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
