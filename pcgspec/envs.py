@@ -20,3 +20,9 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """Log level of the ``pcgspec`` logger (``PCGSPEC_LOG_LEVEL``, default INFO)."""
     return os.environ.get("PCGSPEC_LOG_LEVEL", "INFO").upper()
+
+
+def api_key() -> str | None:
+    """The server's Bearer key when ``--api-key`` is not given (``PCGSPEC_API_KEY``); an
+    environment variable keeps the key out of the process list."""
+    return os.environ.get("PCGSPEC_API_KEY") or None
