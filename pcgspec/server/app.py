@@ -228,12 +228,11 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
         except asyncio.TimeoutError:
             pass
     died = not engine.alive
-    listener.close()
-    await _shutdown(state, runner)
+    await _shutdown(state, runner, listener)
     return 1 if died else 0
 
 
-async def _shutdown(state: ServerState, runner: web.AppRunner) -> None:
+async def _shutdown(state: ServerState, runner: web.AppRunner, listener: asyncio.Server) -> None:
     """Refuse new requests, let running ones finish for the grace period, abort the rest."""
     state.draining = True
     engine = state.engine
@@ -247,6 +246,7 @@ async def _shutdown(state: ServerState, runner: web.AppRunner) -> None:
         deadline = loop.time() + 5.0
         while engine.streams and engine.alive and loop.time() < deadline:
             await asyncio.sleep(0.05)
+    listener.close()
     await runner.cleanup()
     await engine.stop()
     state.encoder.shutdown()
