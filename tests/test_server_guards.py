@@ -24,6 +24,7 @@ from pcgspec.server import app as server_app
 from pcgspec.server.connections import QuietClientErrors, RateLimit, listen
 from pcgspec.server.protocol import ApiError, GenerationRequest
 from pcgspec.server.responses import chat_logprobs, completion_logprobs
+from pcgspec.server.state import ServerSettings
 from pcgspec.server.token_bytes import TextOffsets, TokenBytes, token_string
 from pcgspec.server.tokenize import LONG_PROMPT_CHARS, PromptEncoder
 
@@ -33,6 +34,15 @@ CJK = "我爱我的猫 🎉 naïve café"
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     return load_tokenizer(smollm2_path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("keep_alive_timeout", 0.0), ("read_timeout", -1.0), ("max_connections", 0)],
+)
+def test_server_settings_name_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerSettings(**{field: value})
 
 
 def test_rate_limit_lets_one_through_per_interval_and_counts_the_rest():
