@@ -11,7 +11,7 @@ from pcgspec.engine.request import TokenLogprobs
 from pcgspec.server.token_bytes import TextOffsets, token_string
 
 DONE = b"data: [DONE]\n\n"
-TokenBytes = Callable[[int], bytes]
+BytesOf = Callable[[int], bytes]  # token id -> its bytes
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -38,7 +38,7 @@ class Choice:
 
 
 def completion_logprobs(
-    lps: Sequence[TokenLogprobs], token_bytes: TokenBytes, offsets: TextOffsets | None = None
+    lps: Sequence[TokenLogprobs], token_bytes: BytesOf, offsets: TextOffsets | None = None
 ) -> dict[str, list[Any]]:
     """The completions ``logprobs`` object; ``offsets``: the choice's text so far (streaming)."""
     offsets = offsets or TextOffsets()
@@ -51,7 +51,7 @@ def completion_logprobs(
     }
 
 
-def _top_dict(lp: TokenLogprobs, token_bytes: TokenBytes) -> dict[str, float]:
+def _top_dict(lp: TokenLogprobs, token_bytes: BytesOf) -> dict[str, float]:
     """Alternatives keyed by token string; a key taken twice is ``token_id:<id>`` (vLLM's)."""
     top: dict[str, float] = {}
     for token_id, logprob in lp.top:
@@ -60,7 +60,7 @@ def _top_dict(lp: TokenLogprobs, token_bytes: TokenBytes) -> dict[str, float]:
     return top
 
 
-def chat_logprobs(lps: Sequence[TokenLogprobs], token_bytes: TokenBytes) -> dict[str, list[Any]]:
+def chat_logprobs(lps: Sequence[TokenLogprobs], token_bytes: BytesOf) -> dict[str, list[Any]]:
     """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -135,7 +135,7 @@ def chunk_choice(
 
 
 def body_choice(
-    chat: bool, index: int, choice: Choice, want_logprobs: bool, token_bytes: TokenBytes
+    chat: bool, index: int, choice: Choice, want_logprobs: bool, token_bytes: BytesOf
 ) -> dict[str, Any]:
     if chat:
         lps = chat_logprobs(choice.logprobs, token_bytes) if want_logprobs else None
