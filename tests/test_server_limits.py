@@ -1,7 +1,8 @@
 """`pcgspec serve` limits as a hostile client meets them: a connection cap and idle timeouts,
 slow and undecodable bodies, malformed requests, huge prompts, a KV pool smaller than the
 context, partial UTF-8 tokens in logprobs, and the API key (from the environment) on every
-route that reveals or runs something. One server process; about 40 s on the 2-core machine.
+route that reveals or runs something. One server process; 2.5 min on the 2-core machine while
+other test runs kept it busy (load 8).
 """
 
 from __future__ import annotations
