@@ -52,13 +52,24 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=30000, help="port to listen on")
-    s.add_argument("--api-key", default=None, help="Bearer key required on /v1/*")
+    s.add_argument("--api-key", default=None,
+                   help="Bearer key required on /v1/*, /server_info and /health_generate "
+                        "(default: $PCGSPEC_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model folder's name)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="larger request bodies get 413")
     s.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                    help="seconds SIGTERM lets running requests finish before aborting them")
+    s.add_argument("--keep-alive-timeout", type=float, default=30.0,
+                   help="seconds an idle connection stays open, before its first request too "
+                        "(default: %(default)s)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive, then 408 "
+                        "(default: %(default)s)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at most; more get 503 and are closed "
+                        "(default: %(default)s)")
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -118,9 +129,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
 
     settings = ServerSettings(
-        host=args.host, port=args.port, api_key=args.api_key,
+        host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
         served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+        keep_alive_timeout=args.keep_alive_timeout, read_timeout=args.read_timeout,
+        max_connections=args.max_connections,
     )
     return run_server(engine_config_from_args(args), settings)
 

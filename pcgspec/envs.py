@@ -27,3 +27,9 @@ def cpu_piecewise() -> bool:
     graphs it only adds the decoder's trace to start-up).
     """
     return os.environ.get("PCGSPEC_CPU_PIECEWISE", "0").lower() in ("1", "true", "yes")
+
+
+def api_key() -> str | None:
+    """The server's Bearer key when ``--api-key`` is not given (``PCGSPEC_API_KEY``); an
+    environment variable keeps the key out of the process list."""
+    return os.environ.get("PCGSPEC_API_KEY") or None

@@ -194,10 +194,11 @@ def _get_json(base_url: str, path: str, api_key: str | None = None) -> dict[str,
         return json.loads(resp.read())
 
 
-def spec_counters(base_url: str) -> tuple[int, int]:
+def spec_counters(base_url: str, api_key: str | None = None) -> tuple[int, int]:
     """(verify steps, accepted drafts) so far; zeros without speculation or /server_info."""
     try:
-        spec = _get_json(base_url, "/server_info")["internal_states"][0]["speculative"]
+        info = _get_json(base_url, "/server_info", api_key)
+        spec = info["internal_states"][0]["speculative"]
     except (OSError, KeyError, IndexError, ValueError):
         return 0, 0
     return spec.get("verify_steps", 0), spec.get("accepted_draft_tokens", 0)
@@ -276,9 +277,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
         prompts = load_prompts(args)
-        steps0, accepted0 = spec_counters(args.base_url)
+        steps0, accepted0 = spec_counters(args.base_url, args.api_key)
         results, duration = asyncio.run(run_load(args, model, prompts))
-        steps, accepted = (a - b for a, b in zip(spec_counters(args.base_url), (steps0, accepted0)))
+        counters = spec_counters(args.base_url, args.api_key)
+        steps, accepted = (a - b for a, b in zip(counters, (steps0, accepted0)))
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)

@@ -39,7 +39,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *extra_args: str, api_key: str | None = API_KEY) -> None:
+    """``api_key``: passed as ``--api-key``, or through ``PCGSPEC_API_KEY`` with ``key_in_env``."""
+
+    def __init__(
+        self, *extra_args: str, api_key: str | None = API_KEY, key_in_env: bool = False
+    ) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log = Path(tempfile.mkstemp(prefix="pcgspec-serve-", suffix=".log")[1])
@@ -53,9 +57,12 @@ class ServerProcess:
             *DEFAULT_ARGS,
             *extra_args,
         ]
-        if api_key is not None:
-            args += ["--api-key", api_key]
         env = {**os.environ, "PCGSPEC_LOG_LEVEL": "INFO"}
+        env.pop("PCGSPEC_API_KEY", None)
+        if api_key is not None and key_in_env:
+            env["PCGSPEC_API_KEY"] = api_key
+        elif api_key is not None:
+            args += ["--api-key", api_key]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -100,8 +107,12 @@ class ServerProcess:
         except ValueError:
             return status, raw.decode(errors="replace")
 
-    def get(self, path: str) -> tuple[int, Any]:
-        return self.request("GET", path)
+    def _auth(self, key: str | None) -> dict[str, str]:
+        key = self.api_key if key == "default" else key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+    def get(self, path: str, key: str | None = "default") -> tuple[int, Any]:
+        return self.request("GET", path, headers=self._auth(key))
 
     def post(
         self,
@@ -110,10 +121,7 @@ class ServerProcess:
         key: str | None = "default",
     ) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        key = self.api_key if key == "default" else key
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
+        headers = {"Content-Type": "application/json", **self._auth(key)}
         return self.request("POST", path, data, headers)
 
     def internal_state(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pcgspec.server.protocol import (
     parse_completion,
 )
 
-LIMITS = Limits("m", vocab_size=1000, context_length=128)
+LIMITS = Limits("m", vocab_size=1000, max_model_len=128)
 USER = [{"role": "user", "content": "hi"}]
 
 

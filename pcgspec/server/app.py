@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pcgspec.config import EngineConfig
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
+from pcgspec.server.connections import install_log_filters, listen
 from pcgspec.server.metrics import piecewise_summary
 from pcgspec.server.openai_api import chat_completions, completions
 from pcgspec.server.protocol import ApiError
@@ -22,6 +23,7 @@ from pcgspec.server.state import STATE, ServerSettings, ServerState
 
 logger = logging.getLogger("pcgspec")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_KEYED = ("/server_info", "/get_server_info", "/health_generate")
 
 
 @web.middleware
@@ -38,6 +40,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return web.json_response(error.body(), status=e.status)
     except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client hung up mid-response; writing this one fails quietly
+        logger.debug("client went away on %s %s", request.method, request.path)
+        return web.Response(status=499, reason="Client Closed Request")
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         error = ApiError(500, "internal server error", type="internal_error")
@@ -46,20 +51,26 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 @web.middleware
 async def _gate(request: web.Request, handler: Any) -> web.StreamResponse:
-    """503 on /v1/* while draining; the Bearer key on /v1/* when one is set."""
+    """503 on /v1/* while draining; the Bearer key, when one is set, on /v1/* and on the routes
+    that reveal the configuration or run the model."""
     state = request.app[STATE]
-    if request.path.startswith("/v1/"):
-        if state.draining:
-            raise ApiError(503, "the server is shutting down", type="service_unavailable")
-        key = state.settings.api_key
-        given = request.headers.get("Authorization", "")
-        if key is not None and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise ApiError(
-                401,
-                "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                code="invalid_api_key",
-            )
+    v1 = request.path.startswith("/v1/")
+    if v1 and state.draining:
+        raise ApiError(503, "the server is shutting down", type="service_unavailable")
+    key = state.settings.api_key
+    if key is not None and (v1 or request.path in _KEYED) and not _key_matches(request, key):
+        raise ApiError(
+            401,
+            "missing or wrong API key (send 'Authorization: Bearer <key>')",
+            code="invalid_api_key",
+        )
     return await handler(request)
+
+
+def _key_matches(request: web.Request, key: str) -> bool:
+    # NOTE: aiohttp keeps non-UTF-8 header bytes as surrogates; surrogateescape gives them back.
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
 async def health(request: web.Request) -> web.Response:
@@ -113,7 +124,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "object": "model",
         "created": int(state.started),
         "owned_by": "pcgspec",
-        "max_model_len": state.limits.context_length,
+        "max_model_len": state.limits.max_model_len,
     }
 
 
@@ -144,11 +155,13 @@ async def server_info(request: web.Request) -> web.Response:
         "engine_alive": state.engine.alive,
     }
     settings = {k: v for k, v in asdict(state.settings).items() if k != "api_key"}
+    core = state.engine.engine
     return web.json_response(
         {
-            "model_path": str(state.engine.engine.model_dir) if state.engine.engine else None,
+            "model_path": str(core.model_dir) if core else None,
             "served_model_name": state.limits.model_name,
-            "context_length": state.limits.context_length,
+            "context_length": core.context_length if core else None,
+            "max_model_len": state.limits.max_model_len,
             "config": asdict(state.config),
             "server_args": {**settings, "api_key_set": state.settings.api_key is not None},
             "internal_states": [internal],
@@ -172,7 +185,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/get_server_info", server_info)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app
@@ -189,6 +202,7 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    install_log_filters()
     engine = AsyncEngine()
     await engine.start(config)
     if stop.is_set():  # Ctrl-C / SIGTERM while the model loaded: never announce "serving"
@@ -197,16 +211,20 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
         return 130
     state = ServerState.build(engine, config, settings)
     runner = web.AppRunner(
-        build_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+        build_app(state),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=2.0,
+        keepalive_timeout=settings.keep_alive_timeout,
     )
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
+    listener = await listen(runner, settings.host, settings.port, settings.max_connections)
     logger.info(
-        "serving %s on http://%s:%d (context %d tokens)",
+        "serving %s on http://%s:%d (max model length %d tokens)",
         state.limits.model_name,
         settings.host,
         settings.port,
-        state.limits.context_length,
+        state.limits.max_model_len,
     )
     while not stop.is_set() and engine.alive:
         try:
@@ -214,11 +232,11 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
         except asyncio.TimeoutError:
             pass
     died = not engine.alive
-    await _shutdown(state, runner)
+    await _shutdown(state, runner, listener)
     return 1 if died else 0
 
 
-async def _shutdown(state: ServerState, runner: web.AppRunner) -> None:
+async def _shutdown(state: ServerState, runner: web.AppRunner, listener: asyncio.Server) -> None:
     """Refuse new requests, let running ones finish for the grace period, abort the rest."""
     state.draining = True
     engine = state.engine
@@ -232,7 +250,8 @@ async def _shutdown(state: ServerState, runner: web.AppRunner) -> None:
         deadline = loop.time() + 5.0
         while engine.streams and engine.alive and loop.time() < deadline:
             await asyncio.sleep(0.05)
+    listener.close()
     await runner.cleanup()
     await engine.stop()
-    state.pool.shutdown(wait=False, cancel_futures=True)
+    state.encoder.shutdown()
     logger.info("server stopped")

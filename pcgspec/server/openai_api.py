@@ -6,6 +6,7 @@ because the client went away (the ``finally`` aborts every unfinished sequence).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -34,17 +35,36 @@ from pcgspec.server.responses import (
     usage,
 )
 from pcgspec.server.state import STATE, ServerState
+from pcgspec.server.token_bytes import TextOffsets
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The body: 413 over the size limit, 408 when it is slower than the read timeout, 400 when
+    it does not decode."""
+    settings = request.app[STATE].settings
+    try:
+        return await asyncio.wait_for(request.read(), settings.read_timeout)
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(
+            413,
+            f"the request body exceeds {settings.max_request_bytes} bytes",
+            code="request_too_large",
+        ) from None
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {settings.read_timeout} s",
+            code="request_timeout",
+        ) from None
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
+        raise ApiError(
+            400, f"the body could not be read: {str(e)[:200]}", code="invalid_body"
+        ) from None
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; 413 over the size limit, 400 when it is not one."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[STATE].settings.max_request_bytes
-        raise ApiError(
-            413, f"the request body exceeds {limit} bytes", code="request_too_large"
-        ) from None
+    """The body as a JSON object; 400 when it is not one."""
+    raw = await read_body(request)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -72,7 +92,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     req = (parse_chat if chat else parse_completion)(body, state.limits)
     prompt_ids = await state.encode(req)
     for ids in prompt_ids:
-        check_prompt_length(len(ids), req.params.max_tokens, state.limits.context_length)
+        check_prompt_length(len(ids), req.params.max_tokens, state.limits.max_model_len)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     header = ResponseHeader(rid, int(time.time()), req.model, chat)
     gen = Generation(state.engine)
@@ -111,7 +131,7 @@ async def _collect(
     except EngineDeadError as e:
         raise ApiError(500, str(e), type="internal_error") from None
     want = req.params.logprobs is not None
-    out = [body_choice(req.chat, i, choices[i], want, state.token_text) for i in sorted(choices)]
+    out = [body_choice(req.chat, i, choices[i], want, state.token_bytes) for i in sorted(choices)]
     num_prompt = sum(s.num_prompt_tokens for s in gen.streams)
     return header.body(out, usage(num_prompt, sum(c.num_tokens for c in choices.values())))
 
@@ -134,7 +154,7 @@ async def _stream(
         ]
         for choice in roles:
             await resp.write(sse(header.chunk([choice], with_usage_field=with_usage)))
-    offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
+    offsets: dict[int, TextOffsets] = {}  # completions logprobs: text so far per choice
     num_tokens = 0
     try:
         async for stream, deltas in gen.updates():
@@ -161,13 +181,11 @@ def _delta_logprobs(
     state: ServerState,
     req: GenerationRequest,
     lps: tuple[Any, ...],
-    offsets: dict[int, int],
+    offsets: dict[int, TextOffsets],
     index: int,
 ) -> dict[str, Any] | None:
     if req.params.logprobs is None or not lps:
         return None
     if req.chat:
-        return chat_logprobs(lps, state.token_text)
-    out = completion_logprobs(lps, state.token_text, offsets.get(index, 0))
-    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
-    return out
+        return chat_logprobs(lps, state.token_bytes)
+    return completion_logprobs(lps, state.token_bytes, offsets.setdefault(index, TextOffsets()))

@@ -56,7 +56,7 @@ class Limits:
 
     model_name: str
     vocab_size: int
-    context_length: int
+    max_model_len: int  # prompt + output tokens: the context length or the KV pool, the lesser
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,10 @@ def sampling_params(
 def _max_tokens(
     body: dict[str, Any], names: tuple[str, ...], limits: Limits, default: int | None
 ) -> int | None:
-    """The first of ``names`` that is set; bounded by the context length."""
+    """The first of ``names`` that is set; bounded by the model length."""
     for name in names:
         if body.get(name) is not None:
-            return get_int(body, name, 1, limits.context_length, None)
+            return get_int(body, name, 1, limits.max_model_len, None)
     return default
 
 
@@ -225,16 +225,16 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     return GenerationRequest(True, model, params, stream, include_usage, messages=parsed)
 
 
-def check_prompt_length(num_tokens: int, max_tokens: int | None, context_length: int) -> None:
-    """400 unless the prompt, and the prompt plus ``max_tokens``, fit in the context."""
+def check_prompt_length(num_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """400 unless the prompt, and the prompt plus ``max_tokens``, fit in ``max_model_len``."""
     if num_tokens == 0:
         raise bad("prompt", "the prompt is empty (0 tokens)")
     total = num_tokens + (max_tokens or 1)
-    if num_tokens >= context_length or total > context_length:
+    if num_tokens >= max_model_len or total > max_model_len:
         asked = f" and max_tokens={max_tokens} ({total} in total)" if max_tokens else ""
         raise bad(
-            "prompt" if num_tokens >= context_length else "max_tokens",
-            f"This model's maximum context length is {context_length} tokens; the prompt "
+            "prompt" if num_tokens >= max_model_len else "max_tokens",
+            f"This model's maximum context length is {max_model_len} tokens; the prompt "
             f"has {num_tokens} tokens{asked}",
             code="context_length_exceeded",
         )

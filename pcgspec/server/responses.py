@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcgspec.engine.request import TokenLogprobs
+from pcgspec.server.token_bytes import TextOffsets, token_string
 
 DONE = b"data: [DONE]\n\n"
-TokenText = Callable[[int], str]
+BytesOf = Callable[[int], bytes]  # token id -> its bytes
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -37,28 +38,34 @@ class Choice:
 
 
 def completion_logprobs(
-    lps: Sequence[TokenLogprobs], token_text: TokenText, offset: int = 0
+    lps: Sequence[TokenLogprobs], token_bytes: BytesOf, offsets: TextOffsets | None = None
 ) -> dict[str, list[Any]]:
-    """The completions ``logprobs`` object; ``offset``: text length before these tokens."""
-    tokens = [token_text(lp.token_id) for lp in lps]
-    offsets = []
-    for tok in tokens:
-        offsets.append(offset)
-        offset += len(tok)
+    """The completions ``logprobs`` object; ``offsets``: the choice's text so far (streaming)."""
+    offsets = offsets or TextOffsets()
+    raw = [token_bytes(lp.token_id) for lp in lps]
     return {
-        "tokens": tokens,
+        "tokens": [token_string(b) for b in raw],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in lps],
-        "text_offset": offsets,
+        "top_logprobs": [_top_dict(lp, token_bytes) for lp in lps],
+        "text_offset": [offsets.advance(b) for b in raw],
     }
 
 
-def chat_logprobs(lps: Sequence[TokenLogprobs], token_text: TokenText) -> dict[str, list[Any]]:
+def _top_dict(lp: TokenLogprobs, token_bytes: BytesOf) -> dict[str, float]:
+    """Alternatives keyed by token string; a key taken twice is ``token_id:<id>`` (vLLM's)."""
+    top: dict[str, float] = {}
+    for token_id, logprob in lp.top:
+        key = token_string(token_bytes(token_id))
+        top[f"token_id:{token_id}" if key in top else key] = logprob
+    return top
+
+
+def chat_logprobs(lps: Sequence[TokenLogprobs], token_bytes: BytesOf) -> dict[str, list[Any]]:
     """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        raw = token_bytes(token_id)
+        return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
     content = [
         {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
@@ -128,10 +135,10 @@ def chunk_choice(
 
 
 def body_choice(
-    chat: bool, index: int, choice: Choice, want_logprobs: bool, token_text: TokenText
+    chat: bool, index: int, choice: Choice, want_logprobs: bool, token_bytes: BytesOf
 ) -> dict[str, Any]:
     if chat:
-        lps = chat_logprobs(choice.logprobs, token_text) if want_logprobs else None
+        lps = chat_logprobs(choice.logprobs, token_bytes) if want_logprobs else None
         message = {"role": "assistant", "content": choice.text}
         return {
             "index": index,
@@ -139,7 +146,7 @@ def body_choice(
             "logprobs": lps,
             "finish_reason": choice.finish_reason,
         }
-    lps = completion_logprobs(choice.logprobs, token_text) if want_logprobs else None
+    lps = completion_logprobs(choice.logprobs, token_bytes) if want_logprobs else None
     return {
         "index": index,
         "text": choice.text,
