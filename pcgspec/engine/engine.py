@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pcgspec.config import EngineConfig
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
+from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
@@ -147,16 +148,20 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Schedule, run the model (a speculative step for decode batches when configured),
-        sample, commit. Returns the requests that took part.
+        sample, commit. A request the step fails on finishes with "error" (see isolation.py).
+        Returns the requests that took part.
         """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        run_isolated(batch, self._run, self.scheduler.release)
+        return batch.requests
+
+    def _run(self, batch: ScheduledBatch) -> None:
         committed = self._speculate(batch)
         if committed is None:
             self._forward_and_sample(batch)
         self.scheduler.update(committed if committed is not None else batch)
-        return batch.requests
 
     def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The committed batch of a speculative step, or None where none ran."""
