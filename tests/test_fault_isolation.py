@@ -12,6 +12,7 @@ from oracle import PROMPTS, assert_all_pages_free, assert_greedy_match, greedy
 
 import pcgspec.sampling.sampler as sampler
 import pcgspec.server.async_engine as async_engine
+import pcgspec.speculative.worker as spec_worker
 from pcgspec import LLM, SamplingParams
 from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.request import Request
@@ -117,7 +118,8 @@ def refs(llm) -> dict[str, tuple[list[int], str]]:
 
 @pytest.fixture
 def faulty_sampling(monkeypatch):
-    """Sampling raises for a batch holding a row of seed MARK at position >= FAIL_AT."""
+    """Sampling (plain and speculative verify) raises for a batch holding a row of seed MARK at
+    output position >= FAIL_AT."""
     process = sampler.process_logits
 
     def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -126,6 +128,7 @@ def faulty_sampling(monkeypatch):
         return process(logits, sb)
 
     monkeypatch.setattr(sampler, "process_logits", process_logits)
+    monkeypatch.setattr(spec_worker, "process_logits", process_logits)
 
 
 def test_a_failing_request_ends_with_an_error_while_the_others_finish(
@@ -142,6 +145,22 @@ def test_a_failing_request_ends_with_an_error_while_the_others_finish(
         assert out.finish_reason == "length"
         assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])
     assert_all_pages_free(llm)
+
+
+def test_a_failing_request_in_a_speculative_step_ends_alone(
+    smollm2_path, hf_model, refs, faulty_sampling
+):
+    spec = LLM(str(smollm2_path), dtype="float32", device="cpu",
+               speculative_algorithm="NGRAM", speculative_num_steps=3)  # fmt: skip
+    tok = spec.get_tokenizer()
+    good = PROMPTS[:3]
+    params = [greedy(NEW_TOKENS)] * 3 + [greedy(NEW_TOKENS, seed=MARK)]
+    *outs, bad = spec.generate([*good, PROMPTS[7]], params, use_tqdm=False)
+    assert bad.finish_reason == "error" and len(bad.token_ids) < FAIL_AT
+    for prompt, out in zip(good, outs):
+        assert out.finish_reason == "length" and out.metrics.spec_verify_steps > 0
+        assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])
+    assert_all_pages_free(spec)
 
 
 def test_a_failure_of_every_request_stops_generate(llm, faulty_sampling):
