@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field, fields
 
 _GREEDY_EPS = 1e-5
+_F32_MIN_NORMAL = 2.0**-126
 
 
 @dataclass(frozen=True)
@@ -66,18 +68,22 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not 0.0 <= self.temperature < math.inf:
-            raise bad("temperature", "must be a finite number >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
+        # NOTE: the sampler reads float32: a value must keep its meaning after the cast.
+        if not 0.0 <= _f32(self.temperature) < math.inf:
+            raise bad("temperature", "must be a number >= 0 that is finite in float32")
+        if not (0.0 < _f32(self.top_p) and self.top_p <= 1.0):
+            raise bad("top_p", "must be in (0, 1] and not round to 0 in float32")
         if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
             raise bad("top_k", "must be -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise bad("repetition_penalty", "must be a finite number > 0")
+        if not _F32_MIN_NORMAL <= _f32(self.repetition_penalty) < math.inf:
+            raise bad(
+                "repetition_penalty",
+                f"must be > 0, finite and normal in float32 (>= {_F32_MIN_NORMAL:.4g})",
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -101,3 +107,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32 (inf beyond its range); NaN stays NaN."""
+    try:
+        return array("f", [value])[0]
+    except OverflowError:  # an int too large for a double
+        return math.inf if value > 0 else -math.inf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -217,6 +218,35 @@ def test_process_logits_keeps_input_and_greedy_argmax() -> None:
     assert tokens[0] != original[0].argmax() and tokens[3] != original[3].argmax()
 
 
+@pytest.mark.parametrize(
+    "kwargs", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.5}, {"top_p": 0.5, "top_k": 3}, {}]
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_overflowing_repetition_penalty_keeps_the_seen_tokens(
+    kwargs: dict[str, float], temperature: float
+) -> None:
+    """A valid but tiny penalty divides positive logits past float32's range: the row must
+    still keep a token (the penalized seen ones) and leave the other rows as they are alone."""
+    logits = torch.linspace(-10.0, 10.0, 50).repeat(3, 1)
+    seen, boosted = [1, 7, 40, 45, 48], {40, 45, 48}  # the seen tokens with positive logits
+    odd = SamplingParams(temperature=temperature, repetition_penalty=1.2e-38, **kwargs)
+    others = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0)]
+    tokens = _tokens(logits, [others[0], odd, others[1]], seeds=[1, 2, 3],
+                     prompts=[seen] * 3)  # fmt: skip
+    assert tokens[1] in boosted
+    assert tokens[::2] == _tokens(logits[:2], others, seeds=[1, 3], prompts=[seen] * 2)
+
+
+def test_a_nan_row_keeps_the_other_rows() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(top_p=0.8), SamplingParams(top_p=0.5, top_k=4), SamplingParams()]
+    alone = _tokens(logits, params, seeds=[1, 2, 3])
+    logits[1, 5] = math.nan
+    tokens = _tokens(logits, params, seeds=[1, 2, 3])
+    assert tokens[0] == alone[0] and tokens[2] == alone[2]
+    assert 0 <= tokens[1] < 40
+
+
 # --- draws -------------------------------------------------------------------------------------
 
 
@@ -344,19 +374,25 @@ def test_logprobs_are_raw_log_softmax() -> None:
     [
         ("temperature", -0.1),
         ("temperature", math.nan),
+        ("temperature", 1e39),
         ("top_p", 0.0),
+        ("top_p", 1e-300),
+        ("top_p", 5e-324),
         ("top_p", 1.5),
         ("top_k", 0),
         ("top_k", -2),
         ("max_tokens", 0),
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e-39),
+        ("repetition_penalty", 1e39),
         ("presence_penalty", 2.5),
         ("logprobs", -1),
     ],
 )
 def test_sampling_params_rejects_invalid(field: str, value: float) -> None:
-    with pytest.raises(ValueError, match=rf"{field}.*{value!r}"):
+    with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
         SamplingParams(**{field: value})
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pcgspec.config import EngineConfig
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
+from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
@@ -149,11 +150,16 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Schedule, run the model (a speculative step for decode batches when configured),
-        sample, commit. Returns the requests that took part.
+        sample, commit. A request the step fails on finishes with "error" (see isolation.py).
+        Returns the requests that took part.
         """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        run_isolated(batch, self._run, self.scheduler.release)
+        return batch.requests
+
+    def _run(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
         committed = self._speculate(batch)
         if committed is None:
@@ -162,7 +168,6 @@ class Engine:
         if self.spec_worker is not None and batch.mode.is_decode():
             self.spec_worker.policy.record_step(committed is not None, len(batch.requests),
                                                 time.perf_counter() - start)  # fmt: skip
-        return batch.requests
 
     def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The committed batch of a speculative step, or None where none ran."""

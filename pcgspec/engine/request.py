@@ -74,8 +74,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    error: str | None = None  # why a step failed on this request (finish_reason "error")
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -138,6 +139,11 @@ class Request:
         end = index + len(stop) if self.params.include_stop_str_in_output else index
         self.detokenizer.text = text[:end]
         self.finish("stop", stop)
+
+    def fail(self, error: str) -> None:
+        """Finish with "error": a step failed on this request's data."""
+        self.error = error
+        self.finish("error")
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -12,6 +12,8 @@ from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.penalties import apply_penalties
 from pcgspec.sampling.rng import STREAM_TOKEN, uniform
 
+_F32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass(frozen=True)
 class SampleLogprobs:
@@ -37,6 +39,8 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         return logits
     temperature = torch.where(sb.is_greedy, 1.0, sb.temperature)
     logits = logits / temperature[:, None]  # a fresh tensor: the filter may mask it in place
+    if sb.needs_penalties:  # NOTE: a tiny repetition penalty overflows; the filters need finite
+        logits.clamp_(-_F32_MAX, _F32_MAX)
     if sb.needs_filters:
         logits.masked_fill_(logits < _filter_threshold(logits, sb), float("-inf"))
     return logits
@@ -59,7 +63,8 @@ def _filter_threshold(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     weights = torch.exp(ranked - ranked[:, :1]).masked_fill_(ranked < kth, 0.0)
     cdf = weights.cumsum(dim=-1)
     num_kept = (cdf - weights < sb.top_p[:, None] * cdf[:, -1:]).sum(dim=-1, keepdim=True)
-    top_p_min = ranked.gather(1, num_kept - 1)  # num_kept >= 1: the first weight is 1
+    # NOTE: the first weight is 1, so num_kept >= 1 unless the row holds inf or NaN.
+    top_p_min = ranked.gather(1, num_kept.clamp_min_(1) - 1)
     top_p_min = torch.where(sb.top_p[:, None] < 1.0, top_p_min, float("-inf"))
     return torch.maximum(torch.maximum(kth, top_p_min), ranked[:, :1] + log_min_p)
 

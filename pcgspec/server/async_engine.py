@@ -33,6 +33,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (stopped, or died of an error)."""
 
 
+class RequestFailedError(EngineDeadError):
+    """A step failed on this request's data; it alone ends (the engine serves on). A subclass
+    so that every handler of an engine failure answers it the same way (500 internal_error)."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine counters as of the end of the last step (swapped in whole, read lock-free)."""
@@ -88,6 +93,8 @@ class Generation:
         remaining = len(self.streams)
         while remaining:
             stream, item, final = await self.queue.get()
+            if isinstance(item, RequestFailedError):
+                raise item
             if isinstance(item, BaseException):
                 raise EngineDeadError(f"the engine failed: {item}") from item
             remaining -= final
@@ -247,6 +254,11 @@ class AsyncEngine:
         """Hand every new delta to the loop in one call, and refresh the snapshot."""
         batch: list[tuple[RequestStream, Any, bool]] = []
         for request_id, (stream, trackers) in list(self._live.items()):
+            error = self._failure(request_id, trackers)
+            if error is not None:
+                del self._live[request_id]
+                batch.append((stream, error, True))
+                continue
             deltas = [d for d in (t.delta() for t in trackers) if d is not None]
             if not deltas:
                 continue
@@ -257,6 +269,16 @@ class AsyncEngine:
         self.snapshot = self._take_snapshot()
         if batch:
             self._call(self._deliver, batch)
+
+    def _failure(self, request_id: str, trackers: list[SeqTracker]) -> RequestFailedError | None:
+        """The error of a request one of whose sequences a step failed on (the others are
+        aborted), or None."""
+        failed = next((t.req for t in trackers if t.req.finish_reason == "error"), None)
+        if failed is None:
+            return None
+        if self.engine is not None:
+            self.engine.abort(request_id)
+        return RequestFailedError(f"the request failed: {failed.error}")
 
     def _fail_all(self, error: BaseException) -> None:
         batch = [(stream, error, True) for stream, _ in self._live.values()]

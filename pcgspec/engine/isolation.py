@@ -1,0 +1,80 @@
+"""Fault isolation: a step that fails on one request's data fails that request, not the batch.
+
+When running a batch raises, its requests run again in halves, recursively, so the culprits end
+up alone; a request whose run fails alone finishes with "error" and its pages are freed, while
+the others complete this same step. A failure that every request of the batch meets alone is
+not tied to a request: it is raised and stops the engine.
+
+A run must leave no trace when it raises before committing (KV rewritten at the same slots is
+fine); a request it already advanced cannot run twice and fails with the rest of its run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pcgspec.engine.request import Request
+from pcgspec.engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger("pcgspec")
+
+RunBatch = Callable[[ScheduledBatch], None]  # compute, sample, commit and Scheduler.update
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    request: Request
+    error: Exception
+
+
+def run_isolated(
+    batch: ScheduledBatch, run: RunBatch, release: Callable[[Request], None]
+) -> list[Request]:
+    """Run ``batch`` with ``run``; returns the requests that failed (finished with "error" and
+    handed to ``release``). Raises the first error when every request failed.
+    """
+    failures = _run_or_split(batch, run)
+    if len(failures) == len(batch.requests):
+        raise failures[0].error
+    for failure in failures:
+        req, error = failure.request, failure.error
+        logger.error("request %s failed in its step; it finishes with an error, the other %d "
+                     "go on", req.request_id, len(batch.requests) - len(failures),
+                     exc_info=error)  # fmt: skip
+        req.fail(f"{type(error).__name__}: {error}")
+        release(req)
+    return [f.request for f in failures]
+
+
+def _run_or_split(batch: ScheduledBatch, run: RunBatch) -> list[RequestFailure]:
+    """The requests of ``batch`` that fail: none if it runs, else those failing in its halves."""
+    before = [_progress(r) for r in batch.requests]
+    try:
+        run(batch)
+        return []
+    except Exception as error:
+        if len(batch.requests) == 1:
+            return [RequestFailure(batch.requests[0], error)]
+        advanced = [_progress(r) != p for r, p in zip(batch.requests, before)]
+        failures = [RequestFailure(r, error) for r, a in zip(batch.requests, advanced) if a]
+        rest = [i for i, a in enumerate(advanced) if not a]
+        half = len(rest) // 2
+        for part in (rest[:half], rest[half:]):
+            failures += _run_or_split(_subset(batch, part), run) if part else []
+        return failures
+
+
+def _subset(batch: ScheduledBatch, rows: list[int]) -> ScheduledBatch:
+    """The requests ``rows`` of ``batch`` as a batch of their own (their pages are reserved)."""
+    return ScheduledBatch(
+        batch.mode,
+        [batch.requests[i] for i in rows],
+        [batch.num_new_tokens[i] for i in rows],
+        [batch.samples[i] for i in rows],
+    )
+
+
+def _progress(req: Request) -> tuple[int, int]:
+    return len(req.token_ids), req.num_computed_tokens
