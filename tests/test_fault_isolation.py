@@ -147,11 +147,22 @@ def test_a_failing_request_ends_with_an_error_while_the_others_finish(
     assert_all_pages_free(llm)
 
 
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
 def test_a_failing_request_in_a_speculative_step_ends_alone(
-    smollm2_path, hf_model, refs, faulty_sampling
+    smollm2_path, hf_model, refs, faulty_sampling, tmp_path, algorithm
 ):
-    spec = LLM(str(smollm2_path), dtype="float32", device="cpu",
-               speculative_algorithm="NGRAM", speculative_num_steps=3)  # fmt: skip
+    """Verify fails after the drafts were proposed: the retried halves propose again from the
+    same draft state (EAGLE3: with the same target hidden states).
+    """
+    from pcgspec.models.eagle3 import write_eagle3_checkpoint
+    from pcgspec.models.loader import load_config
+
+    draft = {}
+    if algorithm == "EAGLE3":
+        path = write_eagle3_checkpoint(tmp_path, load_config(smollm2_path), seed=0)
+        draft = {"speculative_draft_model_path": str(path)}
+    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
+               speculative_num_steps=3, speculative_policy="always", **draft)  # fmt: skip
     tok = spec.get_tokenizer()
     good = PROMPTS[:3]
     params = [greedy(NEW_TOKENS)] * 3 + [greedy(NEW_TOKENS, seed=MARK)]

@@ -12,7 +12,9 @@ behind), greedy on each request's last row, then k-1 one-token passes, all one g
 (``DraftGraphRunner``) where one is captured. A request further behind (a new prompt, or plain
 decode steps) first runs a DRAFT_EXTEND over all but its last k+1 rows (the draft's piecewise
 graphs where it has them, else eagerly). The draft steps
-write K/V at positions the next catch-up rewrites, so ``computed`` ends at the catch-up's end.
+write K/V at positions the next catch-up rewrites, so ``computed`` ends at the catch-up's end
+(once the target's next pass is observed: a step that fails after proposing runs again from the
+same state).
 
 The target's hidden states reach the proposer through ``observe`` after every target pass that
 computed positions of a request (prefill chunks, plain decode steps, verify's accepted rows);
@@ -54,6 +56,9 @@ class ModelProposer(Proposer):
         self.graphs: DraftGraphRunner | None = None  # the propose phase, captured (CUDA)
         # NOTE: keyed by the Request object: a finished or aborted request's state goes with it.
         self._states: weakref.WeakKeyDictionary[object, DraftState] = weakref.WeakKeyDictionary()
+        # Where a propose phase left each request's draft: applied when the target's next pass
+        # is observed, so a step that fails after proposing can run again from the same state.
+        self._proposed: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 
     # target passes ---------------------------------------------------------------------------
 
@@ -63,8 +68,11 @@ class ModelProposer(Proposer):
         position 0 (a prefill, also after preemption) starts the draft over.
         """
         state = self._states.get(request)
+        computed = self._proposed.pop(request, None)
         if state is None or start == 0:
             state = self._states[request] = DraftState()
+        elif computed is not None:
+            state.computed, state.pending = computed, []
         if not self.uses_target_hidden:
             return
         if hidden is None:
@@ -89,8 +97,8 @@ class ModelProposer(Proposer):
             drafts = graphs.run(catch_up, hidden)
         else:
             drafts = self.runner.propose(catch_up, hidden, self.num_steps)
-        for req, state in zip(reqs, states):
-            state.computed, state.pending = len(req.token_ids) - self.lag, []
+        for req in reqs:
+            self._proposed[req] = len(req.token_ids) - self.lag  # the catch-up's end
         num = torch.full((len(reqs),), self.num_steps, dtype=torch.int64, device=drafts.device)
         return DraftProposal(drafts, num)
 
