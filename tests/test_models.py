@@ -215,6 +215,9 @@ def test_bfloat16_close_to_hf_bfloat16(tmp_path: Path) -> None:
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+# NOTE: engines built earlier in the session left entries on the same forward's code object;
+# Dynamo's per-code limit (8) counts them too.
+@torch._dynamo.config.patch(recompile_limit=64)
 def test_decoder_traces_as_one_graph(models) -> None:
     """``model.model`` is what gets compiled: one graph, no breaks, dynamic token count."""
     hf, ours = models
