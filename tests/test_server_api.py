@@ -298,12 +298,13 @@ def test_bench_serving_smoke(server, tmp_path, monkeypatch):
 
 def test_speculative_server_matches_and_reports_accept_length(server, client):
     """A second server with NGRAM: the same greedy text as the plain server, and the accept
-    length in /server_info and /metrics.
+    length and speculative steps in /server_info and /metrics.
     """
     prompt = "a b c d e f g h a b c d e f g h a b"
     params = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "extra_body": IGNORE_EOS}
     want = client.completions.create(**params, **GREEDY).choices[0].text
-    spec = ServerProcess("--speculative-algorithm", "NGRAM", "--speculative-num-steps", "4")
+    spec = ServerProcess("--speculative-algorithm", "NGRAM", "--speculative-num-steps", "4",
+                         "--speculative-policy", "always")
     try:
         spec.wait_healthy()
         spec_client = openai.OpenAI(base_url=spec.base_url + "/v1", api_key=API_KEY,
@@ -313,5 +314,7 @@ def test_speculative_server_matches_and_reports_accept_length(server, client):
         assert accept is not None and accept > 1
         metrics = _scrape(spec)
         assert metrics[f"pcgspec:spec_accept_length[('model_name', '{MODEL}')]"] == accept
+        steps = f"pcgspec:spec_decode_steps_total[('kind', '%s'), ('model_name', '{MODEL}')]"
+        assert metrics[steps % "speculative"] > 0 and metrics[steps % "plain"] == 0
     finally:
         spec.close()

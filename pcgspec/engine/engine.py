@@ -178,10 +178,10 @@ class Engine:
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
         out = self.runner.forward(forward_batch)
-        if self.spec_worker is not None:
-            self.spec_worker.observe(batch, out)
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         self._commit(batch, sampled)
+        if self.spec_worker is not None:  # NOTE: after the commit: a failed run observed nothing
+            self.spec_worker.observe(batch, out)
 
     def spec_stats(self) -> dict[str, object]:
         """Engine-wide speculative counters (summed over requests); empty without speculation."""

@@ -167,6 +167,7 @@ class _EngineCollector:
             accept or 0.0,
         )
         yield from self._piecewise(snap)
+        yield from self._speculative(snap)
         counter = CounterMetricFamily(
             PREFIX + "num_preemptions", "Preempted sequences.", labels=["model_name"]
         )
@@ -177,6 +178,19 @@ class _EngineCollector:
         )
         aborted.add_metric(labels, snap.num_aborted)
         yield aborted
+
+    def _speculative(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        """Decode steps by kind: speculative, and plain ones the policy chose (none without
+        speculation).
+        """
+        steps = CounterMetricFamily(
+            PREFIX + "spec_decode_steps",
+            "Decode steps with speculation on: speculative, or plain as the policy chose.",
+            labels=["model_name", "kind"],
+        )
+        for kind, key in (("speculative", "speculative_steps"), ("plain", "policy_plain_steps")):
+            steps.add_metric([self.model_name, kind], snap.spec.get(key, 0))
+        yield steps
 
     def _piecewise(self, snap: EngineSnapshot) -> Iterator[Metric]:
         summary = piecewise_summary(snap.piecewise)
