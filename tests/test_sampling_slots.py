@@ -137,3 +137,52 @@ def test_lifecycle_and_lazy_penalty_tables() -> None:
     assert slots.num_free == 2
     with pytest.raises(ValueError, match="num_slots"):
         SamplingSlots(0, VOCAB, DEVICE)
+
+
+# --- in the engine -----------------------------------------------------------------------------
+
+
+def _engine_params() -> list[SamplingParams]:
+    common = dict(max_tokens=12, ignore_eos=True)
+    return [
+        SamplingParams(temperature=0, repetition_penalty=1.3, **common),
+        SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.5, seed=11, **common),
+        SamplingParams(temperature=0.8, top_k=20, seed=12, **common),
+        SamplingParams(temperature=0, presence_penalty=0.8, **common),
+    ]
+
+
+def _check_slots(engine) -> None:
+    """Slot holders are exactly the requests holding pages, each at its output count."""
+    sched, slots = engine.scheduler, engine.slots
+    holders = [r for r in (*sched.running, *sched.waiting) if r.pages]
+    assert slots.num_slots - slots.num_free == len(holders)
+    for req in holders:
+        assert slots.table.position[slots.slot(req)].item() == req.num_output_tokens
+
+
+def test_engine_slots_through_finishes_aborts_and_preemptions(smollm2_path) -> None:
+    from oracle import PROMPTS
+
+    from pcgspec import LLM
+
+    # 12 pages of 4 tokens: alone a request fits, 3 running ones growing to ~20 tokens do not.
+    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", page_size=4, max_total_tokens=48,
+              max_running_requests=3)  # fmt: skip
+    engine, tok, params = llm.engine, llm.get_tokenizer(), _engine_params()
+    want = [llm.generate(p, sp, use_tqdm=False)[0].token_ids
+            for p, sp in zip(PROMPTS[:4], params)]  # fmt: skip
+    assert engine.scheduler.num_preemptions == 0
+    reqs = [engine.add_request(tok.encode(p), sp)[0] for p, sp in zip(PROMPTS[:4], params)]
+    engine.add_request(tok.encode(PROMPTS[5]), params[1], request_id="aborted")
+    for step in range(200):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+        _check_slots(engine)
+        if step == 3:
+            assert engine.abort("aborted")
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.output_token_ids for r in reqs] == want
+    assert engine.slots.num_free == engine.slots.num_slots
+    assert engine.pages.num_free == engine.pages.num_pages
