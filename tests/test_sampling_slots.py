@@ -186,3 +186,24 @@ def test_engine_slots_through_finishes_aborts_and_preemptions(smollm2_path) -> N
     assert [r.output_token_ids for r in reqs] == want
     assert engine.slots.num_free == engine.slots.num_slots
     assert engine.pages.num_free == engine.pages.num_pages
+
+
+@pytest.mark.gpu
+def test_rows_and_commit_never_sync_with_the_host() -> None:
+    rng = random.Random(0)
+    slots = SamplingSlots(8, VOCAB, "cuda")
+    reqs = [_request(rng) for _ in range(6)]
+    for req in reqs:
+        slots.admit(req)
+    drafts = torch.randint(0, VOCAB, (6, 3), device="cuda")
+    tokens = torch.randint(0, VOCAB, (6, 4), device="cuda")
+    num_emitted = torch.randint(1, 5, (6,), device="cuda")
+    slots.rows(reqs)  # the first call may load kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        slots.rows(reqs)
+        slots.rows(reqs, drafts)
+        slots.commit(reqs, tokens, num_emitted)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -144,7 +144,7 @@ class SamplingSlots:
         rows_per_request = torch.full_like(slots, per_request)
         build = build_sampling_params if self._triton else build_sampling_params_ref
         rows = build(self.table, rows_per_request, num_rows, req_slots=slots)
-        row_slots = slots.repeat_interleave(per_request)  # [R]
+        row_slots = slots[:, None].expand(-1, per_request).reshape(-1)  # [R]
         penalties = self._floats[_PENALTY_FIELDS].index_select(1, row_slots)  # [3, R]
         params = [r.params for r in reqs]
         flags = host_flags(params, [self._values[self._slot_of[r]] for r in reqs], self.vocab_size)
