@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from pcgspec.config import EngineConfig
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.engine.isolation import run_isolated
@@ -21,8 +23,8 @@ from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner
-from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput
+from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
 from pcgspec.speculative.drafts import load_draft
@@ -43,8 +45,10 @@ class Engine:
         self.pages = PagePool(self.runner.kv_cache.num_pages)
         budget = config.max_prefill_tokens
         chunk = config.resolved_chunked_prefill_size
+        self.slots = SamplingSlots(config.max_running_requests, self.runner.vocab_size,
+                                   self.runner.device)  # fmt: skip
         self.scheduler = Scheduler(self.pages, self.page_size, config.max_running_requests,
-                                   min(budget, chunk) if chunk else budget)
+                                   min(budget, chunk) if chunk else budget, self.slots)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
         self._seeds = random.Random(config.random_seed)
         self._ids = itertools.count()
@@ -173,7 +177,12 @@ class Engine:
         """The committed batch of a speculative step, or None where none ran."""
         if self.spec_worker is None or not batch.mode.is_decode():
             return None
-        return self.spec_worker.step(batch)
+        committed = self.spec_worker.step(batch)
+        if committed is not None:  # NOTE: until verify commits through self.slots
+            for req in committed.requests:
+                if not req.finished:
+                    self.slots.write(req)
+        return committed
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
@@ -204,23 +213,15 @@ class Engine:
         for req, n, sample in zip(batch.requests, batch.num_new_tokens, batch.samples):
             start = req.num_computed_tokens
             chunks.append(SeqChunk(req.token_ids[start : start + n], start, req.pages, sample))
-        rows = batch.sampled_requests
-        sampling = SamplingBatch.build(
-            params=[r.params for r in rows],
-            seeds=[r.seed for r in rows],
-            positions=[r.num_output_tokens for r in rows],
-            prompt_ids=[r.prompt_token_ids for r in rows],
-            output_ids=[r.output_token_ids for r in rows],
-            vocab_size=self.runner.vocab_size,
-            device=self.runner.device,
-        )
         return build_forward_batch(
             batch.mode, chunks, self.page_size, self.runner.device,
-            capture_hidden_mode=self.runner.capture_hidden_mode(batch.mode), sampling=sampling,
+            capture_hidden_mode=self.runner.capture_hidden_mode(batch.mode),
+            sampling=self.slots.rows(batch.sampled_requests),
         )
 
     def _commit(self, batch: ScheduledBatch, sampled: SamplerOutput) -> None:
         rows = batch.sampled_requests
+        self.slots.commit(rows, sampled.tokens[:, None], torch.ones_like(sampled.tokens))
         tokens = sampled.tokens.tolist()
         logprobs = _logprob_rows(sampled, rows)
         for row, (req, token) in enumerate(zip(rows, tokens)):

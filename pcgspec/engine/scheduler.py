@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, RequestStatus
@@ -35,6 +36,16 @@ class ScheduledBatch:
         return [r for r, s in zip(self.requests, self.samples) if s]
 
 
+class RequestSlots(Protocol):
+    """Per-request state outside the scheduler (e.g. ``SamplingSlots``): a request is admitted
+    when first scheduled for prefill and freed when it finishes, is aborted or is preempted.
+    """
+
+    def admit(self, req: Request) -> None: ...
+
+    def free(self, req: Request) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -42,6 +53,7 @@ class Scheduler:
         page_size: int,
         max_running_requests: int,
         prefill_token_budget: int,
+        slots: RequestSlots | None = None,
     ) -> None:
         self.pages = pages
         self.page_size = page_size
@@ -50,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.slots = slots
 
     @property
     def has_work(self) -> bool:
@@ -76,6 +89,8 @@ class Scheduler:
             if need > self.pages.num_free:
                 break
             req.pages += self.pages.alloc(need)
+            if self.slots is not None:
+                self.slots.admit(req)
             picked.append(req)
             sizes.append(n)
             budget -= n
@@ -117,8 +132,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.waiting.appendleft(req)
-        self.pages.free(req.pages)
-        req.pages = []
+        self._free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -169,5 +183,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
         self.pages.free(req.pages)
         req.pages = []
+        if self.slots is not None:
+            self.slots.free(req)

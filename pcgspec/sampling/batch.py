@@ -16,7 +16,7 @@ import torch
 from pcgspec.sampling_params import SamplingParams
 
 GREEDY_EPS = 1e-5  # temperature below this means greedy (SamplingParams.greedy agrees)
-_FLOAT_FIELDS = (
+FLOAT_FIELDS = (
     "temperature",
     "top_p",
     "min_p",
@@ -79,28 +79,40 @@ class SamplingBatch:
                 raise ValueError(f"{name} has {len(seq)} rows, params has {len(params)}")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        rows = [_row_values(p, vocab_size) for p in params]
-        sampled = [r for p, r in zip(params, rows) if not p.greedy]
-        rank_ks = [r["top_k"] for r in sampled if r["top_k"] < vocab_size or r["top_p"] < 1.0]
-        needs_penalties = any(p.needs_penalties for p in params)
+        rows = [row_values(p, vocab_size) for p in params]
+        flags = host_flags(params, rows, vocab_size)
         counts = mask = None
-        if needs_penalties:
+        if flags["needs_penalties"]:
             counts, mask = _penalty_inputs(params, prompt_ids, output_ids, vocab_size, device)
-        requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             **_row_tensors(rows, seeds, positions, device),
             output_counts=counts,
             prompt_mask=mask,
             vocab_size=vocab_size,
-            all_greedy=not sampled,
-            needs_penalties=needs_penalties,
-            needs_filters=bool(rank_ks) or any(r["min_p"] > 0.0 for r in sampled),
-            rank_depth=int(max(rank_ks, default=0)),
-            max_logprobs=max(requested) if requested else None,
+            **flags,
         )
 
 
-def _row_values(p: SamplingParams, vocab_size: int) -> dict[str, float | int]:
+def host_flags(
+    params: Sequence[SamplingParams], rows: Sequence[dict[str, float | int]], vocab_size: int
+) -> dict[str, bool | int | None]:
+    """The ``SamplingBatch`` fields read on the host, from the rows' parameters and
+    ``row_values``: all_greedy, needs_penalties, needs_filters, rank_depth, max_logprobs.
+    """
+    sampled = [r for p, r in zip(params, rows) if not p.greedy]
+    rank_ks = [r["top_k"] for r in sampled if r["top_k"] < vocab_size or r["top_p"] < 1.0]
+    requested = [p.logprobs for p in params if p.logprobs is not None]
+    return {
+        "all_greedy": not sampled,
+        "needs_penalties": any(p.needs_penalties for p in params),
+        "needs_filters": bool(rank_ks) or any(r["min_p"] > 0.0 for r in sampled),
+        "rank_depth": int(max(rank_ks, default=0)),
+        "max_logprobs": max(requested) if requested else None,
+    }
+
+
+def row_values(p: SamplingParams, vocab_size: int) -> dict[str, float | int]:
+    """One row's (or request's) values of ``FLOAT_FIELDS`` and top_k; greedy disables filters."""
     top_k = vocab_size if p.greedy or p.top_k < 0 else min(p.top_k, vocab_size)
     return {
         "temperature": 0.0 if p.greedy else p.temperature,
@@ -120,22 +132,22 @@ def _row_tensors(
     device: torch.device | str,
 ) -> dict[str, torch.Tensor]:
     """The [R] fields, packed into two host tensors so that each needs one copy to ``device``."""
-    floats = torch.tensor([[r[f] for r in rows] for f in _FLOAT_FIELDS], dtype=torch.float32)
+    floats = torch.tensor([[r[f] for r in rows] for f in FLOAT_FIELDS], dtype=torch.float32)
     ints = torch.tensor(
-        [[r["top_k"] for r in rows], [_as_int64(s) for s in seeds], list(positions)],
+        [[r["top_k"] for r in rows], [as_int64(s) for s in seeds], list(positions)],
         dtype=torch.int64,
     )
     floats = floats.to(device, non_blocking=True)  # [6, R]
     ints = ints.to(device, non_blocking=True)  # [3, R]
     return {
-        **dict(zip(_FLOAT_FIELDS, floats.unbind(0))),
+        **dict(zip(FLOAT_FIELDS, floats.unbind(0))),
         "top_k": ints[0],
         "seed": ints[1],
         "position": ints[2],
     }
 
 
-def _as_int64(seed: int) -> int:
+def as_int64(seed: int) -> int:
     """``seed`` mod 2**64 as a signed 64-bit value (the bits the RNG reads)."""
     return (seed + 2**63) % 2**64 - 2**63
 

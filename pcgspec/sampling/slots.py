@@ -1,0 +1,202 @@
+"""``SamplingSlots``: each running request's sampling state in persistent device tables.
+
+A request owns a slot from admission (its first prefill chunk) until it finishes, is aborted or
+is preempted. Admission writes the slot once: parameters, seed and the output-position counter
+(the request's output count, nonzero after a preemption) and, while some admitted request uses
+penalties, its output-token counts and prompt mask. After that a step touches the tables on the
+device only: ``rows`` expands slots into a ``SamplingBatch`` (1 row per request, or k+1 to verify
+k drafts) and ``commit`` advances the counters and counts by what each request emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from pcgspec.kernels.build_sampling_params import (
+    SamplingTensors,
+    advance_positions,
+    advance_positions_ref,
+    build_sampling_params,
+    build_sampling_params_ref,
+)
+from pcgspec.sampling.batch import FLOAT_FIELDS, SamplingBatch, as_int64, host_flags, row_values
+from pcgspec.sampling_params import SamplingParams
+
+_PENALTY_FIELDS = slice(3, 6)  # repetition, presence, frequency in FLOAT_FIELDS
+
+
+class SlotRequest(Protocol):
+    """What a slot reads of a request (``pcgspec.engine.request.Request`` has it)."""
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+class SamplingSlots:
+    """``num_slots`` rows of sampling state. ``triton`` picks the Triton kernels over their torch
+    references (default: on CUDA).
+    """
+
+    def __init__(
+        self, num_slots: int, vocab_size: int, device: torch.device | str,
+        triton: bool | None = None,
+    ) -> None:  # fmt: skip
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.num_slots, self.vocab_size = num_slots, vocab_size
+        self.device = torch.device(device)
+        self._floats = torch.zeros(len(FLOAT_FIELDS), num_slots, device=self.device)  # [6, S]
+        self._ints = torch.zeros(3, num_slots, dtype=torch.int64, device=self.device)  # [3, S]
+        f = dict(zip(FLOAT_FIELDS, self._floats))
+        self.table = SamplingTensors(f["temperature"], f["top_p"], self._ints[0], f["min_p"],
+                                     self._ints[1], self._ints[2])  # fmt: skip
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self._slot_of: dict[SlotRequest, int] = {}
+        self._values: list[dict[str, float | int]] = [{} for _ in range(num_slots)]
+        self.output_counts: torch.Tensor | None = None  # [S, V] int32, allocated on first need
+        self.prompt_mask: torch.Tensor | None = None  # [S, V] bool
+        self._tracked: torch.Tensor | None = None  # [S] bool: the slot's request has penalties
+        self._triton = self.device.type == "cuda" if triton is None else triton
+        self._cached_slots: tuple[tuple[int, ...], torch.Tensor] = ((), self._index([]))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def slot(self, req: SlotRequest) -> int | None:
+        return self._slot_of.get(req)
+
+    # lifecycle ----------------------------------------------------------------------------
+
+    def admit(self, req: SlotRequest) -> None:
+        """Give ``req`` a slot and write its row; a request that holds one keeps it."""
+        if req in self._slot_of:
+            return
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} sampling slots are taken")
+        slot = self._free.pop()
+        self._slot_of[req] = slot
+        self.write(req)
+
+    def free(self, req: SlotRequest) -> None:
+        """Return the slot of ``req`` (finished, aborted or preempted); no-op without one."""
+        slot = self._slot_of.pop(req, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def write(self, req: SlotRequest) -> None:
+        """(Re)write the row of an admitted ``req`` from its host state: parameters, seed,
+        position = its output count, and the penalty state of its outputs so far.
+        """
+        slot, p = self._slot_of[req], req.params
+        values = self._values[slot] = row_values(p, self.vocab_size)
+        outputs = req.output_token_ids
+        floats = torch.tensor([values[name] for name in FLOAT_FIELDS], dtype=torch.float32)
+        ints = torch.tensor([values["top_k"], as_int64(req.seed), len(outputs)])
+        self._floats[:, slot].copy_(floats, non_blocking=True)
+        self._ints[:, slot].copy_(ints, non_blocking=True)
+        if p.needs_penalties and self.output_counts is None:
+            self._allocate_penalty_tables()
+        if self.output_counts is not None:
+            self._write_penalty_row(slot, req)
+
+    def _allocate_penalty_tables(self) -> None:
+        shape = (self.num_slots, self.vocab_size)
+        self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        self._tracked = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+
+    def _write_penalty_row(self, slot: int, req: SlotRequest) -> None:
+        """Zero the slot's counts and mask; fill them when ``req`` uses penalties."""
+        assert self.output_counts is not None and self.prompt_mask is not None
+        p = req.params
+        counts, mask = self.output_counts[slot], self.prompt_mask[slot]
+        counts.zero_()
+        mask.zero_()
+        self._tracked[slot] = p.needs_penalties
+        if not p.needs_penalties:
+            return
+        outputs = self._index(req.output_token_ids)
+        counts.index_put_((outputs,), torch.ones_like(outputs, dtype=torch.int32), accumulate=True)
+        if p.repetition_penalty != 1.0:
+            mask[self._index(req.prompt_token_ids)] = True
+
+    # the step -----------------------------------------------------------------------------
+
+    def rows(
+        self, reqs: Sequence[SlotRequest], drafts: torch.Tensor | None = None
+    ) -> SamplingBatch:
+        """One row per request, or with ``drafts`` [B, k] (device) k+1 rows per request: row j
+        chooses output position ``position + j`` and its penalties count ``drafts[b, :j]`` too.
+        """
+        slots = self.slot_indices(reqs)
+        per_request = 1 if drafts is None else drafts.shape[1] + 1
+        num_rows = len(reqs) * per_request
+        rows_per_request = torch.full_like(slots, per_request)
+        build = build_sampling_params if self._triton else build_sampling_params_ref
+        rows = build(self.table, rows_per_request, num_rows, req_slots=slots)
+        row_slots = slots[:, None].expand(-1, per_request).reshape(-1)  # [R]
+        penalties = self._floats[_PENALTY_FIELDS].index_select(1, row_slots)  # [3, R]
+        params = [r.params for r in reqs]
+        flags = host_flags(params, [self._values[self._slot_of[r]] for r in reqs], self.vocab_size)
+        counts = mask = None
+        if flags["needs_penalties"]:
+            counts = self.output_counts.index_select(0, row_slots)  # [R, V]
+            if drafts is not None:
+                self._add_drafts(counts, drafts, self._tracked[slots])
+            if any(p.repetition_penalty != 1.0 for p in params):
+                mask = self.prompt_mask.index_select(0, row_slots)
+        return SamplingBatch(
+            rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed, rows.position,
+            *penalties, output_counts=counts, prompt_mask=mask, vocab_size=self.vocab_size,
+            **flags,
+        )  # fmt: skip
+
+    @staticmethod
+    def _add_drafts(counts: torch.Tensor, drafts: torch.Tensor, tracked: torch.Tensor) -> None:
+        """``counts[b * (k+1) + j, drafts[b, i]] += 1`` for every i < j of a tracked request."""
+        b, k = drafts.shape
+        j, i = torch.tril_indices(k + 1, k + 1, offset=-1, device=counts.device)  # [P]: i < j
+        rows = torch.arange(b, device=counts.device)[:, None] * (k + 1) + j  # [B, P]
+        weight = tracked[:, None].expand_as(rows).to(torch.int32)
+        counts.index_put_((rows, drafts[:, i]), weight, accumulate=True)
+
+    def commit(
+        self, reqs: Sequence[SlotRequest], tokens: torch.Tensor, num_emitted: torch.Tensor
+    ) -> None:
+        """After sampling or verification: request b emitted ``tokens[b, :num_emitted[b]]``
+        (``tokens`` [B, n], ``num_emitted`` [B], device tensors). Advances each counter and the
+        output counts on the device, with no host sync.
+        """
+        slots = self.slot_indices(reqs)
+        advance = advance_positions if self._triton else advance_positions_ref
+        advance(self.table.position, num_emitted, slots)
+        if self.output_counts is None or not any(r.params.needs_penalties for r in reqs):
+            return
+        steps = torch.arange(tokens.shape[1], device=self.device)
+        emitted = (steps < num_emitted[:, None]) & self._tracked[slots][:, None]  # [B, n]
+        columns = tokens.clamp(0, self.vocab_size - 1)  # NOTE: unemitted entries may hold -1
+        self.output_counts.index_put_((slots[:, None].expand_as(tokens), columns),
+                                      emitted.to(torch.int32), accumulate=True)  # fmt: skip
+
+    def slot_indices(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
+        """[B] int64 device tensor of the requests' slots (reused while the batch repeats)."""
+        try:
+            key = tuple(self._slot_of[r] for r in reqs)
+        except KeyError as e:
+            raise ValueError("a request without a sampling slot (never admitted or freed)") from e
+        if key != self._cached_slots[0]:
+            self._cached_slots = (key, self._index(key))
+        return self._cached_slots[1]
+
+    def _index(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)

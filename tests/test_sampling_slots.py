@@ -1,0 +1,209 @@
+"""``SamplingSlots`` == ``SamplingBatch.build`` (the host reference) over random parameter mixes,
+plain and verify rows, after device commits, slot reuse and re-admission; slot lifecycle in the
+engine (finishes, aborts, preemptions)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+
+import pytest
+import torch
+
+from pcgspec.sampling import SamplingBatch, sample
+from pcgspec.sampling.slots import SamplingSlots
+from pcgspec.sampling_params import SamplingParams
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+VOCAB = 40
+
+
+@dataclass(eq=False)
+class _Req:
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def _params(rng: random.Random) -> SamplingParams:
+    penalties = rng.random() < 0.5
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.7, 1.3]),
+        top_k=rng.choice([-1, 1, 5, VOCAB + 3]),
+        top_p=rng.choice([1.0, 0.8]),
+        min_p=rng.choice([0.0, 0.1]),
+        repetition_penalty=rng.choice([1.0, 1.3]) if penalties else 1.0,
+        presence_penalty=rng.choice([0.0, 0.5]) if penalties else 0.0,
+        frequency_penalty=rng.choice([0.0, 0.2]) if penalties else 0.0,
+        logprobs=rng.choice([None, None, 2]),
+    )
+
+
+def _request(rng: random.Random) -> _Req:
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+    outputs = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 3]))]  # 3: preempted
+    return _Req(_params(rng), rng.randrange(-(2**63), 2**64), prompt, outputs)
+
+
+def _reference(reqs: list[_Req], drafts: torch.Tensor | None = None) -> SamplingBatch:
+    """k+1 rows per request with drafts (row j has seen drafts[:j]), else one."""
+    k1 = 1 if drafts is None else drafts.shape[1] + 1
+    extra = [[]] * len(reqs) if drafts is None else drafts.tolist()
+    rows = [(r, j, e) for r, e in zip(reqs, extra) for j in range(k1)]
+    return SamplingBatch.build(
+        [r.params for r, _, _ in rows], [r.seed for r, _, _ in rows],
+        [len(r.output_token_ids) + j for r, j, _ in rows], [r.prompt_token_ids for r, _, _ in rows],
+        [r.output_token_ids + e[:j] for r, j, e in rows], VOCAB, DEVICE,
+    )  # fmt: skip
+
+
+def _assert_same(got: SamplingBatch, want: SamplingBatch) -> None:
+    for f in fields(SamplingBatch):
+        g, w = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(w, torch.Tensor):
+            assert isinstance(g, torch.Tensor) and torch.equal(g, w), f.name
+        else:
+            assert g == w, f.name
+
+
+def _commit(slots: SamplingSlots, reqs: list[_Req], rng: random.Random, k: int) -> None:
+    """Emit 1..k+1 random tokens per request (the rest -1, as the verify kernel writes)."""
+    n = [rng.randint(1, k + 1) for _ in reqs]
+    tokens = [[rng.randrange(VOCAB) if j < m else -1 for j in range(k + 1)] for m in n]
+    slots.commit(reqs, torch.tensor(tokens, device=DEVICE), torch.tensor(n, device=DEVICE))
+    for req, row, m in zip(reqs, tokens, n):
+        req.output_token_ids += row[:m]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("triton", [False, True])
+def test_rows_match_host_reference_through_commits_and_reuse(seed: int, triton: bool) -> None:
+    rng = random.Random(seed)
+    slots = SamplingSlots(10, VOCAB, DEVICE, triton=triton)
+    reqs = [_request(rng) for _ in range(7)]
+    for req in reqs:
+        slots.admit(req)
+    k = 3
+    for step in range(5):
+        _assert_same(slots.rows(reqs), _reference(reqs))
+        drafts = torch.randint(0, VOCAB, (len(reqs), k), device=DEVICE)
+        _assert_same(slots.rows(reqs, drafts), _reference(reqs, drafts))
+        _commit(slots, reqs, rng, k if step % 2 else 0)
+        gone = reqs.pop(rng.randrange(len(reqs)))
+        slots.free(gone)
+        reqs.insert(rng.randrange(len(reqs) + 1), _request(rng))  # may reuse gone's slot
+        for req in reqs:
+            slots.admit(req)
+    _assert_same(slots.rows(reqs[::-1]), _reference(reqs[::-1]))
+
+
+def test_seeded_rows_do_not_depend_on_slot_or_batch() -> None:
+    params = SamplingParams(temperature=0.8, seed=5)
+    alone, other = _Req(params, 5, [1, 2]), _Req(SamplingParams(temperature=1.0), 9, [3])
+    a, b = SamplingSlots(4, VOCAB, DEVICE), SamplingSlots(4, VOCAB, DEVICE)
+    a.admit(alone)
+    b.admit(other)
+    b.admit(alone)
+    assert a.slot(alone) != b.slot(alone)
+    logits = torch.randn(1, VOCAB, device=DEVICE).expand(2, VOCAB)
+    for _ in range(3):
+        got_a = sample(logits[:1], a.rows([alone])).tokens
+        got_b = sample(logits, b.rows([other, alone])).tokens
+        assert got_a.item() == got_b[1].item()
+        a.commit([alone], got_a[:, None], torch.ones_like(got_a))
+        b.commit([other, alone], got_b[:, None], torch.ones_like(got_b))
+    assert a.table.position[a.slot(alone)].item() == 3
+
+
+def test_lifecycle_and_lazy_penalty_tables() -> None:
+    slots = SamplingSlots(2, VOCAB, DEVICE)
+    plain = _Req(SamplingParams(), 0, [1])
+    penalized = _Req(SamplingParams(presence_penalty=1.0), 0, [2])
+    slots.admit(plain)
+    slots.admit(plain)  # idempotent while held
+    assert slots.num_free == 1 and slots.output_counts is None
+    assert slots.rows([plain]).output_counts is None
+    slots.admit(penalized)
+    assert slots.output_counts is not None and slots.output_counts.shape == (2, VOCAB)
+    assert slots.rows([plain]).output_counts is None  # no penalty row in this batch
+    with pytest.raises(RuntimeError, match="all 2 sampling slots"):
+        slots.admit(_Req(SamplingParams(), 0, [3]))
+    slots.free(plain)
+    slots.free(plain)  # idempotent once freed
+    with pytest.raises(ValueError, match="without a sampling slot"):
+        slots.rows([plain])
+    slots.free(penalized)
+    assert slots.num_free == 2
+    with pytest.raises(ValueError, match="num_slots"):
+        SamplingSlots(0, VOCAB, DEVICE)
+
+
+# --- in the engine -----------------------------------------------------------------------------
+
+
+def _engine_params() -> list[SamplingParams]:
+    common = dict(max_tokens=12, ignore_eos=True)
+    return [
+        SamplingParams(temperature=0, repetition_penalty=1.3, **common),
+        SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.5, seed=11, **common),
+        SamplingParams(temperature=0.8, top_k=20, seed=12, **common),
+        SamplingParams(temperature=0, presence_penalty=0.8, **common),
+    ]
+
+
+def _check_slots(engine) -> None:
+    """Slot holders are exactly the requests holding pages, each at its output count."""
+    sched, slots = engine.scheduler, engine.slots
+    holders = [r for r in (*sched.running, *sched.waiting) if r.pages]
+    assert slots.num_slots - slots.num_free == len(holders)
+    for req in holders:
+        assert slots.table.position[slots.slot(req)].item() == req.num_output_tokens
+
+
+def test_engine_slots_through_finishes_aborts_and_preemptions(smollm2_path) -> None:
+    from oracle import PROMPTS
+
+    from pcgspec import LLM
+
+    # 12 pages of 4 tokens: alone a request fits, 3 running ones growing to ~20 tokens do not.
+    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", page_size=4, max_total_tokens=48,
+              max_running_requests=3)  # fmt: skip
+    engine, tok, params = llm.engine, llm.get_tokenizer(), _engine_params()
+    want = [llm.generate(p, sp, use_tqdm=False)[0].token_ids
+            for p, sp in zip(PROMPTS[:4], params)]  # fmt: skip
+    assert engine.scheduler.num_preemptions == 0
+    reqs = [engine.add_request(tok.encode(p), sp)[0] for p, sp in zip(PROMPTS[:4], params)]
+    engine.add_request(tok.encode(PROMPTS[5]), params[1], request_id="aborted")
+    for step in range(200):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+        _check_slots(engine)
+        if step == 3:
+            assert engine.abort("aborted")
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.output_token_ids for r in reqs] == want
+    assert engine.slots.num_free == engine.slots.num_slots
+    assert engine.pages.num_free == engine.pages.num_pages
+
+
+@pytest.mark.gpu
+def test_rows_and_commit_never_sync_with_the_host() -> None:
+    rng = random.Random(0)
+    slots = SamplingSlots(8, VOCAB, "cuda")
+    reqs = [_request(rng) for _ in range(6)]
+    for req in reqs:
+        slots.admit(req)
+    drafts = torch.randint(0, VOCAB, (6, 3), device="cuda")
+    tokens = torch.randint(0, VOCAB, (6, 4), device="cuda")
+    num_emitted = torch.randint(1, 5, (6,), device="cuda")
+    slots.rows(reqs)  # the first call may load kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        slots.rows(reqs)
+        slots.rows(reqs, drafts)
+        slots.commit(reqs, tokens, num_emitted)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
