@@ -54,7 +54,7 @@ class Engine:
         self._ids = itertools.count()
         spec = config.speculative_config
         self.spec_worker = (
-            SpecWorker(spec, self.runner, self.scheduler, self.eos_token_ids, draft)
+            SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
             if spec is not None else None
         )  # fmt: skip
         self._capture_draft_graphs()
@@ -177,12 +177,7 @@ class Engine:
         """The committed batch of a speculative step, or None where none ran."""
         if self.spec_worker is None or not batch.mode.is_decode():
             return None
-        committed = self.spec_worker.step(batch)
-        if committed is not None:  # NOTE: until verify commits through self.slots
-            for req in committed.requests:
-                if not req.finished:
-                    self.slots.write(req)
-        return committed
+        return self.spec_worker.step(batch)
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)

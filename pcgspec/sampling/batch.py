@@ -6,7 +6,6 @@ plain decoding, k+1 rows per request in speculative verification. Everything her
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -192,21 +191,3 @@ def _flat_index(
     rows = torch.repeat_interleave(torch.arange(len(ids)), lengths)
     return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
-
-def add_draft_counts(sampling: SamplingBatch, drafts: torch.Tensor) -> SamplingBatch:
-    """Verify rows (k+1 per request, ``output_counts`` of the outputs so far) -> the same rows
-    where row ``j`` of a request with penalties also counts its ``drafts[:j]``, on the device
-    (``drafts`` [B, k]).
-    """
-    if sampling.output_counts is None:
-        return sampling
-    b, k = drafts.shape
-    device = drafts.device
-    j, i = torch.tril_indices(k + 1, k, offset=-1, device=device)  # every (row j, draft i < j)
-    rows = (torch.arange(b, device=device)[:, None] * (k + 1) + j).flatten()
-    cols = drafts[:, i].flatten()
-    penalized = ((sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0)
-                 | (sampling.frequency_penalty != 0.0))  # fmt: skip
-    counts = sampling.output_counts.clone()
-    counts.index_put_((rows, cols), penalized[rows].to(counts.dtype), accumulate=True)
-    return dataclasses.replace(sampling, output_counts=counts)

@@ -7,8 +7,10 @@ exactly the tokens that plain decoding would: greedy by argmax, seeded sampling 
 ``TARGET_MATCH`` (the target's own seeded draw must equal the deterministic draft).
 
 The drafts stay on the device from propose to verify: the verify batch's ids and its rows'
-penalty counts take them there. The step copies to the host once, the accepted lengths and
-tokens that stop checks, streaming and page bookkeeping need.
+penalty counts take them there. The rows come from the requests' sampling slots
+(``SamplingSlots.rows``), whose position counters and output counts advance on the device after
+verification. The step copies to the host once, the accepted lengths and tokens that stop
+checks, streaming and page bookkeeping need.
 
 A plain decode step (the caller's) runs instead when the policy (``SpecPolicy``) says
 speculation does not pay, when a request wants logprobs (not computed for accepted drafts yet),
@@ -36,8 +38,9 @@ from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
-from pcgspec.sampling.batch import SamplingBatch, add_draft_counts
+from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import probs_from_logits, process_logits
+from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.config import SpeculativeConfig
 from pcgspec.speculative.draft_runner import DraftRunner
@@ -52,6 +55,7 @@ class SpecWorker:
         config: SpeculativeConfig,
         runner: ModelRunner,
         scheduler: Scheduler,
+        slots: SamplingSlots,
         eos_token_ids: frozenset[int],
         draft: DraftRunner | None = None,
     ) -> None:
@@ -60,6 +64,7 @@ class SpecWorker:
         self.num_steps = config.num_steps
         self.runner = runner
         self.scheduler = scheduler
+        self.slots = slots
         self.eos_token_ids = eos_token_ids
         self.proposer: Proposer = (
             NgramProposer.from_config(config) if draft is None
@@ -93,6 +98,7 @@ class SpecWorker:
         proposal = self.propose(reqs)
         verified, hidden = self.verify(reqs, proposal)
         committed = self.accept_and_commit(reqs, verified, hidden)
+        self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
         self.rollback(reqs)
         return ScheduledBatch(batch.mode, reqs, committed, [True] * len(reqs))
 
@@ -120,7 +126,7 @@ class SpecWorker:
         drafts = proposal.tokens.to(device, non_blocking=True)  # [B, k]
         chunks = [SeqChunk([r.token_ids[-1], *[FILLER_TOKEN] * k], len(r.token_ids) - 1, r.pages)
                   for r in reqs]  # fmt: skip
-        sampling = self._sampling_rows(reqs, drafts)
+        sampling = self.slots.rows(reqs, drafts)  # k+1 rows per request, drafts counted
         batch = build_forward_batch(
             ForwardMode.TARGET_VERIFY, chunks, self.runner.page_size, device,
             logits_rows=range(len(reqs) * (k + 1)), sampling=sampling,
@@ -139,20 +145,6 @@ class SpecWorker:
                 num_draft=proposal.num_tokens.to(device, non_blocking=True),
             )  # fmt: skip
         return verified, out.hidden_states
-
-    def _sampling_rows(self, reqs: Sequence[Request], drafts: torch.Tensor) -> SamplingBatch:
-        """k+1 rows per request; row j sees the outputs plus ``drafts[:j]`` (for penalties)."""
-        rows = [(r, j) for r in reqs for j in range(self.num_steps + 1)]
-        sampling = SamplingBatch.build(
-            params=[r.params for r, _ in rows],
-            seeds=[r.seed for r, _ in rows],
-            positions=[r.num_output_tokens + j for r, j in rows],
-            prompt_ids=[r.prompt_token_ids for r, _ in rows],
-            output_ids=[r.output_token_ids for r, _ in rows],
-            vocab_size=self.runner.vocab_size,
-            device=self.runner.device,
-        )
-        return add_draft_counts(sampling, drafts)
 
     # accept + commit / rollback ----------------------------------------------------------
 
