@@ -238,7 +238,7 @@ def test_the_server_answers_the_failing_request_with_an_error(
                 )
         finally:
             await engine.stop()
-            state.pool.shutdown()
+            state.encoder.shutdown()
 
     *streams, bad_stream, (status, body) = asyncio.run(run())
     for (code, events), prompt in zip(streams, good):
