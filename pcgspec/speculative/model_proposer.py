@@ -120,8 +120,8 @@ class ModelProposer(Proposer):
                                    f"{have} target hidden states")  # fmt: skip
 
     def _catch_up_far_behind(self, reqs: Sequence[object], states: Sequence[DraftState]) -> None:
-        """One eager DRAFT_EXTEND over all but the last k+1 catch-up rows of the requests more
-        than k+1 rows behind, so that every request fits the padded catch-up.
+        """One DRAFT_EXTEND (``DraftRunner.extend``) over all but the last k+1 catch-up rows of
+        the requests more than k+1 rows behind, so that every request fits the padded catch-up.
         """
         k1 = self.num_steps + 1
         far = [(r, s, self._behind(r, s) - k1) for r, s in zip(reqs, states)
