@@ -125,12 +125,11 @@ class StaticBuffers:
             **{"logits_indices": self.rows[: bs * n], **fields},  # type: ignore[arg-type]
         )
 
-    def load(self, batch: ForwardBatch, bs: int, pad: Callable[..., None]) -> None:
-        """Copy ``batch`` into the first requests' rows, requests ``B..bs`` padding (``pad``:
-        ``pad_batch`` or its reference).
-        """
+    def load(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy ``batch`` into the first requests' rows, requests ``B..bs`` padding."""
         # NOTE: few launches: before the graph launch the GPU has nothing to do.
         n, rows = batch.batch_size, bs * self.tokens_per_seq
+        pad = pad_batch if self.input_ids.device.type == "cuda" else pad_batch_ref
         pad(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
             self.input_ids[:rows], self.positions[:rows], self.out_cache_loc[:rows], None)
         self.seq_lens[:n].copy_(batch.seq_lens)
@@ -175,7 +174,6 @@ class DecodeGraphRunner:
             min(config.cuda_graph_max_bs, config.max_running_requests)
         )
         self.max_bs = self.batch_sizes[-1]
-        self._pad_batch = pad_batch if self.device.type == "cuda" else pad_batch_ref
         self.buffers = StaticBuffers.allocate(
             self.max_bs, tokens_per_seq, self.max_pages, self.device
         )
@@ -274,7 +272,7 @@ class DecodeGraphRunner:
             raise ValueError(
                 f"no {self.mode.name} graph for batch size {n} (captured: {sorted(self.graphs)})"
             )
-        self.buffers.load(batch, bs, self._pad_batch)
+        self.buffers.load(batch, bs)
         self.graphs[bs].replay()
         self.counters["replays"] += 1
         self.counters["padded_rows"] += bs - n

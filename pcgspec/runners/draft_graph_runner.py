@@ -23,7 +23,6 @@ from tqdm.auto import tqdm
 
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
-from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.runners.decode_graph_runner import StaticBuffers, capture_stream, decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
@@ -55,7 +54,6 @@ class DraftGraphRunner:
                         device=self.device)
             if draft.uses_target_hidden else None
         )  # fmt: skip
-        self._pad_batch = pad_batch if self.device.type == "cuda" else pad_batch_ref
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: tuple[int, int] | None = None
@@ -101,7 +99,7 @@ class DraftGraphRunner:
         bs = pad_to_bucket(n, self.batch_sizes)
         if bs is None:
             raise ValueError(f"no draft graph for batch size {n} (max {self.max_bs})")
-        self.buffers.load(catch_up, bs, self._pad_batch)
+        self.buffers.load(catch_up, bs)
         self.last_rows[:n].copy_(catch_up.logits_indices)
         if self.hidden is not None:
             self.hidden[: hidden.shape[0]].copy_(hidden)

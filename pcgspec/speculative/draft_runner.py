@@ -123,9 +123,6 @@ class DraftRunner:
         else:
             self.forward(batch, hidden)
 
-    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
-        return self.draft.greedy(logits_hidden)
-
     def propose(
         self,
         catch_up: ForwardBatch,
@@ -143,7 +140,7 @@ class DraftRunner:
         """
         logits_hidden, next_hidden = self.forward(catch_up, hidden, capture_len)
         rows = catch_up.logits_indices  # [B]
-        tokens, hidden = self.greedy(logits_hidden[rows]), next_hidden[rows]
+        tokens, hidden = self.draft.greedy(logits_hidden[rows]), next_hidden[rows]
         valid = catch_up.seq_lens > 0
         positions = torch.where(valid, catch_up.positions[rows] + 1, 0)  # padding: position 0
         # NOTE: host bounds of each pass's sequence lengths (sizing only, e.g. KV splits).
@@ -152,7 +149,7 @@ class DraftRunner:
         for _ in range(num_steps - 1):
             step = self._step_batch(catch_up, tokens, positions, valid, bound)
             logits_hidden, hidden = self.forward(step, hidden, capture_len)
-            tokens = self.greedy(logits_hidden)
+            tokens = self.draft.greedy(logits_hidden)
             drafts.append(tokens)
             positions, bound = positions + 1, bound + 1
         return torch.stack(drafts, dim=1)
