@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pcgspec.kernels.launches import CompiledLaunches
 from pcgspec.sampling.rng import STREAM_TOKEN
 
 # The constants of pcgspec.sampling.rng (its docstring has the math).
@@ -104,7 +105,7 @@ def _build_kernel(
         tl.store(OPos + rows, pos + j, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests"])
 def _advance_kernel(
     Pos, Slots, Emitted, num_requests, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -117,6 +118,11 @@ def _advance_kernel(
     emitted = tl.load(Emitted + b, mask=mask, other=0).to(tl.int64)
     pos = tl.load(Pos + slot, mask=mask, other=0)
     tl.store(Pos + slot, pos + emitted, mask=mask)
+
+
+# NOTE: both run every decode step, host-bound at small batch: launch without Triton's binder.
+_BUILD = CompiledLaunches(_build_kernel)
+_ADVANCE = CompiledLaunches(_advance_kernel)
 
 
 @dataclass(frozen=True)
@@ -146,15 +152,18 @@ class SamplingTensors:
         return self.temperature.shape[0]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
+        return (self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.position)
 
     def check(self, name: str) -> None:
         n, device = len(self), self.temperature.device
-        for f, t in zip(fields(self), self.tensors()):
-            want = torch.float32 if f.name in ("temperature", "top_p", "min_p") else torch.int64
+        for field, want, t in zip(_FIELDS, _DTYPES, self.tensors()):
             ok = t.shape == (n,) and t.dtype == want and t.device == device and t.is_contiguous()
-            _require(ok, f"{name}.{f.name} must be contiguous [{n}] {want} on {device}, "
+            _require(ok, f"{name}.{field} must be contiguous [{n}] {want} on {device}, "
                      f"got {tuple(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
+
+
+_FIELDS = tuple(f.name for f in fields(SamplingTensors))
+_DTYPES = (torch.float32, torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -219,10 +228,10 @@ def build_sampling_params(
     if row_start is None:
         row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
     slots = req_slots if req_slots is not None else rows_per_request  # unused when no slots
-    _build_kernel[(num_requests,)](
-        *requests.tensors(), slots, rows_per_request, row_start, *out.tensors(),
-        HAS_SLOTS=req_slots is not None, BLOCK=_ROW_BLOCK,
-    )  # fmt: skip
+    has_slots = req_slots is not None
+    _BUILD((num_requests, 1, 1), (*requests.tensors(), slots, rows_per_request, row_start,
+                                  *out.tensors()), (),
+           {"HAS_SLOTS": has_slots, "BLOCK": _ROW_BLOCK}, key=has_slots)  # fmt: skip
     return out
 
 
@@ -241,10 +250,10 @@ def advance_positions(
         _require(num_requests <= positions.shape[0], "num_emitted is longer than positions")
     if num_requests == 0:
         return
-    _advance_kernel[(triton.cdiv(num_requests, _ADVANCE_BLOCK),)](
-        positions, req_slots if req_slots is not None else num_emitted, num_emitted,
-        num_requests, HAS_SLOTS=req_slots is not None, BLOCK=_ADVANCE_BLOCK,
-    )  # fmt: skip
+    has_slots = req_slots is not None
+    _ADVANCE((triton.cdiv(num_requests, _ADVANCE_BLOCK), 1, 1),
+             (positions, req_slots if has_slots else num_emitted, num_emitted), (num_requests,),
+             {"HAS_SLOTS": has_slots, "BLOCK": _ADVANCE_BLOCK}, key=has_slots)  # fmt: skip
 
 
 def _slots(req_slots: torch.Tensor | None, num_requests: int) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,26 +53,50 @@ def build_forward_batch(
     seq_lens = tuple(c.start + len(c.token_ids) for c in chunks)
     extend_lens = tuple(len(c.token_ids) for c in chunks)
     max_pages = max(len(c.pages) for c in chunks)
-    table = [list(c.pages) + [0] * (max_pages - len(c.pages)) for c in chunks]
-
-    def tensor(data: object, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
+    table = [p for c in chunks for p in (*c.pages, *[0] * (max_pages - len(c.pages)))]
+    starts = list(itertools.accumulate(extend_lens, initial=0))[:-1]
+    ids, pos, locs, rows, lens, ext, first, pages = upload(
+        device,
+        int64=(input_ids, positions, slots, sampled if logits_rows is None else logits_rows),
+        int32=(seq_lens, extend_lens, starts, table),
+    )
     return ForwardBatch(
         forward_mode=mode,
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        out_cache_loc=tensor(slots, torch.int64),
-        seq_lens=tensor(seq_lens, torch.int32),
-        extend_lens=tensor(extend_lens, torch.int32),
-        page_table=tensor(table, torch.int32),
+        input_ids=ids,
+        positions=pos,
+        out_cache_loc=locs,
+        seq_lens=lens,
+        extend_lens=ext,
+        page_table=pages.view(len(chunks), max_pages),
         page_size=page_size,
         seq_lens_cpu=seq_lens,
         extend_lens_cpu=extend_lens,
-        logits_indices=tensor(sampled if logits_rows is None else list(logits_rows), torch.int64),
+        logits_indices=rows,
+        extend_start=first,
         capture_hidden_mode=capture_hidden_mode,
         **extra,  # type: ignore[arg-type]
     )
+
+
+def upload(
+    device: torch.device | str,
+    int64: Sequence[Sequence[int]] = (),
+    int32: Sequence[Sequence[int]] = (),
+) -> list[torch.Tensor]:
+    """Host integer lists as 1-D device tensors (the ``int64`` ones, then the ``int32`` ones)
+    through one host-to-device copy: a batch's metadata is a handful of short lists, and on
+    the GPU each copy costs more host time than its bytes.
+    """
+    columns = [*int64, *int32]
+    flat = [x for column in columns for x in column]
+    pinned = torch.device(device).type == "cuda"
+    packed = torch.tensor(flat, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+    sizes = [len(column) for column in columns]
+    wide = sum(sizes[: len(int64)])
+    out = list(packed[:wide].split(sizes[: len(int64)]))
+    if int32:
+        out += packed[wide:].to(torch.int32).split(sizes[len(int64) :])
+    return out
 
 
 def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:

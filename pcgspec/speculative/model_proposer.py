@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, upload
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
@@ -163,27 +163,29 @@ class ModelProposer(Proposer):
             have += n
         seq_lens = tuple(s.computed + k1 for s in states)
         max_pages = max(len(r.pages) for r in reqs)
-        table = [list(r.pages) + [0] * (max_pages - len(r.pages)) for r in reqs]
-        device = self.runner.device
-
-        def tensor(data: object, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
+        table = [p for r in reqs for p in (*r.pages, *[0] * (max_pages - len(r.pages)))]
+        starts = range(0, len(reqs) * k1, k1)
+        input_ids, pos, locs, rows, src, lens, ext, first, pages = upload(
+            self.runner.device,
+            int64=(ids, positions, slots, last_rows, src_rows),
+            int32=(seq_lens, (k1,) * len(reqs), starts, table),
+        )
         batch = ForwardBatch(
             forward_mode=ForwardMode.DRAFT_EXTEND,
-            input_ids=tensor(ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            out_cache_loc=tensor(slots, torch.int64),
-            seq_lens=tensor(seq_lens, torch.int32),
-            extend_lens=torch.full((len(reqs),), k1, dtype=torch.int32, device=device),
-            page_table=tensor(table, torch.int32),
+            input_ids=input_ids,
+            positions=pos,
+            out_cache_loc=locs,
+            seq_lens=lens,
+            extend_lens=ext,
+            page_table=pages.view(len(reqs), max_pages),
             page_size=page,
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=(k1,) * len(reqs),
-            logits_indices=tensor(last_rows, torch.int64),
+            logits_indices=rows,
             spec_num_draft_tokens=k1,
+            extend_start=first,
         )
         if not self.uses_target_hidden:
             return batch, None
         pending = torch.cat([h for s in states for h in s.pending])  # [sum(behind), Hh]
-        return batch, pending[tensor(src_rows, torch.int64)]
+        return batch, pending[src]
