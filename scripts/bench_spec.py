@@ -1,12 +1,14 @@
 """Decode throughput with and without speculative decoding, side by side in one run.
 
 For each prompt set and batch size: output tokens/s of plain decoding and of each speculative
-method, the average accept length (accepted drafts + 1 bonus per verify step), the median wall
-time of a decode step, and the split of a speculative step into draft (propose), verify and
-host (everything else: batch building, commit, stop checks, scheduling). The split comes from a
-separate pass that synchronizes after each phase and speculates every step; tokens/s and step
-times come from passes without it. Prompts ask the model to repeat text ("repeat": where
-prompt lookup helps) or open questions ("general"). Medians over repeats; writes JSON.
+method (the repeats of all engines interleaved), the average accept length (accepted drafts + 1
+bonus per verify step), the median wall time of a decode step (under the policy: of its
+speculative and of its plain steps apart), the median wall time of a speculative step from a
+pass in which every step speculates (``spec_step_ms``, against the plain engine's step), and
+the split of a speculative step into draft (propose), verify and host (everything else: batch
+building, commit, stop checks, scheduling) from another such pass that synchronizes around
+each phase (which slows it: ``synced_step_ms``). Prompts ask the model to repeat text
+("repeat": where prompt lookup helps) or open questions ("general"). Medians; writes JSON.
 
 Drafts: EAGLE3 and NEXTN run untrained heads written in the published layouts (accept length
 about 1: they measure the cost of drafting and verifying, not a trained head's gain; EAGLE3
@@ -78,10 +80,15 @@ class StepTimes:
             return batch
 
         def timed_step():
+            worker = engine.spec_worker
+            before = worker.policy.speculative_steps if worker is not None else 0
             start = time.perf_counter()
             out = step()
             if mode["decode"]:
-                self.times["step"].append(time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                self.times["step"].append(seconds)
+                speculated = worker is not None and worker.policy.speculative_steps > before
+                self.times["spec_step" if speculated else "plain_step"].append(seconds)
             return out
 
         engine.scheduler.schedule, engine.step = scheduled, timed_step
@@ -113,52 +120,77 @@ class StepTimes:
         return 1e3 * statistics.median(values) if values else None
 
 
-def _time_generate(llm, prompts: list[str], max_tokens: int, repeats: int) -> tuple[float, list]:
+def _params(args: argparse.Namespace):
+    """Greedy, or sampled at ``--temperature`` with a fixed seed (the same draws every repeat)."""
     from pcgspec import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    rates, outs = [], []
+    seed = None if args.temperature == 0 else 0
+    return SamplingParams(temperature=args.temperature, seed=seed, max_tokens=args.max_tokens)
+
+
+def _time_generate(engines: dict, prompts: list[str], params, repeats: int) -> dict:
+    """Per engine: the median output tok/s over ``repeats`` generations, the repeats of all
+    engines interleaved (A B C A B C ...: clock and thermal drift hit every engine alike), the
+    last outputs, and the decode step times (``StepTimes``).
+    """
+    for llm in engines.values():
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    rates: dict[str, list[float]] = defaultdict(list)
+    outs, times = {}, {name: StepTimes(llm.engine) for name, llm in engines.items()}
     for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync()
-        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
-    return statistics.median(rates), outs
+        for name, llm in engines.items():
+            with times[name]:
+                _sync()
+                start = time.perf_counter()
+                outs[name] = llm.generate(prompts, params, use_tqdm=False)
+                _sync()
+            tokens = sum(len(o.token_ids) for o in outs[name])
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: (statistics.median(rates[name]), outs[name], times[name]) for name in engines}
 
 
-def _split(llm, prompts: list[str], max_tokens: int) -> dict[str, float | None]:
-    """Median ms of a speculative step and its phases (every step speculates in this pass)."""
-    from pcgspec import SamplingParams
-
+def _always(llm, prompts: list[str], params, phases: bool) -> StepTimes:
+    """Step times of a pass in which every decode step speculates; ``phases``: also the time
+    of each phase, synchronized around it (which slows the step)."""
     policy = llm.engine.spec_worker.policy
     mode, policy.mode = policy.mode, "always"
     try:
-        with StepTimes(llm.engine, phases=True) as times:
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
-                         use_tqdm=False)  # fmt: skip
+        with StepTimes(llm.engine, phases=phases) as times:
+            llm.generate(prompts, params, use_tqdm=False)
     finally:
         policy.mode = mode
-    step, draft, verify = (times.median_ms(n) for n in ("step", "propose", "verify"))
-    host = None if None in (step, draft, verify) else step - draft - verify
-    return {"spec_step_ms": step, "draft_ms": draft, "verify_ms": verify, "host_ms": host}
+    return times
+
+
+def _spec_step(llm, prompts: list[str], params) -> dict[str, float | None]:
+    """Median ms of a speculative step as it runs (no phase syncs), and its split into draft,
+    verify and host from a separate pass that synchronizes around each phase.
+    """
+    step = _always(llm, prompts, params, phases=False).median_ms("spec_step")
+    split = _always(llm, prompts, params, phases=True)
+    synced, draft, verify = (split.median_ms(n) for n in ("step", "propose", "verify"))
+    host = None if None in (synced, draft, verify) else synced - draft - verify
+    return {"spec_step_ms": step, "synced_step_ms": synced, "draft_ms": draft,
+            "verify_ms": verify, "host_ms": host}
 
 
 def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
+    params = _params(args)
+    timed = _time_generate(engines, prompts, params, args.repeats)
     for name, llm in engines.items():
-        with StepTimes(llm.engine) as times:
-            rate, outs = _time_generate(llm, prompts, args.max_tokens, args.repeats)
+        rate, outs, times = timed[name]
         accept = [o.metrics.avg_spec_accept_length for o in outs]
         accept = [a for a in accept if a is not None]
         row = {"batch": len(prompts), "method": name, "tok_s": rate,
                "speedup": rate / (rows[0]["tok_s"] if rows else rate),
                "avg_accept_length": statistics.mean(accept) if accept else None,
-               "decode_step_ms": times.median_ms("step")}
+               "decode_step_ms": times.median_ms("step"),
+               "policy_spec_step_ms": times.median_ms("spec_step"),
+               "policy_plain_step_ms": times.median_ms("plain_step")}
         if name != "none":
             row.update(llm.engine.spec_stats())
-            row.update(_split(llm, prompts, args.max_tokens))
+            row.update(_spec_step(llm, prompts, params))
             row["spec_step_vs_plain_step"] = row["spec_step_ms"] / rows[0]["decode_step_ms"]
         rows.append(row)
     return rows
@@ -174,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="--speculative-policy of the speculative engines")
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; else sampled with a fixed seed per request")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts", default="repeat,general", help="comma-separated: repeat, general")
     p.add_argument("--standalone-draft", default=None, help="default: the target itself")
@@ -201,11 +235,12 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.cuda.get_device_name() if config.torch_device.type == "cuda" else "CPU"
     model = args.random_weights or engines["none"].engine.model_dir.name
     _print(rows, f"{model}, {config.torch_dtype}, {device}, k={args.num_steps}, "
-                 f"policy {args.policy}")  # fmt: skip
+                 f"policy {args.policy}, temperature {args.temperature}")  # fmt: skip
     result = {"date": datetime.now(timezone.utc).isoformat(), "device": device,
               "torch": torch.__version__, "model": model, "dtype": str(config.torch_dtype),
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "num_steps": args.num_steps, "policy": args.policy, "rows": rows}
+              "num_steps": args.num_steps, "policy": args.policy,
+              "temperature": args.temperature, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     return result

@@ -115,10 +115,10 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path):
         plain, ngram = rows[(batch, "none")], rows[(batch, "NGRAM")]
         assert plain["speedup"] == 1.0 and plain["tok_s"] > 0 and plain["decode_step_ms"] > 0
         assert math.isclose(ngram["speedup"], ngram["tok_s"] / plain["tok_s"])
-        for key in ("spec_step_ms", "draft_ms", "verify_ms"):
+        for key in ("spec_step_ms", "synced_step_ms", "draft_ms", "verify_ms"):
             assert ngram[key] > 0, key
         assert math.isclose(ngram["host_ms"],
-                            ngram["spec_step_ms"] - ngram["draft_ms"] - ngram["verify_ms"])
+                            ngram["synced_step_ms"] - ngram["draft_ms"] - ngram["verify_ms"])
         assert ngram["speculative_steps"] + ngram["policy_plain_steps"] > 0
 
 

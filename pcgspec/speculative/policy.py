@@ -12,6 +12,10 @@ and takes a plain step otherwise. Until both times of a bucket are measured it t
 A bucket that chose plain steps probes with one speculative step after a run of them, and
 doubles that run after every probe that does not win it back (a request that stops accepting
 stops drafting, at a probe cost that fades). ``always`` speculates every step.
+
+Prompt lookup (NGRAM) knows before the step which requests found a match: the others count as
+accept length 1, their averages are of steps with a match, and a batch where none matched
+takes a plain step (also under ``always``: there is nothing to verify).
 """
 
 from __future__ import annotations
@@ -59,8 +63,15 @@ class SpecPolicy:
         """
         return self._accept.get(request, self._prior)
 
-    def choose(self, requests: Sequence[object]) -> bool:
-        """True: speculate on this batch; False: take a plain decode step."""
+    def choose(self, requests: Sequence[object], drafted: Sequence[bool] | None = None) -> bool:
+        """True: speculate on this batch; False: take a plain decode step. ``drafted``: which
+        requests have drafts, where the proposer knows before the step (prompt lookup); one
+        without drafts gains nothing (accept length 1), and a batch without any takes a plain
+        step whatever the mode.
+        """
+        if drafted is not None and not any(drafted):
+            self.plain_steps += 1
+            return False
         if self.mode == "always":
             return True
         bucket = self._bucket(len(requests))
@@ -68,7 +79,10 @@ class SpecPolicy:
         if t_spec is None:
             return True  # measure the speculative step first, then the plain one
         if t_plain is not None:
-            gain = sum(self.expected_accept(r) for r in requests) * t_plain
+            expected = [self.expected_accept(r) for r in requests]
+            if drafted is not None:
+                expected = [a if d else 1.0 for a, d in zip(expected, drafted)]
+            gain = sum(expected) * t_plain
             pays = gain > len(requests) * t_spec
             if bucket in self._probed:  # the probe's verdict: back to 8, or twice as long
                 self._probed.discard(bucket)
@@ -91,7 +105,9 @@ class SpecPolicy:
         self.speculative_steps += speculative
 
     def record_accept(self, request: object, accept_length: int) -> None:
-        """``request`` accepted ``accept_length - 1`` drafts in a verify step."""
+        """``request`` accepted ``accept_length - 1`` drafts in a verify step (where it had
+        drafts, when the proposer says so before the step: then the averages are of steps with
+        drafts)."""
         old = self.expected_accept(request)
         self._accept[request] = (1 - _EMA) * old + _EMA * accept_length
         self._prior = (1 - _PRIOR_EMA) * self._prior + _PRIOR_EMA * accept_length
