@@ -48,7 +48,8 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, StepCounts]:
     """The weighted TTT loss of ``batch`` and its per-step counts."""
     n = batch.input_ids.shape[1] - 1
-    target_logits, target_ids = target_view(head, batch.final)
+    needed = shifted(batch.loss_mask, 1, batch.loss_mask.shape[1])  # position j predicts j+1
+    target_logits, target_ids = target_view(head, batch.final, needed)
     losses, correct, count = [], [], []
     for step, logits in enumerate(unroll(head, batch.input_ids, batch.aux, num_steps)):
         # row t of step i predicts token t+2+i; the target's distribution of it is at t+1+i
@@ -67,17 +68,24 @@ def ttt_loss(
 
 
 @torch.no_grad()
-def target_view(head: Eagle3Head, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_view(
+    head: Eagle3Head, final: torch.Tensor, needed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's logits over the draft vocabulary ``[B, T, Vd]`` and its argmax over the
-    whole vocabulary ``[B, T]`` (target ids), from its final hidden states ``[B, T, H]``.
+    whole vocabulary ``[B, T]`` (target ids), from its final hidden states ``[B, T, H]``, at
+    the ``needed [B, T]`` positions (zeros elsewhere).
     """
     weight = head.shared.lm_head.weight  # [V, H]
     draft_ids = head.draft_to_target
-    flat = final.reshape(-1, final.shape[-1]).to(weight.dtype)
-    logits, argmax = [], []
-    for rows in flat.split(TARGET_CHUNK_ROWS):
-        full = rows @ weight.T  # [r, V]
-        argmax.append(full.argmax(dim=-1))
-        logits.append(full[:, draft_ids])
-    shape = final.shape[:-1]
-    return torch.cat(logits).view(*shape, -1), torch.cat(argmax).view(shape)
+    rows = final[needed].to(weight.dtype)  # [R, H]
+    logits = final.new_zeros((*final.shape[:-1], len(draft_ids)), dtype=weight.dtype)
+    argmax = torch.zeros(final.shape[:-1], dtype=torch.int64, device=final.device)
+    parts_logits, parts_argmax = [], []
+    for chunk in rows.split(TARGET_CHUNK_ROWS):
+        full = chunk @ weight.T  # [r, V]
+        parts_argmax.append(full.argmax(dim=-1))
+        parts_logits.append(full[:, draft_ids])
+    if parts_logits:
+        logits[needed] = torch.cat(parts_logits)
+        argmax[needed] = torch.cat(parts_argmax)
+    return logits, argmax
