@@ -78,6 +78,9 @@ class TrainOptions:
             _check_float(self, name, 1e-12, float("inf"))
         if self.max_train_seconds is not None:
             _check_float(self, "max_train_seconds", 1e-3, float("inf"))
+        from pcgspec.config import EngineConfig
+
+        EngineConfig(device=self.device)  # NOTE: checks the device (and CUDA) before any work
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainOptions:
