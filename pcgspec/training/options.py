@@ -29,7 +29,7 @@ class TrainOptions:
     gen_batch_size: int = 128
     mem_fraction_static: float = 0.5
     eval_fraction: float = 0.05
-    capture_tokens: int = 16384
+    capture_tokens: int = 8192
     shard_tokens: int = 262144
     # train
     draft_vocab_size: int = 8192
