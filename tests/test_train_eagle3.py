@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_draft_heads import HeadDriver
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
@@ -21,8 +22,10 @@ from pcgspec.config import EngineConfig
 from pcgspec.models import default_model
 from pcgspec.models.eagle3 import default_aux_layers, load_eagle3_head, write_eagle3_checkpoint
 from pcgspec.models.loader import load_config, load_model
+from pcgspec.models.random_weights import random_model
+from pcgspec.runners.batch_builder import SeqChunk
 from pcgspec.training.loss import Batch, ttt_loss
-from pcgspec.training.model import build_trainable_head
+from pcgspec.training.model import build_trainable_head, unroll
 from pcgspec.training.options import TrainOptions
 from pcgspec.training.prompts import MIX, describe, template_prompts
 from pcgspec.training.trainer import accept_length_estimate
@@ -115,6 +118,33 @@ def test_ttt_loss_falls_on_a_tiny_random_llama() -> None:
     assert losses[-1] < 0.8 * losses[0], losses
     assert acc[0] > first_acc[0] + 0.2, (first_acc, acc)
     assert counts.count.tolist() == [2 * 40] * 5  # rows whose predicted token is in 8..47
+
+
+def test_unrolled_steps_equal_chain_drafting_through_the_kv_cache() -> None:
+    """TTT step ``i`` at row ``t`` equals inference: the head catches up over rows ``0..t`` in
+    the paged KV cache (tokens ``1..t+1``, the target's aux states), then takes ``i`` one-token
+    draft steps on its own ``next_hidden`` with tokens ``t+2..t+1+i`` at positions ``t+1..t+i``.
+    """
+    target = random_model("tiny", torch.float32, "cpu", seed=1)
+    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
+                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    head.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, 12), generator=gen)
+    aux = torch.randn(1, 12, 3 * target.hidden_size, generator=gen)
+    with torch.no_grad():
+        steps = list(unroll(head, ids, aux, num_steps=4))  # each [1, 11, draft_vocab]
+    for t in (0, 4, 9):
+        driver = HeadDriver(head)
+        chunk = SeqChunk(ids[0, 1 : t + 2].tolist(), 0, range(4))
+        logits_h, next_h = driver.step([chunk], aux[0, : t + 1])
+        got, hidden = [head.lm_head(logits_h[t])], next_h[t : t + 1]
+        for i in range(1, min(4, 11 - t)):
+            logits_h, hidden = driver.step([SeqChunk([int(ids[0, t + 1 + i])], t + i, range(4))],
+                                           hidden)  # fmt: skip
+            got.append(head.lm_head(logits_h[0]))
+        for i, logits in enumerate(got):
+            torch.testing.assert_close(logits, steps[i][0, t], atol=1e-4, rtol=1e-4)
 
 
 def load_model_from_hf(hf: torch.nn.Module) -> torch.nn.Module:
