@@ -31,8 +31,11 @@ MIN_TOKENS = 3  # a sequence shorter than this has no row that predicts a respon
 def generate_responses(
     llm: LLM, prompts: Sequence[Prompt], max_tokens: int, temperature: float, seed: int
 ) -> list[tuple[list[int], list[int]]]:
-    """``(prompt ids, response ids)`` per prompt, one user turn through the chat template."""
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    """``(prompt ids, response ids)`` per prompt, one user turn through the chat template;
+    request ``i`` samples with seed ``seed + i``.
+    """
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(prompts))]  # fmt: skip
     outs = llm.chat([[{"role": "user", "content": p.text}] for p in prompts], params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 

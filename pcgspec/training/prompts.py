@@ -37,9 +37,18 @@ CODE_TEMPLATES = (
     "Write a {lang} function to {task}.", "Show how to {task} in {lang}, with a short explanation.",
     "In {lang}, {task}. Add a usage example.",
 )  # fmt: skip
+INSTRUCTION_TEMPLATES = (
+    "Write a short email to a friend about {t}.", "Summarize what you know about {t} in three "
+    "bullet points.", "Create a quiz with three questions about {t}, with answers.",
+    "Write a short blog post introduction about {t}.",
+)  # fmt: skip
 PROSE_TEMPLATES = (
     "Continue this story: {t}", "Write the next paragraph of a story that begins: {t}",
     "Continue the text in the same style: {t}",
+)  # fmt: skip
+TOPIC_PROSE_TEMPLATES = (
+    "Write the opening paragraph of a novel about {t}.",
+    "Continue this story: Nobody in town talked about {t} until that morning.",
 )  # fmt: skip
 SELF_TEMPLATES = (
     "Write one question a curious person might ask about {t}. Reply with the question only.",
@@ -57,22 +66,28 @@ class Prompt:
 
 
 def template_prompts(num: int, seed: int) -> list[Prompt]:
-    """``num`` prompts from the built-in material, in the ``MIX`` proportions, shuffled."""
+    """``num`` prompts from the built-in material, in the ``MIX`` proportions (a category
+    whose pool runs out leaves the rest to maths, whose pool never does), shuffled.
+    """
     rng = random.Random(seed)
-    pools = {"chat": [t.format(t=topic) for topic in items(TOPICS) for t in CHAT_TEMPLATES],
-             "instruction": items(INSTRUCTIONS),
+    topics = items(TOPICS)
+    prose = [t.format(t=topic) for topic in topics for t in TOPIC_PROSE_TEMPLATES]
+    pools = {"chat": [t.format(t=topic) for topic in topics for t in CHAT_TEMPLATES],
+             "instruction": items(INSTRUCTIONS) + [t.format(t=topic) for topic in topics
+                                                   for t in INSTRUCTION_TEMPLATES],
              "code": [t.format(lang=lang, task=task) for task in items(CODE_TASKS)
                       for lang in LANGUAGES for t in CODE_TEMPLATES],
-             "math": _math_problems(rng, max(num, 1)),
              "prose": [t.format(t=o) for o in items(PROSE_OPENINGS)
-                       for t in PROSE_TEMPLATES]}  # fmt: skip
+                       for t in PROSE_TEMPLATES] + prose}  # fmt: skip
     prompts: list[Prompt] = []
     for category, share in MIX.items():
+        if category == "math":
+            continue
         pool = pools[category]
         rng.shuffle(pool)
-        want = round(num * share) if category != "prose" else num - len(prompts)
-        # NOTE: a pool smaller than its share repeats (instructions, prose at large num)
-        prompts += [Prompt(pool[i % len(pool)], category, "builtin") for i in range(want)]
+        prompts += [Prompt(text, category, "builtin") for text in pool[: round(num * share)]]
+    maths = _math_problems(rng, num - len(prompts))
+    prompts += [Prompt(text, "math", "builtin") for text in maths]
     rng.shuffle(prompts)
     return prompts
 
@@ -86,7 +101,8 @@ def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) ->
     rng = random.Random(seed + 1)
     topics = items(TOPICS)
     asks = [rng.choice(SELF_TEMPLATES).format(t=rng.choice(topics)) for _ in range(num)]
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
+              for i in range(num)]  # fmt: skip
     outs = llm.chat([[{"role": "user", "content": a}] for a in asks], params)
     texts = [" ".join(o.outputs[0].text.split()) for o in outs]
     return [Prompt(t, "self", "self") for t in texts if len(t) >= 12]
