@@ -199,6 +199,22 @@ def test_resume_continues_from_the_last_checkpoint(trained, counting_target) -> 
     assert summary["evals"][0]["step"] == 6  # the evaluations before the resume are kept
 
 
+def test_max_train_seconds_fits_the_schedule(trained, counting_target, tmp_path) -> None:
+    """With a time limit the cosine schedule is fitted to the measured step time: far fewer
+    steps than 1000 epochs plan, and training stops in time.
+    """
+    work, _ = trained
+    shutil.copytree(work / "data", tmp_path / "data")
+    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(tmp_path),
+                 "--out", str(tmp_path / "head"), "--phases", "train", "--epochs", "1000",
+                 "--max-train-seconds", "2", *TINY_RUN])  # fmt: skip
+    assert code == 0
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    train = summary["train"]
+    assert train["steps"] <= train["total_steps"] < train["planned_steps"] == 1000
+    assert summary["times_s"]["train"] < 8
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--out", "o", "--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
     (["--phases", "train"], "--out is required by the train phase"),

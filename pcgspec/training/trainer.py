@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from pcgspec.training.options import TrainOptions
 
 logger = logging.getLogger("pcgspec")
 KEEP_CHECKPOINTS = 2
+REFIT_EVERY = 5  # steps between fits of the schedule to --max-train-seconds (no sync)
 
 
 @dataclass
@@ -45,11 +47,13 @@ def accept_length_estimate(accuracy: list[float]) -> float:
     return total
 
 
-def lr_lambda(warmup: int, total: int):
+def lr_lambda(warmup: int, total: Callable[[], int]) -> Callable[[int], float]:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total()`` steps."""
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
+        progress = (step - warmup) / max(1, total() - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
     return factor
@@ -67,12 +71,13 @@ class Trainer:
         self.steps_per_epoch = len(plan_batches(self.train_shards, opts.batch_tokens, opts.seed))
         total = opts.epochs * self.steps_per_epoch
         self.total_steps = min(total, opts.max_steps) if opts.max_steps else total
+        self.planned_steps = self.total_steps  # before any fit to --max-train-seconds
         params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95),
                                            weight_decay=opts.weight_decay)  # fmt: skip
         warmup = max(1, round(opts.warmup_ratio * self.total_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(warmup, self.total_steps))
+            self.optimizer, lr_lambda(warmup, lambda: self.total_steps))
         self.step = 0
         self.evals: list[dict] = []
 
@@ -82,7 +87,7 @@ class Trainer:
 
     def train(self) -> dict:
         """Run to ``total_steps`` (or the time limit); returns the run's numbers."""
-        opts, start = self.opts, time.perf_counter()
+        opts, start, first = self.opts, time.perf_counter(), self.step
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step")
         sums = self._zero_sums()
         stopped = None
@@ -99,6 +104,8 @@ class Trainer:
                     self._record_eval(bar)
                 if opts.save_every and self.step % opts.save_every == 0:
                     self.save()
+                if opts.max_train_seconds and (self.step - first) % REFIT_EVERY == 0:
+                    self._fit_to_time(time.perf_counter() - start, self.step - first, bar)
                 if opts.max_train_seconds and time.perf_counter() - start > opts.max_train_seconds:
                     stopped = "max_train_seconds"
                 if self.step >= self.total_steps or stopped:
@@ -107,8 +114,21 @@ class Trainer:
         final = self._record_eval(None)
         return {"steps": self.step, "total_steps": self.total_steps,
                 "steps_per_epoch": self.steps_per_epoch, "stopped_by": stopped or "steps",
+                "planned_steps": self.planned_steps,
                 "train_s": time.perf_counter() - start, "final_eval": final,
                 "evals": self.evals}  # fmt: skip
+
+    def _fit_to_time(self, elapsed: float, steps: int, bar: tqdm) -> None:
+        """Set ``total_steps`` (at most the planned steps) so that the cosine decay ends when
+        ``--max-train-seconds`` runs out, at the seconds per step measured so far in this run
+        (evaluations and checkpoints included).
+        """
+        left = self.opts.max_train_seconds - elapsed
+        fits = min(self.planned_steps, self.step + max(1, int(left * steps / elapsed)))
+        if fits != self.total_steps:
+            self.total_steps = fits
+            bar.total = fits
+            bar.refresh()
 
     def _train_step(self, batch, sums: list[torch.Tensor]) -> None:
         with self.autocast():
