@@ -65,6 +65,7 @@ def run(opts: TrainOptions) -> dict:
         times["train"] = summary["train"].pop("train_s")
     if data_dir.joinpath("index.json").is_file():
         summary["data"] = split_sizes(read_index(data_dir))
+        summary["data"]["bytes"] = sum(f.stat().st_size for f in data_dir.iterdir())
     _write_summary(summary, work, opts)
     return summary
 
@@ -121,6 +122,11 @@ def _write_summary(summary: dict, work: Path, opts: TrainOptions) -> None:
         (Path(opts.out).expanduser() / SUMMARY_FILE).write_text(text)
     line = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in summary["times_s"].items())
     print(f"phase times: {line}")
+    data = summary.get("data")
+    if data:
+        print(f"data: {data['train']['sequences']} train / {data['eval']['sequences']} held-out "
+              f"sequences, {data['train']['response_tokens']} train response tokens, "
+              f"{data['bytes'] / 2**30:.2f} GiB")
     final = (summary.get("train") or {}).get("final_eval")
     if final:
         accuracy = "/".join(f"{a:.2f}" for a in final["accuracy"])
