@@ -163,6 +163,8 @@ def test_pipeline_head_is_accepted_by_the_engine(trained, counting_target) -> No
     assert summary["data"]["eval"]["sequences"] >= 1
     final = summary["train"]["final_eval"]
     assert final["accuracy"][0] > 0.5 and final["accept_length"] > 2.0, final
+    assert final["accept_length_by_k"][-1] == final["accept_length"]
+    assert len(final["accept_length_by_k"]) == 5
     assert (out / "train_summary.json").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -105,6 +105,9 @@ def train_head(opts: TrainOptions, data_dir: Path, ckpt_dir: Path) -> dict:
     trainer = Trainer(head, opts, data_dir, index, ckpt_dir)
     if opts.resume:
         trainer.resume()
+    else:
+        for stale in ckpt_dir.glob("step-*.pt"):  # NOTE: a fresh run starts its checkpoints over
+            stale.unlink()
     result = trainer.train()
     if opts.save_every:
         trainer.save()
@@ -130,6 +133,6 @@ def _write_summary(summary: dict, work: Path, opts: TrainOptions) -> None:
     final = (summary.get("train") or {}).get("final_eval")
     if final:
         accuracy = "/".join(f"{a:.2f}" for a in final["accuracy"])
-        print(f"held-out accuracy per step {accuracy}, estimated accept length "
-              f"{final['accept_length']:.2f}")
+        by_k = " ".join(f"k={k}: {a:.2f}" for k, a in enumerate(final["accept_length_by_k"], 1))
+        print(f"held-out accuracy per step {accuracy}; estimated accept length {by_k}")
     print(f"summary: {work / SUMMARY_FILE}")

@@ -30,12 +30,14 @@ class EvalResult:
     loss: float
     accuracy: list[float]  # per unrolled step
     accept_length: float  # estimated, chain over all unrolled steps
+    accept_length_by_k: list[float]  # the same with k = 1, 2, ... drafts per step
     rows: int
 
     @classmethod
     def from_counts(cls, loss: float, correct: torch.Tensor, count: torch.Tensor) -> EvalResult:
         acc = (correct.double() / count.double().clamp(min=1)).tolist()
-        return cls(loss, acc, accept_length_estimate(acc), int(count[0]))
+        by_k = [accept_length_estimate(acc[:k]) for k in range(1, len(acc) + 1)]
+        return cls(loss, acc, by_k[-1], by_k, int(count[0]))
 
 
 def accept_length_estimate(accuracy: list[float]) -> float:
