@@ -154,10 +154,13 @@ class Eagle3Head(DraftHead):
                     yield name, tensor
 
         load_named_weights(self, without_vocab_map(), self.packed_modules_mapping)
-        self._load_vocab_map(vocab_map.get("d2t"), vocab_map.get("t2d"))
+        self.set_vocab_map(vocab_map.get("d2t"), vocab_map.get("t2d"))
         finish_loading(self)
 
-    def _load_vocab_map(self, d2t: torch.Tensor | None, t2d: torch.Tensor | None) -> None:
+    def set_vocab_map(self, d2t: torch.Tensor | None, t2d: torch.Tensor | None) -> None:
+        """The draft vocabulary from ``d2t`` (None: the whole vocabulary), checked against
+        ``t2d`` when given.
+        """
         ids = _target_ids(d2t, self.draft_vocab_size, self.vocab_size)
         if t2d is not None:
             expected = torch.zeros(self.vocab_size, dtype=torch.bool)

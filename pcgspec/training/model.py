@@ -42,7 +42,7 @@ def build_trainable_head(
     ids = draft_ids.long()
     with torch.no_grad():
         head.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.device)].float().cpu())
-    head._load_vocab_map(ids - torch.arange(len(ids)), None)
+    head.set_vocab_map(ids - torch.arange(len(ids)), None)
     head.to(device=target.device)
     head.rotary_emb.init_rope()
     for module in (target.model.embed_tokens, target.lm_head):
