@@ -1,4 +1,6 @@
-"""Command line: ``pcgspec generate``, ``serve`` and ``convert`` (SGLang's flag names)."""
+"""Command line: ``pcgspec generate``, ``serve``, ``convert`` and ``train-eagle3`` (SGLang's flag
+names).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from pcgspec import __version__, envs
 from pcgspec.engine_args import HelpFormatter, add_engine_args, engine_config_from_args
+from pcgspec.training.options import add_train_eagle3_args
 
 logger = logging.getLogger("pcgspec")
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
@@ -79,6 +82,27 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("output", help="folder to write (config.json, model.safetensors, tokenizer)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing converted folder at OUTPUT")
+
+
+def _train_eagle3_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train-eagle3", formatter_class=HelpFormatter,
+        help="train an EAGLE3 draft head on the target's own responses",
+        description="Train an EAGLE3 head for a target: prompts (built-in topics x templates, "
+                    "some written by the target) -> responses from pcgspec's engine with the "
+                    "chat template and the target's hidden states captured into shards -> "
+                    "training with training-time test -> a head folder in the published "
+                    "LlamaForCausalLMEagle3 layout (--out) and train_summary.json.",
+    )  # fmt: skip
+    add_train_eagle3_args(p)
+
+
+def _run_train_eagle3(args: argparse.Namespace) -> int:
+    from pcgspec.training.options import TrainOptions
+    from pcgspec.training.pipeline import run
+
+    run(TrainOptions.from_args(args))
+    return 0
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -190,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _convert_parser(sub)
+    _train_eagle3_parser(sub)
     return parser
 
 
@@ -198,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=(getattr(args, "log_level", None) or envs.log_level()).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run = {"generate": _run_generate, "serve": _run_serve, "convert": _run_convert}
+        run = {"generate": _run_generate, "serve": _run_serve, "convert": _run_convert,
+               "train-eagle3": _run_train_eagle3}
         return run[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

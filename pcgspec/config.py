@@ -95,7 +95,9 @@ class EngineConfig:
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be torch or triton, got {self.attention_backend!r}")
-        _ = self.speculative_config  # validates the speculative_* fields
+        spec = self.speculative_config  # validates the speculative_* fields
+        if spec is not None:
+            spec.draft_model_path(self.model)  # EAGLE3 without a path: the shipped head exists
 
     def _check_device(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",

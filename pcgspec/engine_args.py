@@ -60,8 +60,9 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "speculative_num_draft_tokens": ("tokens the target verifies per request, k+1 "
                                      "(default: num_steps + 1)", None),
     "speculative_eagle_topk": ("draft branches per step; 1 = chain drafting (default: 1)", None),
-    "speculative_draft_model_path": ("draft model folder (STANDALONE, EAGLE3; NEXTN default: the "
-                                     "target's own MTP layers)", None),
+    "speculative_draft_model_path": ("draft model folder (STANDALONE, EAGLE3; EAGLE3 default: "
+                                     "the head shipped for the default model; NEXTN default: "
+                                     "the target's own MTP layers)", None),
     "speculative_ngram_min_match_window_size": ("NGRAM: shortest suffix looked up (default: 1)",
                                                 None),
     "speculative_ngram_max_match_window_size": ("NGRAM: longest suffix looked up (default: 12)",

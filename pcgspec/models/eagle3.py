@@ -65,8 +65,15 @@ class Eagle3DecoderLayer(nn.Module):
         self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """The residual stream after the layer (pre-norm), [T, H]."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin)
+        return self.finish(hidden, self.self_attn(self.attention_input(embeds, hidden), cos, sin))
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, 2H]``: what the attention projects (also the trainer's, ``pcgspec.training``)."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention output ``attn_out`` and the MLP, [T, H]."""
+        h = hidden + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -103,8 +110,7 @@ class Eagle3Head(DraftHead):
             return None
         n = target_num_layers
         if self.aux_layer_ids is None:
-            # NOTE: clamped into 0..L so that targets of fewer than 5 layers (tests) still work
-            return tuple(min(max(i, 0), n) for i in (2, n // 2, n - 3))
+            return default_aux_layers(n)
         bad = [i for i in self.aux_layer_ids if not -1 <= i < n]
         if bad:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)}: "
@@ -148,10 +154,13 @@ class Eagle3Head(DraftHead):
                     yield name, tensor
 
         load_named_weights(self, without_vocab_map(), self.packed_modules_mapping)
-        self._load_vocab_map(vocab_map.get("d2t"), vocab_map.get("t2d"))
+        self.set_vocab_map(vocab_map.get("d2t"), vocab_map.get("t2d"))
         finish_loading(self)
 
-    def _load_vocab_map(self, d2t: torch.Tensor | None, t2d: torch.Tensor | None) -> None:
+    def set_vocab_map(self, d2t: torch.Tensor | None, t2d: torch.Tensor | None) -> None:
+        """The draft vocabulary from ``d2t`` (None: the whole vocabulary), checked against
+        ``t2d`` when given.
+        """
         ids = _target_ids(d2t, self.draft_vocab_size, self.vocab_size)
         if t2d is not None:
             expected = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -161,6 +170,13 @@ class Eagle3Head(DraftHead):
                                  "of the target ids that 'd2t' maps to")  # fmt: skip
         self.draft_to_target.copy_(ids)
         self.identity_vocab = torch.equal(ids, torch.arange(self.vocab_size))
+
+
+def default_aux_layers(target_num_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs an EAGLE3 head reads by default: 2, L//2 and L-3."""
+    n = target_num_layers
+    # NOTE: clamped into 0..L so that targets of fewer than 5 layers (tests) still work
+    return tuple(min(max(i, 0), n) for i in (2, n // 2, n - 3))
 
 
 def load_eagle3_head(
@@ -203,7 +219,7 @@ def write_eagle3_checkpoint(
     target_ids = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
     tensors["d2t"] = target_ids - torch.arange(draft_vocab)
     tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
-    return save_checkpoint(out_dir, _published_config(target_config, draft_vocab), tensors)
+    return save_checkpoint(out_dir, published_config(target_config, draft_vocab), tensors)
 
 
 def _eagle_config(config: PretrainedConfig) -> dict:
@@ -290,7 +306,12 @@ def _published_shapes(
     return shapes
 
 
-def _published_config(config: PretrainedConfig, draft_vocab: int) -> dict:
+def published_config(
+    config: PretrainedConfig, draft_vocab: int, aux_layer_ids: Sequence[int] | None = None
+) -> dict:
+    """``config.json`` of a head for target ``config``; ``aux_layer_ids`` (outputs of layers,
+    ``eagle_aux_hidden_state_layer_ids``) go into ``eagle_config`` when given.
+    """
     rope = rope_parameters(config)
     copied = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "rms_norm_eps", "max_position_embeddings")  # fmt: skip
@@ -301,4 +322,7 @@ def _published_config(config: PretrainedConfig, draft_vocab: int) -> dict:
     }  # fmt: skip
     if rope["rope_type"] != "default":
         published["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if aux_layer_ids is not None:
+        published["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+                                     "use_aux_hidden_state": True}  # fmt: skip
     return published

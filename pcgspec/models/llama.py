@@ -55,14 +55,20 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, H, D]``, ``k [T, KV, D]`` (RoPE applied) and ``v [T, KV, D]`` of ``h``."""
         q, k, v = self.qkv_proj(h).split(self.split_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, KV, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(h, cos, sin)
         out = torch.empty_like(q)
         torch.ops.pcgspec.attention(q, k, v, out, self.layer_id)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))

@@ -7,7 +7,7 @@ from typing import Any
 
 SUPPORTED_ALGORITHMS = ("EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 POLICIES = ("auto", "always")
-_NEEDS_DRAFT_MODEL = ("EAGLE3", "STANDALONE")
+_NEEDS_DRAFT_MODEL = ("STANDALONE",)  # EAGLE3 of the default model: its shipped head
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,18 @@ class SpeculativeConfig:
         return self.speculative_num_steps
 
     def draft_model_path(self, target_model: str | None) -> str | None:
-        """The draft checkpoint; NEXTN without one uses the target's (its MTP layers)."""
-        if self.algorithm == "NEXTN" and self.speculative_draft_model_path is None:
+        """The draft checkpoint; without one, NEXTN uses the target's (its MTP layers) and
+        EAGLE3 the head shipped for the default model (``ValueError`` for another target).
+        """
+        if self.speculative_draft_model_path is not None:
+            return self.speculative_draft_model_path
+        if self.algorithm == "NEXTN":
             return target_model
-        return self.speculative_draft_model_path
+        if self.algorithm == "EAGLE3":
+            from pcgspec.models.default_model import default_eagle3_head
+
+            return str(default_eagle3_head(target_model))
+        return None
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:

@@ -53,6 +53,22 @@ def checkpoint_parameter_names(model: nn.Module, mapping: PackedMapping) -> list
     return [_hf_name(name, shard, mapping) for name, shard in _required(model)]
 
 
+def unfused_state_dict(model: nn.Module, mapping: PackedMapping) -> dict[str, torch.Tensor]:
+    """``model``'s parameters under their checkpoint names, fused projections split back into
+    their parts: what ``load_named_weights`` reads back (detached views, no copies).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        sizes = getattr(module, "output_sizes", None)
+        if not sizes:
+            out[name] = param.detach()
+            continue
+        for shard, part in enumerate(param.detach().split(list(sizes), dim=0)):
+            out[_hf_name(name, shard, mapping)] = part
+    return out
+
+
 def _packed_name(hf_name: str, mapping: PackedMapping) -> tuple[str, int | None]:
     parts = hf_name.split(".")
     for i, part in enumerate(parts):

@@ -1,0 +1,160 @@
+"""The prompt set: built-in topics x templates (chat questions, instructions, code, maths,
+prose continuation), optionally extended by questions the target writes itself.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pcgspec.training.topics import (
+    CODE_TASKS,
+    INSTRUCTIONS,
+    LANGUAGES,
+    PROSE_OPENINGS,
+    TOPICS,
+    items,
+)
+
+if TYPE_CHECKING:
+    from pcgspec.llm import LLM
+
+PROMPTS_FILE = "prompts.jsonl"
+CHAT_TEMPLATES = (
+    "What is {t}?", "Explain {t} to a ten-year-old.", "Why is {t} important?",
+    "Give me three interesting facts about {t}.", "What are the pros and cons of {t}?",
+    "Write a short paragraph about {t}.", "How would you teach someone about {t}?",
+    "What are common misconceptions about {t}?", "Write a short poem about {t}.",
+    "Describe the history of {t} briefly.", "Compare {t} with something from everyday life.",
+    "What questions do people often ask about {t}? Answer two of them.",
+)  # fmt: skip
+CODE_TEMPLATES = (
+    "Write a {lang} function to {task}.", "Show how to {task} in {lang}, with a short explanation.",
+    "In {lang}, {task}. Add a usage example.",
+)  # fmt: skip
+INSTRUCTION_TEMPLATES = (
+    "Write a short email to a friend about {t}.", "Summarize what you know about {t} in three "
+    "bullet points.", "Create a quiz with three questions about {t}, with answers.",
+    "Write a short blog post introduction about {t}.",
+)  # fmt: skip
+PROSE_TEMPLATES = (
+    "Continue this story: {t}", "Write the next paragraph of a story that begins: {t}",
+    "Continue the text in the same style: {t}",
+)  # fmt: skip
+TOPIC_PROSE_TEMPLATES = (
+    "Write the opening paragraph of a novel about {t}.",
+    "Continue this story: Nobody in town talked about {t} until that morning.",
+)  # fmt: skip
+SELF_TEMPLATES = (
+    "Write one question a curious person might ask about {t}. Reply with the question only.",
+    "Write one instruction someone could give an assistant about {t}. Reply with it only.",
+)  # fmt: skip
+# share of each category among the template prompts
+MIX = {"chat": 0.45, "instruction": 0.15, "code": 0.2, "math": 0.1, "prose": 0.1}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    category: str  # chat, instruction, code, math, prose
+    source: str  # "builtin" or "self" (written by the target)
+
+
+def template_prompts(num: int, seed: int) -> list[Prompt]:
+    """``num`` prompts from the built-in material, in the ``MIX`` proportions (a category
+    whose pool runs out leaves the rest to maths, whose pool never does), shuffled.
+    """
+    rng = random.Random(seed)
+    topics = items(TOPICS)
+    prose = [t.format(t=topic) for topic in topics for t in TOPIC_PROSE_TEMPLATES]
+    pools = {"chat": [t.format(t=topic) for topic in topics for t in CHAT_TEMPLATES],
+             "instruction": items(INSTRUCTIONS) + [t.format(t=topic) for topic in topics
+                                                   for t in INSTRUCTION_TEMPLATES],
+             "code": [t.format(lang=lang, task=task) for task in items(CODE_TASKS)
+                      for lang in LANGUAGES for t in CODE_TEMPLATES],
+             "prose": [t.format(t=o) for o in items(PROSE_OPENINGS)
+                       for t in PROSE_TEMPLATES] + prose}  # fmt: skip
+    prompts: list[Prompt] = []
+    for category, share in MIX.items():
+        if category == "math":
+            continue
+        pool = pools[category]
+        rng.shuffle(pool)
+        prompts += [Prompt(text, category, "builtin") for text in pool[: round(num * share)]]
+    maths = _math_problems(rng, num - len(prompts))
+    prompts += [Prompt(text, "math", "builtin") for text in maths]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) -> list[Prompt]:
+    """``num`` questions/instructions the target writes about built-in topics (sampled at
+    temperature 0.8); empty or very short answers are dropped.
+    """
+    from pcgspec.sampling_params import SamplingParams
+
+    rng = random.Random(seed + 1)
+    topics = items(TOPICS)
+    asks = [rng.choice(SELF_TEMPLATES).format(t=rng.choice(topics)) for _ in range(num)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
+              for i in range(num)]  # fmt: skip
+    outs = llm.chat([[{"role": "user", "content": a}] for a in asks], params)
+    texts = [" ".join(o.outputs[0].text.split()) for o in outs]
+    return [Prompt(t, "self", "self") for t in texts if len(t) >= 12]
+
+
+def build_prompts(
+    num: int, self_fraction: float, seed: int, llm_factory: Callable[[], LLM] | None
+) -> list[Prompt]:
+    """``num`` prompts, ``self_fraction`` of them written by the target (``llm_factory()``
+    builds it); the shortfall of dropped self-written ones is filled from the templates.
+    """
+    num_self = round(num * self_fraction)
+    written = self_written_prompts(llm_factory(), num_self, seed) if num_self else []
+    prompts = template_prompts(num - len(written), seed) + written
+    random.Random(seed + 2).shuffle(prompts)
+    return prompts
+
+
+def save_prompts(path: Path, prompts: Sequence[Prompt]) -> None:
+    path.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
+
+
+def load_prompts(path: Path) -> list[Prompt]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path.name} in {path.parent}: run the prompts phase first")
+    return [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def describe(prompts: Sequence[Prompt]) -> dict:
+    """Counts by source and category, for the shard metadata."""
+    return {"num_prompts": len(prompts),
+            "sources": dict(Counter(p.source for p in prompts)),
+            "categories": dict(Counter(p.category for p in prompts)),
+            "builtin": "pcgspec.training.topics: topics x templates, no hub access"}  # fmt: skip
+
+
+def _math_problems(rng: random.Random, num: int) -> list[str]:
+    kinds: list[Callable[[], str]] = [
+        lambda: f"What is {rng.randint(12, 999)} times {rng.randint(3, 99)}? Show your work.",
+        lambda: (f"Solve for x: {rng.randint(2, 12)}x + {rng.randint(1, 50)} = "
+                 f"{rng.randint(51, 200)}."),
+        lambda: (f"A shop sells pens at {rng.randint(2, 9)} dollars each. How much do "
+                 f"{rng.randint(3, 30)} pens cost? Explain step by step."),
+        lambda: f"What is {rng.randint(5, 95)}% of {rng.randint(20, 2000)}?",
+        lambda: (f"A train travels {rng.randint(60, 600)} km in {rng.randint(2, 8)} hours. "
+                 "What is its average speed?"),
+        lambda: f"Is {rng.randint(50, 5000)} a prime number? Explain how you checked.",
+        lambda: (f"Find the area and perimeter of a rectangle {rng.randint(2, 40)} cm by "
+                 f"{rng.randint(2, 40)} cm."),
+        lambda: f"Simplify the fraction {rng.randint(2, 60)}/{rng.randint(61, 240)}.",
+        lambda: (f"If I save {rng.randint(5, 200)} dollars a week, how long until I have "
+                 f"{rng.randint(500, 10000)} dollars?"),
+        lambda: f"What is the sum of the whole numbers from 1 to {rng.randint(10, 500)}?",
+    ]  # fmt: skip
+    return [rng.choice(kinds)() for _ in range(num)]

@@ -1,0 +1,273 @@
+"""``pcgspec train-eagle3`` on CPU: the TTT loss falls on a tiny random Llama; the whole
+pipeline (prompts -> generate + capture -> train -> export) on a tiny counting target gives a
+head that ``load_eagle3_head`` reads and that pcgspec's engine accepts drafts from (accept
+length above 1, output equal to plain decoding); resume; bad flags; the default EAGLE3 draft.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_draft_heads import HeadDriver
+from test_models import tiny_hf_model
+
+from pcgspec import LLM, SamplingParams
+from pcgspec.cli import main
+from pcgspec.config import EngineConfig
+from pcgspec.models import default_model
+from pcgspec.models.eagle3 import default_aux_layers, load_eagle3_head, write_eagle3_checkpoint
+from pcgspec.models.loader import load_config, load_model
+from pcgspec.models.random_weights import random_model
+from pcgspec.runners.batch_builder import SeqChunk
+from pcgspec.training.loss import Batch, ttt_loss
+from pcgspec.training.model import build_trainable_head, unroll
+from pcgspec.training.options import TrainOptions
+from pcgspec.training.prompts import MIX, describe, template_prompts
+from pcgspec.training.trainer import accept_length_estimate
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")  # fmt: skip
+TINY_RUN = ["--num-prompts", "12", "--self-prompt-fraction", "0.1", "--max-tokens", "20",
+            "--gen-batch-size", "8", "--eval-fraction", "0.2", "--draft-vocab-size", "64",
+            "--ttt-steps", "5", "--batch-tokens", "1024", "--lr", "3e-3", "--eval-every", "6",
+            "--save-every", "6", "--log-every", "3", "--device", "cpu"]  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """NOTE: these tiny models run 10-20x faster on one thread than on two on a loaded machine
+    (OpenMP workers wait on each other); restored afterwards.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def counting_target(tmp_path_factory, smollm2_path) -> Path:
+    """A tiny Llama (SmolLM2's tokenizer and vocabulary) that counts: its layers add nothing
+    (zero ``o_proj`` / ``down_proj``) and ``lm_head`` row ``j`` is the embedding of ``j - 1``,
+    so greedy decoding follows token ``x`` with ``x + 1``.
+    """
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.2)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        embed = model.model.embed_tokens.weight
+        model.lm_head.weight.copy_(embed.roll(1, dims=0))
+    path = tmp_path_factory.mktemp("counting-llama")
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (smollm2_path / name).is_file():
+            shutil.copy(smollm2_path / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(counting_target, tmp_path_factory) -> tuple[Path, Path]:
+    """``(work_dir, out)`` of one tiny run of the whole command."""
+    root = tmp_path_factory.mktemp("train-eagle3")
+    work, out = root / "work", root / "head"
+    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(work),
+                 "--out", str(out), "--epochs", "12", *TINY_RUN])  # fmt: skip
+    assert code == 0
+    return work, out
+
+
+def test_ttt_loss_falls_on_a_tiny_random_llama() -> None:
+    """Twenty AdamW steps on one batch of a random 3-layer Llama's own hidden states: the
+    weighted TTT loss falls by a fifth and step-0 accuracy rises.
+    """
+    hf = tiny_hf_model("LlamaConfig").eval()
+    target = load_model_from_hf(hf)
+    aux_layers = default_aux_layers(target.num_layers)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 48), generator=gen)
+    with torch.no_grad():
+        states = hf(ids, output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i] for i in aux_layers], dim=-1)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 8:] = True
+    batch = Batch(ids, mask, aux, states[-1])
+    head = build_trainable_head(target, torch.arange(0, 256, 2), aux_layers, seed=0)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    losses, first_acc = [], None
+    for _ in range(20):
+        loss, counts = ttt_loss(head, batch, num_steps=5, decay=0.8)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        acc = (counts.correct / counts.count).tolist()
+        first_acc = acc if first_acc is None else first_acc
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert acc[0] > first_acc[0] + 0.2, (first_acc, acc)
+    assert counts.count.tolist() == [2 * 40] * 5  # rows whose predicted token is in 8..47
+
+
+def test_unrolled_steps_equal_chain_drafting_through_the_kv_cache() -> None:
+    """TTT step ``i`` at row ``t`` equals inference: the head catches up over rows ``0..t`` in
+    the paged KV cache (tokens ``1..t+1``, the target's aux states), then takes ``i`` one-token
+    draft steps on its own ``next_hidden`` with tokens ``t+2..t+1+i`` at positions ``t+1..t+i``.
+    """
+    target = random_model("tiny", torch.float32, "cpu", seed=1)
+    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
+                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    head.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, 12), generator=gen)
+    aux = torch.randn(1, 12, 3 * target.hidden_size, generator=gen)
+    with torch.no_grad():
+        steps = list(unroll(head, ids, aux, num_steps=4))  # each [1, 11, draft_vocab]
+    for t in (0, 4, 9):
+        driver = HeadDriver(head)
+        chunk = SeqChunk(ids[0, 1 : t + 2].tolist(), 0, range(4))
+        logits_h, next_h = driver.step([chunk], aux[0, : t + 1])
+        got, hidden = [head.lm_head(logits_h[t])], next_h[t : t + 1]
+        for i in range(1, min(4, 11 - t)):
+            logits_h, hidden = driver.step([SeqChunk([int(ids[0, t + 1 + i])], t + i, range(4))],
+                                           hidden)  # fmt: skip
+            got.append(head.lm_head(logits_h[0]))
+        for i, logits in enumerate(got):
+            torch.testing.assert_close(logits, steps[i][0, t], atol=1e-4, rtol=1e-4)
+
+
+def load_model_from_hf(hf: torch.nn.Module) -> torch.nn.Module:
+    """pcgspec's Llama with ``hf``'s weights (through a temporary folder)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        return load_model(tmp, torch.float32, "cpu")
+
+
+def test_pipeline_head_is_accepted_by_the_engine(trained, counting_target) -> None:
+    work, out = trained
+    summary = json.loads((work / "train_summary.json").read_text())
+    assert set(summary["times_s"]) >= {"prompts", "generate", "capture", "train"}
+    assert summary["data"]["eval"]["sequences"] >= 1
+    final = summary["train"]["final_eval"]
+    assert final["accuracy"][0] > 0.5 and final["accept_length"] > 2.0, final
+    assert final["accept_length_by_k"][-1] == final["accept_length"]
+    assert len(final["accept_length_by_k"]) == 5
+    assert (out / "train_summary.json").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 64
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 0, -1]
+    target = load_model(counting_target, torch.float32, "cpu")
+    head = load_eagle3_head(out, target, torch.float32, "cpu")
+    assert head.target_aux_layers(3) == default_aux_layers(3)
+    assert head.embed_tokens is None and head.lm_head.weight.shape == (64, 64)
+
+    texts = ("What is a volcano?", "Write a haiku about rain.", "Sort a list in Python.")
+    prompts = [[{"role": "user", "content": text}] for text in texts]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    kw = {"dtype": "float32", "device": "cpu", "disable_piecewise_cuda_graph": True}
+    plain = LLM(str(counting_target), **kw).chat(prompts, params, use_tqdm=False)
+    spec_llm = LLM(str(counting_target), speculative_algorithm="EAGLE3",
+                   speculative_draft_model_path=str(out), speculative_num_steps=3,
+                   speculative_policy="always", **kw)  # fmt: skip
+    spec = spec_llm.chat(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec_llm.engine.spec_stats()["avg_spec_accept_length"] > 2.0
+
+
+def test_resume_continues_from_the_last_checkpoint(trained, counting_target) -> None:
+    work, out = trained
+    steps = json.loads((work / "train_summary.json").read_text())["train"]["steps"]
+    assert sorted(p.name for p in (work / "checkpoints").glob("*.pt"))[-1] == f"step-{steps:08d}.pt"
+    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(work),
+                 "--out", str(out), "--phases", "train", "--resume", "--epochs", "13",
+                 *TINY_RUN])  # fmt: skip
+    assert code == 0
+    summary = json.loads((work / "train_summary.json").read_text())["train"]
+    assert summary["steps"] == summary["total_steps"] == steps // 12 * 13
+    assert summary["evals"][0]["step"] == 6  # the evaluations before the resume are kept
+
+
+def test_max_train_seconds_fits_the_schedule(trained, counting_target, tmp_path) -> None:
+    """With a time limit the cosine schedule is fitted to the measured step time: far fewer
+    steps than 1000 epochs plan, and training stops in time.
+    """
+    work, _ = trained
+    shutil.copytree(work / "data", tmp_path / "data")
+    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(tmp_path),
+                 "--out", str(tmp_path / "head"), "--phases", "train", "--epochs", "1000",
+                 "--max-train-seconds", "2", *TINY_RUN])  # fmt: skip
+    assert code == 0
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    train = summary["train"]
+    assert train["steps"] <= train["total_steps"] < train["planned_steps"] == 1000
+    assert summary["times_s"]["train"] < 8
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--out", "o", "--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
+    (["--phases", "train"], "--out is required by the train phase"),
+    (["--phases", "prompts,fly"], "--phases must be a comma-separated subset"),
+    (["--out", "o", "--ttt-steps", "0"], "--ttt-steps must be an integer >= 1"),
+    (["--out", "o", "--eval-fraction", "0.9"], r"--eval-fraction must be a number in \[0, 0.5\]"),
+    (["--out", "o", "--lr", "0"], "--lr must be a number"),
+    (["--out", "o", "--device", "tpu"], "device must be auto, cpu, cuda"),
+])  # fmt: skip
+def test_bad_flags_get_clear_errors(tmp_path, capsys, flags, message) -> None:
+    code = main(["train-eagle3", "--work-dir", str(tmp_path / "w"), *flags])
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_flag_type_errors_and_options_api(tmp_path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train-eagle3", "--work-dir", str(tmp_path), "--epochs", "two"])
+    assert exit_info.value.code == 2
+    with pytest.raises(ValueError, match="--max-steps must be an integer >= 1"):
+        TrainOptions(work_dir=str(tmp_path), out="o", max_steps=0)
+    assert TrainOptions(work_dir="w", phases="prompts, generate").phases == ("prompts", "generate")
+
+
+def test_prompt_set_mixes_categories_and_records_sources() -> None:
+    prompts = template_prompts(400, seed=0)
+    info = describe(prompts)
+    assert info["num_prompts"] == 400 and info["sources"] == {"builtin": 400}
+    assert set(info["categories"]) == set(MIX)
+    assert len({p.text for p in prompts}) > 350
+    assert template_prompts(400, seed=0) == prompts != template_prompts(400, seed=1)
+
+
+def test_accept_length_estimate_is_a_chain() -> None:
+    assert accept_length_estimate([1.0, 1.0, 1.0]) == 4.0
+    assert accept_length_estimate([0.5, 0.5]) == pytest.approx(1.75)
+    assert accept_length_estimate([0.0, 1.0]) == 1.0
+
+
+def test_eagle3_default_draft_is_the_shipped_head(tmp_path, monkeypatch, smollm2_path) -> None:
+    with pytest.raises(ValueError, match="EAGLE3 needs speculative_draft_model_path for target"):
+        EngineConfig(model=str(tmp_path), speculative_algorithm="EAGLE3")
+    missing = tmp_path / "no-head"
+    monkeypatch.setattr(default_model, "DEFAULT_EAGLE3_HEAD", missing)
+    with pytest.raises(ValueError, match="EAGLE3 head of SmolLM2-135M-Instruct is missing"):
+        EngineConfig(speculative_algorithm="EAGLE3")
+    head = write_eagle3_checkpoint(tmp_path / "head", load_config(smollm2_path), 0, 1024)
+    monkeypatch.setattr(default_model, "DEFAULT_EAGLE3_HEAD", head)
+    for model in (None, str(smollm2_path)):
+        spec = EngineConfig(model=model, speculative_algorithm="EAGLE3").speculative_config
+        assert spec.draft_model_path(model) == str(head)
+    given = EngineConfig(model=str(tmp_path), speculative_algorithm="EAGLE3",
+                         speculative_draft_model_path=str(head))  # fmt: skip
+    assert given.speculative_config.draft_model_path(str(tmp_path)) == str(head)
