@@ -55,26 +55,33 @@ class NgramIndex:
         self.last_token = tokens[n - 1] if n else None
 
     def _extend_bulk(self, tokens: Sequence[int], lo: int, hi: int) -> None:
+        ends = list(range(lo, hi))  # one int object per end, shared by its windows' entries
         for w in self.windows:
             first = max(lo, w - 1)  # the first end position with a whole w-gram
             if first >= hi:
                 continue
             start = first - w + 1
             columns = [tokens[start + i : hi - w + 1 + i] for i in range(w)]  # NOTE: ends < hi
-            self.grams.update(zip(zip(*columns), range(first, hi)))  # later ends overwrite
+            self.grams.update(zip(zip(*columns), ends[first - lo :]))  # later ends overwrite
 
     def lookup(self, tokens: Sequence[int], num_steps: int) -> list[int]:
         """The (up to ``num_steps``) tokens after the latest earlier occurrence of the longest
         indexed suffix of ``tokens`` (already ``extend``-ed to it); [] without a match.
         """
         n = len(tokens)
-        tail = tuple(tokens[max(n - self.windows[0], 0) :])
-        for w in self.windows:
-            if w < n:  # an earlier occurrence needs w + 1 tokens
-                end = self.grams.get(tail[-w:])
-                if end is not None:
-                    return list(tokens[end + 1 : end + 1 + num_steps])
-        return []
+        lo, hi = self.windows[-1], min(self.windows[0], n - 1)  # earlier occurrences: w < n
+        tail = tuple(tokens[n - hi :]) if hi > 0 else ()
+        found = None
+        # NOTE: a suffix w-gram that occurred earlier implies every shorter one did (at the same
+        # end), so the longest match is bisected; each hit is longer than the one before.
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            end = self.grams.get(tail[-mid:])
+            if end is None:
+                hi = mid - 1
+            else:
+                found, lo = end, mid + 1
+        return [] if found is None else list(tokens[found + 1 : found + 1 + num_steps])
 
 
 class NgramProposer(Proposer):
