@@ -4,8 +4,10 @@ earlier in the same sequence, and propose what followed its most recent earlier 
 Each request keeps an index (``NgramIndex``) from every w-gram (w in [min_window, max_window])
 to the end position of its latest occurrence, extended with only the tokens appended since the
 previous step: a step costs O(new tokens * windows + windows) host work per request, not
-O(sequence length). Memory: one dict entry per token per window size (``max_window -
-min_window + 1`` entries per token, each keyed by a tuple of w ints), freed with the request.
+O(sequence length); the first step of a request indexes its whole prompt once. Memory is bounded
+by one dict entry per token per window size (``max_window - min_window + 1`` entries per token,
+each keyed by a tuple of w ints: ~1.7 KB per token with the default 12 windows on CPython), kept
+in a ``WeakKeyDictionary`` so a finished or aborted request's index goes with it.
 """
 
 from __future__ import annotations
