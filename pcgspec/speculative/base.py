@@ -27,6 +27,7 @@ class DraftProposal:
     tokens: torch.Tensor  # [B, k] int64
     num_tokens: torch.Tensor  # [B] int64 in 0..k
     probs: torch.Tensor | None = None  # [B, k, V] f32 draft distributions; None: deterministic
+    num_tokens_host: list[int] | None = None  # num_tokens on the host, when the proposer has it
 
     def __post_init__(self) -> None:
         tokens, num = self.tokens, self.num_tokens
@@ -40,6 +41,9 @@ class DraftProposal:
                                        or self.probs.shape[:2] != tokens.shape):  # fmt: skip
             raise ValueError(f"probs must be [{tokens.shape[0]}, {tokens.shape[1]}, V], got "
                              f"{list(self.probs.shape)}")  # fmt: skip
+        if self.num_tokens_host is not None and len(self.num_tokens_host) != tokens.shape[0]:
+            raise ValueError(f"num_tokens_host must have {tokens.shape[0]} counts, got "
+                             f"{len(self.num_tokens_host)}")  # fmt: skip
 
     @property
     def batch_size(self) -> int:

@@ -67,7 +67,7 @@ class SpecWorker:
         self.slots = slots
         self.eos_token_ids = eos_token_ids
         self.proposer: Proposer = (
-            NgramProposer.from_config(config) if draft is None
+            NgramProposer.from_config(config, runner.device) if draft is None
             else ModelProposer(draft, config.num_steps)
         )  # fmt: skip
         self.policy = SpecPolicy(config.speculative_policy, config.num_steps,
