@@ -108,3 +108,17 @@ def test_always_speculates():
     p, r = measured(policy("always"), 1, 100.0, 1.0), Req()
     p.record_accept(r, 1)
     assert all(p.choose([r]) for _ in range(10)) and p.plain_steps == 0
+
+
+def test_requests_without_drafts_gain_nothing_and_a_batch_without_any_takes_a_plain_step():
+    matched, unmatched = Req(), Req()
+    p = measured(policy(), 2, 2.6, 1.0)
+    for _ in range(30):
+        p.record_accept(matched, 4.0)
+    # 4 + 4 tokens for 2.6x the time of a plain step's 2 pays; 4 + 1 does not
+    assert p.choose([matched, unmatched], drafted=[True, False]) is False
+    assert p.choose([matched, matched], drafted=[True, True]) is True
+    plain = p.plain_steps
+    assert p.choose([matched], drafted=[False]) is False
+    assert policy("always").choose([matched], drafted=[False]) is False  # nothing to verify
+    assert p.plain_steps == plain + 1

@@ -67,6 +67,9 @@ class Proposer(ABC):
     """Drafts ``num_steps`` (k) tokens per request; deterministic for a given input."""
 
     num_steps: int
+    # Proposing is cheap host work whose counts (``num_tokens_host``) say, before the step is
+    # chosen, which requests have drafts (prompt lookup): the policy then decides on them.
+    proposes_first: bool = False
 
     @abstractmethod
     def propose(self, batch: ProposeInput) -> DraftProposal:

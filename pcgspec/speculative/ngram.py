@@ -87,6 +87,8 @@ class NgramIndex:
 
 
 class NgramProposer(Proposer):
+    proposes_first = True
+
     def __init__(self, num_steps: int, min_window: int = 1, max_window: int = 12,
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         if num_steps < 1:

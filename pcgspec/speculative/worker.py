@@ -13,7 +13,8 @@ verification. The step copies to the host once, the accepted lengths and tokens 
 checks, streaming and page bookkeeping need.
 
 A plain decode step (the caller's) runs instead when the policy (``SpecPolicy``) says
-speculation does not pay, when a request wants logprobs (not computed for accepted drafts yet),
+speculation does not pay (for prompt lookup, decided on the proposal: a request without a
+match gains nothing), when a request wants logprobs (not computed for accepted drafts yet),
 when a request would pass the context length, or when the KV pool cannot hold k more slots per
 request. Model drafters see every target pass through ``observe`` (the positions it computed
 and, for EAGLE3 / MTP, their hidden states).
@@ -90,14 +91,19 @@ class SpecWorker:
         the tokens committed per request), or None: nothing ran, do a plain decode step.
         """
         reqs = batch.requests
-        if not self.policy.choose(reqs):
+        proposal = drafted = None
+        if self.proposer.proposes_first:
+            proposal = self.propose(reqs)
+            drafted = [n > 0 for n in proposal.num_tokens_host]
+        if not self.policy.choose(reqs, drafted):
             return None
         if not self._can_speculate(reqs):
             self.num_fallbacks += 1
             return None
-        proposal = self.propose(reqs)
+        if proposal is None:
+            proposal = self.propose(reqs)
         verified, hidden = self.verify(reqs, proposal)
-        committed = self.accept_and_commit(reqs, verified, hidden)
+        committed = self.accept_and_commit(reqs, verified, hidden, drafted)
         self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
         self.rollback(reqs)
         return ScheduledBatch(batch.mode, reqs, committed, [True] * len(reqs))
@@ -149,11 +155,14 @@ class SpecWorker:
     # accept + commit / rollback ----------------------------------------------------------
 
     def accept_and_commit(
-        self, reqs: Sequence[Request], out: VerifyOutput, hidden: torch.Tensor | None
-    ) -> list[int]:
+        self, reqs: Sequence[Request], out: VerifyOutput, hidden: torch.Tensor | None,
+        drafted: Sequence[bool] | None = None,
+    ) -> list[int]:  # fmt: skip
         """Append the accepted drafts and the next token, stopping at the first finish (EOS,
         stop token or string, max_tokens), and hand the proposer the verify rows whose K/V now
-        stand (the input token and the accepted drafts). Returns the tokens committed per request.
+        stand (the input token and the accepted drafts). ``drafted``: the requests that had
+        drafts, where known before the step (the policy averages their accept lengths only).
+        Returns the tokens committed per request.
         """
         committed, k1 = [], self.num_steps + 1
         # NOTE: the step's one device-to-host copy.
@@ -161,7 +170,8 @@ class SpecWorker:
         for b, (req, (accept_len, *tokens)) in enumerate(zip(reqs, rows)):
             req.spec.record(accept_len, self.num_steps)
             self.stats.record(accept_len, self.num_steps)
-            self.policy.record_accept(req, accept_len + 1)
+            if drafted is None or drafted[b]:
+                self.policy.record_accept(req, accept_len + 1)
             start, n = len(req.token_ids) - 1, 0
             for token in tokens[: accept_len + 1]:
                 req.append_token(token, self.eos_token_ids)
