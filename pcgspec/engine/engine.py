@@ -18,6 +18,7 @@ from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
+from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
@@ -58,6 +59,7 @@ class Engine:
             if spec is not None else None
         )  # fmt: skip
         self._capture_draft_graphs()
+        warm_up_kernels(self._kernel_warmup(), self.runner.device)
 
     def _load_models(self, config: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
         """The target's runner and, for a model-based drafter, the draft's. The draft loads
@@ -91,6 +93,21 @@ class Engine:
         proposer.graphs = DraftGraphRunner(proposer.runner, proposer.num_steps, max_bs,
                                            self.context_length)  # fmt: skip
         proposer.graphs.capture()
+
+    def _kernel_warmup(self) -> KernelWarmup:
+        """The Triton kernel variants serving can reach (warmed at start-up: a first wave of
+        concurrent requests then compiles nothing).
+        """
+        proposer = None if self.spec_worker is None else self.spec_worker.proposer
+        runners = [self.runner, *([proposer.runner] if isinstance(proposer, ModelProposer) else [])]
+        triton = self.config.resolved_attention_backend == "triton"
+        spec = self.config.speculative_config
+        k = None if spec is None else spec.num_steps
+        return KernelWarmup(
+            attention=tuple(AttentionShape.of(r.attn_backend) for r in runners if triton),
+            split_kv_tokens=(1,) if k is None else (1, k + 1),
+            verify=None if k is None else (k, self.runner.vocab_size),
+        )
 
     @property
     def context_length(self) -> int:

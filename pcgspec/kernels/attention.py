@@ -14,11 +14,15 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# NOTE: the reduce's split tile never narrows below this (masked lanes are free), so every split
+# count up to it shares one compiled kernel.
+_MIN_BLOCK_S = 32
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-@triton.jit
+# NOTE: index arrays may be views into one packed upload: their alignment is not specialized.
+@triton.jit(do_not_specialize_on_alignment=["Loc"])
 def _store_kv_kernel(
     K, V, KCache, VCache, Loc,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
@@ -85,7 +89,10 @@ def _attend_tile(
     return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, MASK_KV or CAUSAL, DOT_PREC)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_pt"])  # vary per batch, as in extend
+@triton.jit(  # vary per batch, as in extend
+    do_not_specialize=["num_splits", "stride_pt"],
+    do_not_specialize_on_alignment=["PageTable", "SeqLens"],
+)
 def _split_kv_kernel(
     Q, KCache, VCache, MidO, MidLse, PageTable, SeqLens, qk_scale, num_heads, num_splits,
     stride_qt, stride_qh, stride_pt, stride_cs,
@@ -326,7 +333,8 @@ def decode_attention(
     )  # fmt: skip
     _split_kv_reduce_kernel[(num_rows, num_heads)](
         mid_o, mid_lse, out, num_heads, num_kv_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_S=max(_MIN_BLOCK_S, triton.next_power_of_2(num_kv_splits)),
+        BLOCK_D=block_d,
     )  # fmt: skip
 
 

@@ -62,7 +62,7 @@ def rng_uniform(seed, position, stream):
     return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # NOTE: a per-batch size (see pad_batch.py)
 def _uniform_kernel(Seed, Pos, Out, n, STREAM: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
@@ -71,7 +71,12 @@ def _uniform_kernel(Seed, Pos, Out, n, STREAM: tl.constexpr, BLOCK: tl.constexpr
     tl.store(Out + i, rng_uniform(seed, pos, STREAM), mask=mask)
 
 
-@triton.jit
+# NOTE: the request table's rows are views at offsets of num_slots entries; the per-batch index
+# arrays are small: no input's alignment is specialized.
+_TABLE_AND_INDEX = ["Temp", "TopP", "TopK", "MinP", "Seed", "Pos", "Slots", "RowsPer", "RowStart"]
+
+
+@triton.jit(do_not_specialize_on_alignment=_TABLE_AND_INDEX)
 def _build_kernel(
     Temp, TopP, TopK, MinP, Seed, Pos, Slots, RowsPer, RowStart,
     OTemp, OTopP, OTopK, OMinP, OSeed, OPos,
@@ -105,7 +110,9 @@ def _build_kernel(
         tl.store(OPos + rows, pos + j, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_requests"])
+@triton.jit(
+    do_not_specialize=["num_requests"], do_not_specialize_on_alignment=["Pos", "Slots", "Emitted"]
+)
 def _advance_kernel(
     Pos, Slots, Emitted, num_requests, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr
 ):

@@ -33,7 +33,7 @@ from pcgspec.kernels.attention import (
     _online_softmax,
     _require,
 )
-from pcgspec.kernels.launches import CompiledLaunches, all_aligned
+from pcgspec.kernels.launches import CompiledLaunches
 
 
 @triton.jit
@@ -135,15 +135,18 @@ def _zero_rows(
 
 
 # NOTE: ints that change from batch to batch are not specialized (Triton would compile a variant
-# per value class: == 1, multiple of 16, other), so a server's first batches compile nothing.
-@triton.jit(do_not_specialize=["num_real", "num_rows", "stride_pt"])
+# per value class: == 1, multiple of 16, other), nor is the alignment of the small index arrays
+# (views into one packed upload), so a server's first batches compile nothing.
+@triton.jit(
+    do_not_specialize=["num_real", "num_rows", "stride_pt"],
+    do_not_specialize_on_alignment=["Loc", "PageTable", "SeqLens", "ExtendLens", "ExtendStart"],
+)
 def _extend_kernel(
     Q, K, V, Out, KCache, VCache, Loc, PageTable, SeqLens, ExtendLens, ExtendStart, qk_scale,
     num_real, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_pt,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_PAD: tl.constexpr,
 ):  # fmt: skip
     # Rows of a tile are (token, head-in-group) pairs, so one K/V read serves the whole group.
     b = tl.program_id(0)
@@ -152,11 +155,11 @@ def _extend_kernel(
     rows = r0 + tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows % GROUP
     d = tl.arange(0, BLOCK_D)
-    if HAS_PAD:
-        if b == tl.num_programs(0) - 1:  # the padding program: zero rows num_real .. num_rows
-            pad = (num_real + rows // GROUP).to(tl.int64)
-            _zero_rows(Out, pad, pad < num_rows, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_D)
-            return
+    # NOTE: a runtime test, not a constexpr: padded and unpadded passes share one compiled kernel.
+    if (num_real < num_rows) & (b == tl.num_programs(0) - 1):  # the padding program
+        pad = (num_real + rows // GROUP).to(tl.int64)  # zero rows num_real .. num_rows
+        _zero_rows(Out, pad, pad < num_rows, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_D)
+        return
     ext_len = tl.load(ExtendLens + b)
     if r0 >= ext_len * GROUP:
         return
@@ -257,7 +260,7 @@ def plan_extend(
     grid = (len(extend_lens) + (pad > 0), num_kv_heads, -(-max(max_len, pad) * group // block_m))
     constants = dict(
         PAGE_SIZE=page_size, GROUP=group, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, DOT_PREC=_dot_precision(dtype), HAS_PAD=pad > 0,
+        BLOCK_N=block_n, BLOCK_D=block_d, DOT_PREC=_dot_precision(dtype),
         num_warps=_num_warps(dtype, block_m, block_d), num_stages=2,
     )  # fmt: skip
     return ExtendPlan(
@@ -346,7 +349,7 @@ def extend_attention(
     # same compiled kernel applies.
     ptrs = [t.data_ptr() for t in tensors]
     launch = plan.launches.get(strides)
-    if launch is not None and all_aligned(ptrs):
+    if launch is not None and _EXTEND.aligned(ptrs):
         launch(plan.grid, *ptrs, *scalars)
         return
     key = (strides, plan.specialization)

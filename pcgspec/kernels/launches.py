@@ -64,12 +64,25 @@ class CompiledLaunches:
     ``key`` must pin everything of the launch that Triton specializes on besides the tensors'
     device and dtypes and the 16-byte alignment of their pointers (those are added here): the
     specialized ints and the constexprs. Tensors come first in the argument list, then scalars,
-    then the constexprs (by name in ``constants``).
+    then the constexprs (by name in ``constants``). Pointers the kernel lists in
+    ``do_not_specialize_on_alignment`` may have any alignment.
     """
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self._launches: dict[Hashable, Callable[..., None] | None] = {}
+        params = getattr(fn, "params", ())  # NOTE: the interpreter's functions have none
+        self._align_checked = tuple(
+            i for i, p in enumerate(params) if not (p.is_constexpr or
+                                                    p.do_not_specialize_on_alignment)
+        )  # fmt: skip
+
+    def aligned(self, ptrs: Sequence[int]) -> bool:
+        """Whether the pointers (tensors' ``data_ptr()``, in argument order) that Triton
+        specializes on alignment are all 16-byte aligned.
+        """
+        n = len(ptrs)
+        return all_aligned([ptrs[i] for i in self._align_checked if i < n] or [0])
 
     def __call__(
         self,
@@ -84,7 +97,7 @@ class CompiledLaunches:
         ``(grid, *tensors or data_ptrs, *scalars)``.
         """
         ptrs = [t.data_ptr() for t in tensors]
-        if not all_aligned(ptrs):  # Triton specializes on alignment
+        if not self.aligned(ptrs):  # Triton specializes on alignment
             self.fn[grid](*tensors, *scalars, **constants)
             return None
         full_key = (key, tensors[0].device, *(t.dtype for t in tensors))

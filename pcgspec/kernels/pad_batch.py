@@ -19,8 +19,12 @@ from pcgspec.kernels.launches import CompiledLaunches
 _BLOCK = 1024  # tokens per program; also requests per scan step
 
 
-# NOTE: the sizes change from batch to batch: not specialized, so nothing compiles at serving.
-@triton.jit(do_not_specialize=["num_tokens", "num_rows", "num_reqs"])
+# NOTE: the sizes, and the alignment of the inputs (views into one packed upload), change from
+# batch to batch: not specialized, so nothing compiles at serving.
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_rows", "num_reqs"],
+    do_not_specialize_on_alignment=["InputIds", "Positions", "Loc", "ExtendLens"],
+)
 def _pad_batch_kernel(
     InputIds, Positions, Loc, ExtendLens, OutIds, OutPositions, OutLoc, OutStart,
     num_tokens, num_rows, num_reqs, BLOCK: tl.constexpr, HAS_START: tl.constexpr,

@@ -133,7 +133,11 @@ def _rejection_row(p_row, q_row, draft, seed, pos, is_draft, V, BLOCK_V: tl.cons
     return token, ok
 
 
-@triton.jit
+# NOTE: the per-row index arrays may be views (of the sampling rows): their alignment is not
+# specialized; the probability rows' is.
+@triton.jit(
+    do_not_specialize_on_alignment=["Draft", "Seed", "Pos", "NumDraft", "Greedy", "Accept", "Cand"]
+)
 def _verify_rows_kernel(
     P, Q, Draft, Seed, Pos, NumDraft, Greedy, Accept, Cand,
     stride_pb, stride_pj, stride_qb, stride_qj, V, K,
@@ -170,7 +174,7 @@ def _verify_rows_kernel(
     tl.store(Cand + row, token.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Accept", "Cand", "Draft", "AcceptLen", "Out"])
 def _accept_kernel(Accept, Cand, Draft, AcceptLen, Out, K, BLOCK_K: tl.constexpr):
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK_K)

@@ -1,0 +1,218 @@
+"""Start-up warm-up: launch every Triton kernel variant that serving can reach, once, so the
+first concurrent batches compile nothing.
+
+Triton compiles a kernel per specialization: its constexprs, the dtypes of its tensors, the
+16-byte alignment of the pointers it specializes on and the value class (== 1, multiple of 16,
+other) of its specialized ints. The kernels here keep per-batch values out of that key (sizes
+are ``do_not_specialize``, index arrays ``do_not_specialize_on_alignment``, the extend kernel's
+padding program a runtime test), so what is left depends on the model and the configuration
+only, and one launch per variant on scratch buffers compiles (or loads from Triton's disk
+cache) and loads all of them. Every launch writes no KV (slots -1) and no engine state.
+
+Per family: ``warm_extend`` (one launch per ``BLOCK_M`` that ``plan_extend`` can choose for the
+head config), ``warm_split_kv`` (KV store + split-KV decode and reduce per tokens per request),
+``warm_pad_batch`` (with and without request starts), ``warm_sampling`` (build_sampling_params,
+advance_positions) and ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the
+speculative worker uses, and the accept kernel).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pcgspec.kernels.attention import decode_attention, decode_workspace, store_kv
+from pcgspec.kernels.build_sampling_params import (
+    SamplingTensors,
+    advance_positions,
+    build_sampling_params,
+)
+from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_extend
+from pcgspec.kernels.pad_batch import pad_batch
+from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
+
+if TYPE_CHECKING:
+    from pcgspec.attention.base import AttentionBackend
+
+logger = logging.getLogger("pcgspec")
+
+_MAX_EXTEND_SWEEP = 128  # extend lengths tried: at >= the largest tile every BLOCK_M is capped
+_WARM_SPLITS = 2  # the split count is a runtime argument: any value compiles the same kernel
+VERIFY_STRATEGIES = (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One model's attention as the kernels see it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # of the KV cache and of q/k/v
+    page_size: int
+
+    @classmethod
+    def of(cls, backend: AttentionBackend) -> AttentionShape:
+        """The shape ``backend`` runs."""
+        cache = backend.kv_cache
+        return cls(backend.num_heads, backend.num_kv_heads, backend.head_dim, cache.spec.dtype,
+                   cache.page_size)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelWarmup:
+    """What serving launches: the Triton attention of each model (the target's, a model
+    drafter's), the tokens per request of its split-KV passes (decode 1; verify and a draft
+    catch-up k+1), and with speculation (k, vocab size) of verification.
+    """
+
+    attention: tuple[AttentionShape, ...] = ()
+    split_kv_tokens: tuple[int, ...] = (1,)
+    verify: tuple[int, int] | None = None
+
+
+def extend_lengths(shape: AttentionShape) -> list[int]:
+    """The shortest extend length of each distinct specialization ``plan_extend`` chooses for
+    ``shape`` (one per ``BLOCK_M``), ascending.
+    """
+    seen, lengths = set(), []
+    for n in range(1, _MAX_EXTEND_SWEEP + 1):
+        key = _plan(shape, n, n).specialization
+        if key not in seen:
+            seen.add(key)
+            lengths.append(n)
+    return lengths
+
+
+def extend_variants(shape: AttentionShape) -> list[dict[str, object]]:
+    """The extend kernel's constants (``BLOCK_M``, warps, ...) of each length in
+    ``extend_lengths``.
+    """
+    return [_plan(shape, n, n).constants for n in extend_lengths(shape)]
+
+
+def _plan(shape: AttentionShape, n: int, rows: int) -> ExtendPlan:
+    return plan_extend([n], rows, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                       shape.dtype, shape.page_size, 1.0)  # fmt: skip
+
+
+class _Scratch:
+    """Small scratch tensors on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def zeros(self, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def full(self, value: int, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.full(shape, value, dtype=dtype, device=self.device)
+
+    def attention(self, shape: AttentionShape, rows: int) -> tuple[torch.Tensor, ...]:
+        """q, k, v, out with the model's layout ([T, H, D], [T, KV, D]) and a one-page cache."""
+        h, kv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
+        q, out = self.zeros(rows, h, d, dtype=dt), self.zeros(rows, h, d, dtype=dt)
+        k, v = self.zeros(rows, kv, d, dtype=dt), self.zeros(rows, kv, d, dtype=dt)
+        cache = [self.zeros(shape.page_size + 1, kv, d, dtype=dt) for _ in range(2)]
+        return q, k, v, out, *cache
+
+
+def warm_extend(shape: AttentionShape, device: torch.device) -> int:
+    """One fused extend launch per ``BLOCK_M`` variant, each with a padded row. Returns the
+    launches.
+    """
+    s = _Scratch(device)
+    lengths = extend_lengths(shape)
+    for n in lengths:
+        q, k, v, out, k_cache, v_cache = s.attention(shape, n + 1)
+        pages = -(-n // shape.page_size)
+        plan = _plan(shape, n, n + 1)
+        extend_attention(
+            q, k, v, out, k_cache, v_cache, s.full(-1, n + 1), s.zeros(1, pages, dtype=torch.int32),
+            s.full(n, 1, dtype=torch.int32), s.full(n, 1, dtype=torch.int32),
+            s.zeros(1, dtype=torch.int32), plan,
+        )  # fmt: skip
+    return len(lengths)
+
+
+def warm_split_kv(shape: AttentionShape, tokens_per_seq: int, device: torch.device) -> int:
+    """KV store, split-KV decode and its reduce for one request of ``tokens_per_seq`` tokens."""
+    s = _Scratch(device)
+    n = tokens_per_seq
+    q, k, v, out, k_cache, v_cache = s.attention(shape, n)
+    store_kv(k, v, k_cache, v_cache, s.full(-1, n))
+    workspace = decode_workspace(n, shape.num_heads, shape.head_dim, _WARM_SPLITS, device)
+    pages = -(-n // shape.page_size)
+    decode_attention(
+        q, k_cache, v_cache, out, s.zeros(1, pages, dtype=torch.int32),
+        s.full(n, 1, dtype=torch.int32), shape.page_size, 1.0, _WARM_SPLITS,
+        tokens_per_seq=n, workspace=workspace,
+    )  # fmt: skip
+    return 3
+
+
+def warm_pad_batch(device: torch.device) -> int:
+    """``pad_batch`` with request starts (piecewise prefill) and without (graph replays)."""
+    s = _Scratch(device)
+    for out_start in (s.zeros(1, dtype=torch.int32), None):
+        pad_batch(s.zeros(1), s.zeros(1), s.full(-1, 1), s.full(1, 1, dtype=torch.int32),
+                  s.zeros(2), s.zeros(2), s.full(-1, 2), out_start)  # fmt: skip
+    return 2
+
+
+def warm_sampling(device: torch.device) -> int:
+    """``build_sampling_params`` and ``advance_positions`` as ``SamplingSlots`` calls them."""
+    s = _Scratch(device)
+    table = SamplingTensors(*(t.zero_() for t in SamplingTensors.empty(1, device).tensors()))
+    slots = s.zeros(1)
+    build_sampling_params(table, torch.ones_like(slots), 1, req_slots=slots)
+    advance_positions(s.zeros(1), s.zeros(1), slots)
+    return 2
+
+
+def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
+    """Verification of ``num_steps`` drafts over ``vocab_size`` float32 rows, under each
+    strategy the speculative worker uses, as it calls it.
+    """
+    s = _Scratch(device)
+    k1 = num_steps + 1
+    for strategy in VERIFY_STRATEGIES:
+        verify_draft_tokens(
+            s.zeros(1, k1, vocab_size, dtype=torch.float32), s.zeros(1, num_steps), strategy,
+            seed=s.zeros(1, k1), position=s.zeros(1, k1), num_draft=s.full(num_steps, 1),
+        )  # fmt: skip
+    return 2 * len(VERIFY_STRATEGIES)
+
+
+def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
+    """Every family ``warmup`` names; returns the number of kernel launches (variants)."""
+    count = warm_pad_batch(device) + warm_sampling(device)
+    for shape in _unique(warmup.attention):
+        count += warm_extend(shape, device)
+        count += sum(warm_split_kv(shape, n, device) for n in sorted(set(warmup.split_kv_tokens)))
+    if warmup.verify is not None:
+        count += warm_verify(*warmup.verify, device)
+    return count
+
+
+def warm_up_kernels(warmup: KernelWarmup, device: torch.device) -> int:
+    """``run_warmup`` on CUDA, timed and logged; a no-op elsewhere (the torch references
+    serve there). Returns the launches.
+    """
+    if device.type != "cuda":
+        return 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        count = run_warmup(warmup, device)
+    torch.cuda.synchronize(device)
+    logger.info("kernel warm-up: %d variants in %.2f s", count, time.perf_counter() - start)
+    return count
+
+
+def _unique(shapes: Sequence[AttentionShape]) -> list[AttentionShape]:
+    return list(dict.fromkeys(shapes))

@@ -1,0 +1,247 @@
+"""The start-up kernel warm-up (``pcgspec/kernels/warmup.py``): it plans every extend variant a
+head config can produce, runs under the interpreter, and covers what serving launches: every
+serving launch below has a Triton specialization key (computed as the CUDA backend would, on
+CPU) that a warm-up launch already had. The ``gpu`` test counts real compilations after start-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from pcgspec.kernels.attention import decode_attention, decode_workspace, store_kv
+from pcgspec.kernels.extend_attention import extend_attention, plan_extend
+from pcgspec.kernels.pad_batch import pad_batch
+from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
+from pcgspec.kernels.warmup import (
+    AttentionShape,
+    KernelWarmup,
+    extend_lengths,
+    extend_variants,
+    run_warmup,
+)
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.forward_batch import ForwardMode
+from pcgspec.sampling.slots import SamplingSlots
+from pcgspec.sampling_params import SamplingParams
+
+BF16, F32 = torch.bfloat16, torch.float32
+TINY = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, dtype=F32, page_size=4)
+K, VOCAB = 3, 64
+
+
+@pytest.mark.parametrize(
+    ("shape", "block_ms", "lengths"),
+    [
+        (AttentionShape(9, 3, 64, BF16, 16), [16, 32, 64, 128], [1, 6, 11, 22]),  # SmolLM2
+        (AttentionShape(32, 8, 64, BF16, 16), [16, 32, 64, 128], [1, 5, 9, 17]),  # Llama-3.2-1B
+        (AttentionShape(32, 8, 128, BF16, 16), [16, 32, 64, 128], [1, 5, 9, 17]),  # Qwen3-8B
+        (AttentionShape(8, 1, 256, BF16, 16), [16, 32, 64], [1, 3, 5]),  # head dim 256: M <= 64
+        (AttentionShape(9, 3, 64, F32, 16), [16, 32, 64], [1, 6, 11]),  # fp32 tiles: M <= 64
+        (TINY, [16, 32, 64], [1, 9, 17]),
+    ],
+)
+def test_extend_variants_of_a_head_config(shape, block_ms, lengths) -> None:
+    assert [v["BLOCK_M"] for v in extend_variants(shape)] == block_ms
+    assert extend_lengths(shape) == lengths
+    # Every plan of any batch (any lengths, padded or not) is one of these specializations.
+    planned = {tuple(sorted(v.items())) for v in extend_variants(shape)}
+    rng = random.Random(0)
+    for _ in range(200):
+        lens = [rng.randrange(0, 600) for _ in range(rng.randrange(1, 9))]
+        plan = plan_extend(lens, sum(lens) + rng.randrange(0, 64), shape.num_heads,
+                           shape.num_kv_heads, shape.head_dim, shape.dtype, shape.page_size, 0.1)
+        assert plan.specialization in planned, lens
+
+
+# Specialization keys ----------------------------------------------------------------------------
+
+
+@functools.cache
+def _cuda_backend():  # noqa: ANN202
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    return CUDABackend(GPUTarget("cuda", 90, 32))
+
+
+def _key(fn, args: tuple, kwargs: dict) -> tuple:  # noqa: ANN001
+    """Triton's specialization key of a launch of ``fn`` (JIT or interpreted): per argument
+    ("constexpr", value) or the CUDA backend's (type, alignment / int class), plus the options.
+    """
+    from triton.runtime.jit import native_specialize_impl
+
+    opts = getattr(fn, "kwargs", {})  # the interpreter keeps the decorator's arguments here
+    dns = set(opts.get("do_not_specialize") or ())
+    dnsa = set(opts.get("do_not_specialize_on_alignment") or ())
+    params = inspect.signature(fn.fn).parameters
+    bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+    key = []
+    for name, p in params.items():
+        value = bound[name]
+        if "constexpr" in str(p.annotation):
+            key.append(("constexpr", value))
+        else:
+            key.append(native_specialize_impl(_cuda_backend(), value, False, name not in dns,
+                                              name not in dnsa))  # fmt: skip
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
+    return (*key, options)
+
+
+@pytest.fixture
+def record(monkeypatch: pytest.MonkeyPatch):
+    """``record()`` -> a context collecting each kernel launch's specialization key by name."""
+    from pcgspec.kernels import extend_attention
+
+    kernel_type = type(extend_attention._extend_kernel)
+    run = kernel_type.run
+    current: list[dict[str, set[tuple]]] = []
+
+    def recording_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202
+        if current:
+            current[-1][self.fn.__name__].add(_key(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", recording_run)
+
+    def start() -> dict[str, set[tuple]]:
+        current.append(collections.defaultdict(set))
+        return current[-1]
+
+    return start
+
+
+def _qkv(rows: int, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
+    """q, k, v as views of one fused projection (the model's split), and a fresh out."""
+    h, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    fused = torch.randn(rows, (h + 2 * kv) * d, dtype=shape.dtype)
+    q, k, v = fused.split([h * d, kv * d, kv * d], dim=-1)
+    return q.view(rows, h, d), k.view(rows, kv, d), v.view(rows, kv, d), torch.empty(rows, h, d)
+
+
+@dataclass(eq=False)
+class _Req:
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def _serve_like(shape: AttentionShape) -> None:
+    """What an engine step launches, over batches whose sizes give every index array every
+    alignment: prefill batches (piecewise padding + extend), decode/verify passes, sampling
+    rows and commits, verification.
+    """
+    rng, page = random.Random(1), shape.page_size
+    cache = [torch.zeros(65 * page + 1, shape.num_kv_heads, shape.head_dim) for _ in range(2)]
+    for lens in ([1], [3, 2], [7, 1, 30], [12, 5, 9, 2], [40], [2, 2, 2, 2, 2]):
+        chunks = [SeqChunk([1] * n, s, list(range(16))) for n, s in
+                  zip(lens, rng.choices([0, 3, 9], k=len(lens)))]  # fmt: skip
+        batch = build_forward_batch(ForwardMode.EXTEND, chunks, page, "cpu")
+        rows = sum(lens) + rng.randrange(0, 5)
+        ids, pos, loc = (torch.zeros(rows, dtype=torch.int64) for _ in range(3))
+        start = torch.zeros(len(lens), dtype=torch.int32)
+        pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens, ids,
+                  pos, loc, start)  # fmt: skip
+        plan = plan_extend(lens, rows, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                           shape.dtype, page, 0.25)  # fmt: skip
+        extend_attention(*_qkv(rows, shape), *cache, loc, batch.page_table, batch.seq_lens,
+                         batch.extend_lens, start, plan)  # fmt: skip
+        for n in (1, K + 1):  # decode, verify
+            chunks = [SeqChunk([1] * n, s, list(range(16))) for s in lens]
+            batch = build_forward_batch(ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY,
+                                        chunks, page, "cpu")  # fmt: skip
+            out_rows = len(lens) * n
+            pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
+                      *(torch.zeros(out_rows + 1, dtype=torch.int64) for _ in range(3)), None)
+            q, k, v, out = _qkv(out_rows, shape)
+            store_kv(k, v, *cache, torch.full((out_rows,), -1))
+            splits = rng.choice([1, 2, 3, 7, 32])
+            decode_attention(q, *cache, out, batch.page_table, batch.seq_lens, page, 0.25, splits,
+                             tokens_per_seq=n,
+                             workspace=decode_workspace(out_rows, shape.num_heads,
+                                                        shape.head_dim, splits, "cpu"))  # fmt: skip
+    slots = SamplingSlots(3, VOCAB, "cpu", triton=True)  # NOTE: 3 slots: misaligned table rows
+    reqs = [_Req(SamplingParams(temperature=t, seed=7), 7, [1, 2]) for t in (0.0, 0.8, 0.5)]
+    for req in reqs:
+        slots.admit(req)
+    for batch_reqs in (reqs, reqs[1:], reqs[2:]):
+        b = len(batch_reqs)
+        rows = slots.rows(batch_reqs, torch.zeros(b, K, dtype=torch.int64))  # k+1 rows each
+        ones = torch.ones(b, dtype=torch.int64)
+        slots.commit(batch_reqs, torch.zeros(b, 1, dtype=torch.int64), ones)
+        for strategy in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH):
+            verify_draft_tokens(
+                torch.rand(b, K + 1, VOCAB), torch.randint(0, VOCAB, (b, K)), strategy,
+                seed=rows.seed.view(b, K + 1), position=rows.position.view(b, K + 1),
+                num_draft=torch.full((b,), K),
+            )  # fmt: skip
+        slots.rows(batch_reqs)
+
+
+def test_warmup_covers_every_serving_specialization(record) -> None:
+    warmed = record()
+    warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB))
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 2 + 3 + 3 + 3 + 2 * 2
+    served = record()
+    _serve_like(TINY)
+    assert set(served) == set(warmed) == {
+        "_pad_batch_kernel", "_build_kernel", "_advance_kernel", "_extend_kernel",
+        "_store_kv_kernel", "_split_kv_kernel", "_split_kv_reduce_kernel",
+        "_verify_rows_kernel", "_accept_kernel",
+    }  # fmt: skip
+    for name, keys in served.items():
+        missing = keys - warmed[name]
+        assert not missing, f"{name}: {len(missing)} not warmed, e.g. {missing.pop()}"
+    # One compiled kernel per family member (the sizes and index alignments are runtime values).
+    assert {n: len(k) for n, k in warmed.items()} == {
+        "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 1, "_extend_kernel": 3,
+        "_store_kv_kernel": 1, "_split_kv_kernel": 2, "_split_kv_reduce_kernel": 1,
+        "_verify_rows_kernel": 2, "_accept_kernel": 1,
+    }  # fmt: skip
+
+
+def test_warmup_is_a_no_op_off_cuda() -> None:
+    from pcgspec.kernels.warmup import warm_up_kernels
+
+    assert warm_up_kernels(KernelWarmup(attention=(TINY,)), torch.device("cpu")) == 0
+
+
+# GPU --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculative", [None, "NGRAM"], ids=["plain", "ngram"])
+def test_first_concurrent_wave_compiles_nothing(smollm2_path, speculative, monkeypatch) -> None:
+    from pcgspec import LLM
+
+    spec = {} if speculative is None else {"speculative_algorithm": speculative,
+                                           "speculative_num_steps": K}  # fmt: skip
+    llm = LLM(str(smollm2_path), dtype="bfloat16", max_total_tokens=32768,
+              piecewise_cuda_graph_max_tokens=512, **spec)  # fmt: skip
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    from triton.runtime.jit import JITFunction
+
+    counts: collections.Counter[str] = collections.Counter()
+    compile_ = JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        counts[self.fn.__name__] += 1
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counting)
+    rng = random.Random(0)
+    lengths = [1, 2, 3, 5, 7, 9, 12, 17, 23, 33, 48, 64, 90, 130, 200, 300]
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(n)]}
+               for n in lengths]  # fmt: skip
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0 if i % 2 else 0.8,
+                             seed=None if i % 2 else i) for i in range(len(lengths))]  # fmt: skip
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.token_ids) == 24 for o in outputs)
+    assert not counts, f"Triton compiled after start-up: {dict(counts)}"
