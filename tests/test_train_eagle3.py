@@ -271,3 +271,26 @@ def test_eagle3_default_draft_is_the_shipped_head(tmp_path, monkeypatch, smollm2
     given = EngineConfig(model=str(tmp_path), speculative_algorithm="EAGLE3",
                          speculative_draft_model_path=str(head))  # fmt: skip
     assert given.speculative_config.draft_model_path(str(tmp_path)) == str(head)
+
+
+def test_shipped_head_drafts_for_the_default_model_and_output_equals_plain(smollm2_path) -> None:
+    """The head in the package: small, in the published layout, the default EAGLE3 draft of the
+    default model; greedy output with it equals plain decoding (lossless whatever the head), and
+    it is trained: chat answers accept more than one token a step on average.
+    """
+    head = default_model.DEFAULT_EAGLE3_HEAD
+    assert sum(f.stat().st_size for f in head.iterdir()) < 25 * 2**20
+    config = json.loads((head / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] < 49152
+    kw = {"dtype": "float32", "device": "cpu"}
+    plain = LLM(str(smollm2_path), **kw)
+    spec = LLM(str(smollm2_path), speculative_algorithm="EAGLE3", speculative_num_steps=4,
+               speculative_policy="always", **kw)  # fmt: skip
+    questions = ["What is the capital of France?", "Write a haiku about the sea.",
+                 "Explain what a prime number is."]  # fmt: skip
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = plain.chat(chats, params, use_tqdm=False)
+    got = spec.chat(chats, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_stats()["avg_spec_accept_length"] > 1.5
