@@ -10,13 +10,16 @@ building, commit, stop checks, scheduling) from another such pass that synchroni
 each phase (which slows it: ``synced_step_ms``). Prompts ask the model to repeat text
 ("repeat": where prompt lookup helps) or open questions ("general"). Medians; writes JSON.
 
-Drafts: EAGLE3 and NEXTN run untrained heads written in the published layouts (accept length
-about 1: they measure the cost of drafting and verifying, not a trained head's gain; EAGLE3
-with a reduced draft vocabulary, as published heads have), unless ``--eagle3-draft`` /
-``--nextn-draft`` name checkpoints; STANDALONE runs ``--standalone-draft``, by default the
-target itself (every draft accepted: the ceiling of the method).
+Drafts: EAGLE3 runs the shipped head of the default model (``--eagle3-draft`` names another);
+``EAGLE3:untrained`` and NEXTN (and EAGLE3 on another target) run untrained heads written in
+the published layouts (accept length about 1: they measure the cost of drafting and
+verifying, not a head's gain; EAGLE3's with a reduced draft vocabulary, as published heads
+have), unless ``--nextn-draft`` names a checkpoint; STANDALONE runs ``--standalone-draft``, by
+default the target itself (every draft accepted: the ceiling of the method). Prompts: "chat"
+goes through the model's chat template.
 
-    python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,NEXTN --batch-sizes 1,4,16,32
+    python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,EAGLE3:untrained \\
+        --batch-sizes 1,4,16,32
 """
 
 from __future__ import annotations
@@ -49,7 +52,26 @@ PROMPT_SETS = {
     "repeat": [f"Text: {p}\n\nThe same text, copied exactly:\nText: " for p in _PASSAGES],
     "general": ["Explain gravity to a child.", "List three prime numbers:",
                 "Write a haiku about the sea.", "What is 12 times 12?"],
+    # Chat turns through the model's chat template, written for this benchmark (none is in the
+    # EAGLE3 trainer's topics or templates): what a chat server sees.
+    "chat": ["How do I keep basil alive on a windowsill?",
+             "Why do cats purr?",
+             "Give me three tips for a first job interview.",
+             "What is the difference between weather and climate?",
+             "Write a short poem about a lighthouse keeper.",
+             "How does a refrigerator keep food cold?",
+             "Suggest a name for a bakery that sells only bread.",
+             "Explain what an API is to someone who does not program.",
+             "What should I pack for a two-day hike?",
+             "Summarize the story of Cinderella in three sentences.",
+             "Write a Python function that checks whether a word is a palindrome.",
+             "Why is the ocean salty?",
+             "How can I get better at remembering names?",
+             "What are the planets of the solar system, in order?",
+             "Describe a sunset to someone who has never seen one.",
+             "If a train travels 60 km in 45 minutes, what is its average speed?"],
 }
+CHAT_SETS = {"chat"}
 PHASES = ("propose", "verify", "accept_and_commit")
 
 
@@ -209,9 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; else sampled with a fixed seed per request")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompts", default="repeat,general", help="comma-separated: repeat, general")
+    p.add_argument("--prompts", default="repeat,general,chat",
+                   help="comma-separated: repeat, general, chat (chat template)")
     p.add_argument("--standalone-draft", default=None, help="default: the target itself")
-    p.add_argument("--eagle3-draft", default=UNTRAINED)
+    p.add_argument("--eagle3-draft", default=UNTRAINED,
+                   help="EAGLE3's head (default: the shipped head of the default model, else an "
+                   "untrained one); method EAGLE3:untrained always runs an untrained head")
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384,
                    help="draft vocabulary of the untrained EAGLE3 head")
     p.add_argument("--nextn-draft", default=UNTRAINED)
@@ -226,8 +251,13 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [m for m in args.methods.split(",") if m]
     engines = _engines(args, methods)
     rows = []
+    tokenizer = engines["none"].engine.tokenizer
     for prompt_set in args.prompts.split(","):
         pool = PROMPT_SETS[prompt_set]
+        if prompt_set in CHAT_SETS:
+            pool = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                  tokenize=False, add_generation_prompt=True)
+                    for q in pool]  # fmt: skip
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             prompts = (pool * (bs // len(pool) + 1))[:bs]
             rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, prompts, args)]
@@ -279,7 +309,7 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
-        engines[method] = LLM(args.model, speculative_algorithm=method,
+        engines[method] = LLM(args.model, speculative_algorithm=method.split(":")[0],
                               speculative_num_steps=args.num_steps,
                               speculative_draft_model_path=drafts.get(method),
                               speculative_policy=args.policy, **base)  # fmt: skip
@@ -311,10 +341,15 @@ def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str])
 
     config, root = load_config(target_dir), Path(tempfile.mkdtemp(prefix="pcgspec-drafts-"))
     paths = {"STANDALONE": args.standalone_draft or str(target_dir)}
-    if "EAGLE3" in methods:
-        paths["EAGLE3"] = args.eagle3_draft if args.eagle3_draft != UNTRAINED else str(
-            write_eagle3_checkpoint(root / "eagle3", config, seed=0,
-                                    draft_vocab_size=args.eagle3_draft_vocab))  # fmt: skip
+    untrained_eagle3 = str(write_eagle3_checkpoint(root / "eagle3", config, seed=0,
+                                                   draft_vocab_size=args.eagle3_draft_vocab))
+    paths["EAGLE3:untrained"] = untrained_eagle3
+    if args.eagle3_draft != UNTRAINED:
+        paths["EAGLE3"] = args.eagle3_draft
+    elif args.model is None:  # the default model: its shipped head
+        paths["EAGLE3"] = None
+    else:
+        paths["EAGLE3"] = untrained_eagle3
     if "NEXTN" in methods:
         paths["NEXTN"] = args.nextn_draft if args.nextn_draft != UNTRAINED else str(
             write_mtp_checkpoint(root / "mtp", config, seed=0))

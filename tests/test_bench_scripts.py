@@ -103,7 +103,7 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path):
     out = tmp_path / "spec.json"
     result = bench.main([
         "--model", str(smollm2_path), "--methods", "NGRAM", "--batch-sizes", "1,2",
-        "--max-tokens", "6", "--repeats", "1", "--prompts", "general", "--out", str(out),
+        "--max-tokens", "6", "--repeats", "1", "--prompts", "chat", "--out", str(out),
     ])
     written = json.loads(out.read_text())
     assert written["rows"] == json.loads(json.dumps(result["rows"]))
