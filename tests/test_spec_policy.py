@@ -122,3 +122,13 @@ def test_requests_without_drafts_gain_nothing_and_a_batch_without_any_takes_a_pl
     assert p.choose([matched], drafted=[False]) is False
     assert policy("always").choose([matched], drafted=[False]) is False  # nothing to verify
     assert p.plain_steps == plain + 1
+
+
+def test_a_step_that_first_caught_up_is_counted_but_not_timed():
+    p, reqs = policy(), [Req()]
+    p.record_step(True, 1, 50.0, steady=False)  # the catch-up over a prompt
+    assert p.choose(reqs)  # no speculative step timed yet: speculate again
+    p.record_step(True, 1, 2.0)
+    p.record_step(False, 1, 1.0)
+    p.record_step(True, 1, 60.0, steady=False)  # a probe after plain steps
+    assert p.speculative_steps == 3 and p._time(True, 1) == 2.0

@@ -186,9 +186,12 @@ class Engine:
         if committed is None:
             self._forward_and_sample(batch)
         self.scheduler.update(committed if committed is not None else batch)
-        if self.spec_worker is not None and batch.mode.is_decode():
-            self.spec_worker.policy.record_step(committed is not None, len(batch.requests),
-                                                time.perf_counter() - start)  # fmt: skip
+        worker = self.spec_worker
+        if worker is not None and batch.mode.is_decode():
+            speculated = committed is not None
+            steady = not (speculated and worker.proposer.caught_up)
+            worker.policy.record_step(speculated, len(batch.requests),
+                                      time.perf_counter() - start, steady)  # fmt: skip
 
     def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The committed batch of a speculative step, or None where none ran."""

@@ -70,6 +70,9 @@ class Proposer(ABC):
     # Proposing is cheap host work whose counts (``num_tokens_host``) say, before the step is
     # chosen, which requests have drafts (prompt lookup): the policy then decides on them.
     proposes_first: bool = False
+    # Whether the last ``propose`` first caught requests up over positions of plain steps or a
+    # new prompt (model drafters): a step that switched to speculation, not a steady one.
+    caught_up: bool = False
 
     @abstractmethod
     def propose(self, batch: ProposeInput) -> DraftProposal:

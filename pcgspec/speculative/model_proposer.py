@@ -126,6 +126,7 @@ class ModelProposer(Proposer):
         k1 = self.num_steps + 1
         far = [(r, s, self._behind(r, s) - k1) for r, s in zip(reqs, states)
                if self._behind(r, s) > k1]  # fmt: skip
+        self.caught_up = bool(far)
         if not far:
             return
         chunks = [SeqChunk(r.token_ids[s.computed + self.lag : s.computed + self.lag + n],

@@ -13,6 +13,10 @@ A bucket that chose plain steps probes with one speculative step after a run of 
 doubles that run after every probe that does not win it back (a request that stops accepting
 stops drafting, at a probe cost that fades). ``always`` speculates every step.
 
+A model drafter that took plain steps (or met a new prompt) first catches up over those
+positions; such a step is not timed (``record_step(steady=False)``), or the catch-up after every
+run of plain steps would make speculation look dearer than it is and keep the policy off it.
+
 Prompt lookup (NGRAM) knows before the step which requests found a match: the others count as
 accept length 1, their averages are of steps with a match, and a batch where none matched
 takes a plain step (also under ``always``: there is nothing to verify).
@@ -99,9 +103,16 @@ class SpecPolicy:
         self.plain_steps += 1
         return False
 
-    def record_step(self, speculative: bool, batch_size: int, seconds: float) -> None:
-        """A decode step of ``batch_size`` requests took ``seconds`` of wall time."""
-        self._times[(speculative, self._bucket(batch_size))].append(seconds)
+    def record_step(
+        self, speculative: bool, batch_size: int, seconds: float, steady: bool = True
+    ) -> None:
+        """A decode step of ``batch_size`` requests took ``seconds`` of wall time. A step that
+        is not ``steady`` (a model drafter first caught up over the positions of plain steps or
+        a new prompt) is counted but not timed: that cost comes with switching to speculation,
+        which the probes' back-off already bounds, not with each speculative step.
+        """
+        if steady:
+            self._times[(speculative, self._bucket(batch_size))].append(seconds)
         self.speculative_steps += speculative
 
     def record_accept(self, request: object, accept_length: int) -> None:
