@@ -16,6 +16,7 @@ from pcgspec.config import EngineConfig
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.kv_pool import PagePool
+from pcgspec.engine.radix_cache import RadixCache
 from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
@@ -47,8 +48,11 @@ class Engine:
         chunk = config.resolved_chunked_prefill_size
         self.slots = SamplingSlots(config.max_running_requests, self.runner.vocab_size,
                                    self.runner.device)  # fmt: skip
+        self.prefix_cache = None if config.disable_radix_cache else RadixCache(
+            self.pages, self.page_size, track_draft=draft is not None)
         self.scheduler = Scheduler(self.pages, self.page_size, config.max_running_requests,
-                                   min(budget, chunk) if chunk else budget, self.slots)
+                                   min(budget, chunk) if chunk else budget, self.slots,
+                                   self.prefix_cache)  # fmt: skip
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
         self._seeds = random.Random(config.random_seed)
         self._ids = itertools.count()
@@ -57,6 +61,8 @@ class Engine:
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
             if spec is not None else None
         )  # fmt: skip
+        if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
+            self.scheduler.draft = self.spec_worker.proposer
         self._capture_draft_graphs()
 
     def _load_models(self, config: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
@@ -151,6 +157,26 @@ class Engine:
             "kv_pages_total": self.pages.num_pages,
             "page_size": self.page_size,
         }
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counters; empty when the cache is disabled."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        s = cache.stats
+        return {
+            "prompt_tokens": s.prompt_tokens,  # looked up (prompts, resumed sequences)
+            "cached_tokens": s.cached_tokens,
+            "hit_rate": s.hit_rate,
+            "evicted_tokens": s.evicted_tokens,
+            "tree_pages": cache.num_pages,
+            "tree_tokens": cache.num_pages * self.page_size,
+        }
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (running requests keep their pages)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
 
     def step(self) -> list[Request]:
         """Schedule, run the model (a speculative step for decode batches when configured),
