@@ -102,7 +102,7 @@ class Scheduler:
         budget = self.prefill_token_budget
         picked: list[Request] = []
         sizes: list[int] = []
-        groups: set[str] = set()  # groups with an earlier sequence waiting
+        groups: set[str] = set()  # n > 1 groups whose prompt pages this step computes
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(picked) >= self.max_running_requests:
                 break
@@ -118,6 +118,8 @@ class Scheduler:
             if hit is not None:
                 self._record_hit(req, hit)
             req.pages += self.pages.alloc(need)
+            if self._computes_shared_pages(req):
+                groups.add(req.group_id)
             if self.slots is not None:
                 self.slots.admit(req)
             picked.append(req)
@@ -129,14 +131,15 @@ class Scheduler:
 
     def _defer_sibling(self, req: Request, groups: set[str]) -> bool:
         """With a prefix cache, a fresh sequence of an ``n`` > 1 group waits while an earlier one
-        of its group is waiting (prefilling): then it hits the pages that one inserted.
+        of its group computes the prompt's whole pages: then it hits the pages that one inserted.
         """
-        if self.prefix_cache is None or req.params.n == 1 or req.prompt_len <= self.page_size:
+        return req.group_id in groups and not req.pages and req.num_preemptions == 0
+
+    def _computes_shared_pages(self, req: Request) -> bool:
+        """Whether this step of ``req`` computes prompt pages its ``n`` > 1 siblings could hit."""
+        if self.prefix_cache is None or req.params.n == 1:
             return False
-        if req.group_id in groups:
-            return not req.pages and req.num_preemptions == 0
-        groups.add(req.group_id)
-        return False
+        return req.num_computed_tokens < (req.prompt_len - 1) // self.page_size * self.page_size
 
     def _take_prefix(self, req: Request) -> int:
         """Hold the longest cached prefix of ``req`` (whole pages, leaving >= 1 token to

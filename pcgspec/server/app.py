@@ -145,6 +145,7 @@ async def server_info(request: web.Request) -> web.Response:
             "page_size": stats.get("page_size"),
             "usage": stats.get("kv_pages_used", 0) / total if total else 0.0,
         },
+        "prefix_cache": snap.cache,  # empty with --disable-radix-cache
         "num_running": stats.get("num_running", 0),
         "num_waiting": stats.get("num_waiting", 0),
         "num_preemptions": stats.get("num_preemptions", 0),
