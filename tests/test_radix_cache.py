@@ -181,3 +181,37 @@ def test_random_traffic_leaves_the_pool_whole(cache: bool):
         assert sched.prefix_cache.stats.cached_tokens > 0
         sched.prefix_cache.reset()
     assert pool.num_free == pool.num_pages
+
+
+def test_1000_requests_with_aborts_through_the_engine(tmp_path, smollm2_path):
+    """A tiny random Llama, 1000 short requests over a few shared prefixes, random aborts and
+    a pool of 40 pages of 4 tokens: eviction and preemption both happen; afterwards no request
+    holds a page and flushing the cache returns every page."""
+    from oracle import assert_pool_whole
+    from test_models import tiny_hf_model
+
+    from pcgspec import LLM
+
+    tiny_hf_model("LlamaConfig").save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), tokenizer=str(smollm2_path), dtype="float32", device="cpu",
+              page_size=P, max_total_tokens=40 * P, max_running_requests=16,
+              chunked_prefill_size=24, piecewise_cuda_graph_max_tokens=64)  # fmt: skip
+    engine, rng = llm.engine, random.Random(1)
+    prefixes = [[rng.randrange(256) for _ in range(rng.randrange(4, 40))] for _ in range(8)]
+    added = []
+    while len(added) < 1000 or engine.has_unfinished:
+        for _ in range(3 if len(added) < 1000 else 0):
+            tail = [rng.randrange(256) for _ in range(rng.randrange(1, 6))]
+            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), ignore_eos=True,
+                                    max_tokens=rng.randrange(1, 10), n=rng.choice([1, 1, 1, 2]))
+            added += engine.add_request(rng.choice(prefixes) + tail, params)
+        engine.step()
+        if rng.random() < 0.1:
+            engine.abort(rng.choice(added).group_id)
+    assert all(r.finished for r in added)
+    assert {r.finish_reason for r in added} == {"length", "abort"}
+    stats = engine.cache_stats()
+    assert engine.scheduler.num_preemptions > 0 and stats["evicted_tokens"] > 0
+    assert stats["hit_rate"] > 0.3 and engine.runner.piecewise.stats()["piecewise_runs"] > 0
+    assert engine.slots.num_free == engine.slots.num_slots
+    assert_pool_whole(engine)
