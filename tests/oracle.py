@@ -87,7 +87,8 @@ def assert_pool_whole(engine: object) -> None:
     cached = [] if cache is None else cache.pages()
     assert len(set(cached)) == len(cached)
     assert all(pool.refcount(p) == 1 for p in cached)
-    assert pool.num_free + len(cached) == pool.num_pages
+    assert pool.num_free + len(cached) == pool.num_pages and pool.num_cache_only == len(cached)
+    assert engine.stats()["kv_pages_used"] == 0
     engine.flush_cache()
     assert pool.num_free == pool.num_pages
     assert all(pool.refcount(p) == 0 for p in range(pool.num_pages))

@@ -62,6 +62,7 @@ def test_lru_eviction_spares_referenced_pages_and_inner_nodes():
     c = _insert(pool, cache, [3] * 8)
     cache.match([1] * 8, 8)  # a is now the most recently used
     pool.incref(c)  # a request holds c
+    assert pool.num_cache_only == 4
     assert cache.evict(1) == 1 and cache.match([2] * 8, 8).num_tokens == 4  # b's leaf went first
     assert cache.evict(10) == 3  # b's root page, then a's two; c is held
     assert cache.num_pages == 2 and cache.match([3] * 8, 8).pages == c
@@ -176,6 +177,7 @@ def test_random_traffic_leaves_the_pool_whole(cache: bool):
     pool = sched.pages
     held = sched.prefix_cache.pages() if cache else []
     assert all(pool.refcount(p) == (p in held) for p in range(pool.num_pages))
+    assert pool.num_cache_only == len(held)
     if cache:
         assert sched.prefix_cache.stats.evicted_tokens > 0
         assert sched.prefix_cache.stats.cached_tokens > 0

@@ -117,6 +117,50 @@ def test_32_concurrent_streams_equal_each_alone(server, client):
     assert server.wait_idle()["kv"]["used_pages"] == 0
 
 
+def test_shared_prefix_streams_equal_each_alone_with_cached_tokens(server, client):
+    """Concurrent requests sharing a system prompt hit the prefix cache and stream what each
+    streams alone; usage, /server_info and /metrics report the cached tokens."""
+    system = "You are a terse assistant. Answer with one word or a number, nothing else. " * 3
+    prompts = [system + q for q in ("Capital of Italy?", "Two plus two?", "Color of grass?",
+                                    "Largest planet?", "Opposite of hot?", "Author of Hamlet?")]
+    kw = dict(model=MODEL, max_tokens=8, extra_body=IGNORE_EOS, **GREEDY)
+    before = _scrape(server)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert alone[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert all(r.usage.prompt_tokens_details.cached_tokens >= 32 for r in alone[1:])
+    aclient = openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
+
+    async def one(prompt: str) -> tuple[str, object]:
+        stream = await aclient.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage
+
+    async def run_all() -> list[tuple[str, object]]:
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts * 2))
+        finally:
+            await aclient.close()
+
+    outs = asyncio.run(run_all())
+    for (text, usage), want in zip(outs, alone * 2):
+        assert text == want.choices[0].text
+        assert usage.prompt_tokens_details.cached_tokens >= 32
+    state = server.wait_idle()
+    cache = state["prefix_cache"]
+    assert cache["cached_tokens"] > 0 and 0 < cache["hit_rate"] <= 1 and cache["tree_pages"] > 0
+    assert state["kv"]["used_pages"] == 0 and state["kv"]["cached_pages"] == cache["tree_pages"]
+    after = _scrape(server)
+    key = f"pcgspec:prefix_cache_hit_tokens_total{[('model_name', MODEL)]}"
+    assert after[key] - before.get(key, 0.0) >= 32 * 17
+
+
 def _text(client, **kw) -> str:
     return client.completions.create(model=MODEL, **kw).choices[0].text
 

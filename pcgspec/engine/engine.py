@@ -148,12 +148,14 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def stats(self) -> dict[str, int]:
-        """Scheduler and KV-pool occupancy: running / waiting sequences, pages used / total."""
+        """Scheduler and KV-pool occupancy: running / waiting sequences, pages used (held by
+        requests) / cached (held by the prefix cache, also while requests hold them) / total."""
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_pages_used": self.pages.num_pages - self.pages.num_free,
+            "kv_pages_used": self.pages.num_pages - self.pages.num_free - self.pages.num_cache_only,
+            "kv_pages_cached": self.prefix_cache.num_pages if self.prefix_cache else 0,
             "kv_pages_total": self.pages.num_pages,
             "page_size": self.page_size,
         }

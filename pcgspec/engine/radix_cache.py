@@ -115,13 +115,13 @@ class RadixCache:
                 child = node.children[key] = _Node(key, pages[i], node, draft_valid=draft)
                 self._leaves.discard(node)
                 self._leaves.add(child)
-                self.pool.incref([pages[i]])
+                self.pool.cache_hold(pages[i])
                 self.num_pages += 1
                 self.stats.inserted_tokens += p
             elif draft and not child.draft_valid:
                 if child.page != pages[i]:  # the same tokens, now with the draft's K/V too
-                    self.pool.incref([pages[i]])
-                    self.pool.free([child.page])
+                    self.pool.cache_hold(pages[i])
+                    self.pool.cache_release(child.page)
                     child.page = pages[i]
                 child.draft_valid = True
             child.last_access = now
@@ -141,7 +141,7 @@ class RadixCache:
             self._leaves.discard(node)
             if parent is not self.root and not parent.children:
                 self._leaves.add(parent)
-            self.pool.free([node.page])
+            self.pool.cache_release(node.page)
             self.num_pages -= 1
             self.stats.evicted_tokens += self.page_size
             freed += 1
@@ -152,7 +152,7 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every page the tree holds (requests keep theirs)."""
         for node in self._nodes():
-            self.pool.free([node.page])
+            self.pool.cache_release(node.page)
         self.root.children.clear()
         self._leaves.clear()
         self.num_pages = 0

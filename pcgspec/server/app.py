@@ -140,7 +140,8 @@ async def server_info(request: web.Request) -> web.Response:
         "piecewise": piecewise_summary(snap.piecewise),
         "decode_graphs": snap.decode_graphs,
         "kv": {
-            "used_pages": stats.get("kv_pages_used", 0),
+            "used_pages": stats.get("kv_pages_used", 0),  # held by requests
+            "cached_pages": stats.get("kv_pages_cached", 0),  # held by the prefix cache
             "total_pages": total,
             "page_size": stats.get("page_size"),
             "usage": stats.get("kv_pages_used", 0) / total if total else 0.0,

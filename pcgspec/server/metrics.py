@@ -157,9 +157,11 @@ class _EngineCollector:
         total = stats.get("kv_pages_total", 0)
         used = stats.get("kv_pages_used", 0)
         yield gauge(
-            "kv_cache_usage_perc", "Share of KV pages held (0..1).", used / total if total else 0.0
+            "kv_cache_usage_perc",
+            "Share of KV pages requests hold (0..1; pages only the prefix cache holds are free).",
+            used / total if total else 0.0,
         )
-        yield gauge("kv_cache_used_pages", "KV pages held.", used)
+        yield gauge("kv_cache_used_pages", "KV pages held by requests.", used)
         accept = snap.spec.get("avg_spec_accept_length")
         yield gauge(
             "spec_accept_length",
