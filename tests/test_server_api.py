@@ -340,6 +340,40 @@ def test_bench_serving_smoke(server, tmp_path, monkeypatch):
     assert record["ttft"]["p50_ms"] > 0 and record["output_token_throughput"] > 0
 
 
+def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatch):
+    """shared-prefix and multi-turn against the module's server; --launch runs both cache
+    modes (the launch itself faked: both runs go to the module's server)."""
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serving", bench)
+    spec.loader.exec_module(bench)
+    launched = []
+
+    class FakeServer:
+        def send_signal(self, sig: int) -> None: ...
+
+        def wait(self, timeout: float) -> None: ...
+
+    monkeypatch.setattr(bench, "launch", lambda args, extra: launched.append(extra) or FakeServer())
+    common = ["--base-url", server.base_url, "--api-key", API_KEY, "--random-output-len", "3",
+              "--warmup", "1", "--max-concurrency", "2"]  # fmt: skip
+    record = bench.main([*common, "--dataset", "shared-prefix", "--shared-prefix-len", "32",
+                         "--question-len", "4", "--num-prompts", "3"])  # fmt: skip
+    assert record["successful_requests"] == 3 and record["total_input_tokens"] == 3 * 36
+    # the warm-up shares nothing with them; the first two run together, the third hits
+    assert record["total_cached_tokens"] >= 32
+    assert record["prefill_tokens_computed"] == 3 * 36 - record["total_cached_tokens"]
+    record = bench.main([*common, "--dataset", "multi-turn", "--num-chats", "2", "--num-turns",
+                         "2", "--question-len", "4", "--launch"])  # fmt: skip
+    assert launched == [[], ["--disable-radix-cache"]]
+    runs = record["runs"]
+    assert set(runs) == {"radix_cache_on", "radix_cache_off"}
+    assert all(r["successful_requests"] == 4 for r in runs.values())
+    assert runs["radix_cache_on"]["total_cached_tokens"] > 0
+    ratio = record["cache_comparison"]["prefill_tokens_computed"]["ratio"]
+    assert ratio is not None and ratio > 0  # both runs hit the one (cached) server here
+
+
 def test_speculative_server_matches_and_reports_accept_length(server, client):
     """A second server with NGRAM: the same greedy text as the plain server, and the accept
     length and speculative steps in /server_info and /metrics.
