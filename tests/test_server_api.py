@@ -122,8 +122,8 @@ def test_shared_prefix_streams_equal_each_alone_with_cached_tokens(server, clien
     streams alone; usage, /server_info and /metrics report the cached tokens."""
     system = "You are a terse assistant. Answer with one word or a number, nothing else. " * 3
     prompts = [system + q for q in ("Capital of Italy?", "Two plus two?", "Color of grass?",
-                                    "Largest planet?", "Opposite of hot?", "Author of Hamlet?")]
-    kw = dict(model=MODEL, max_tokens=8, extra_body=IGNORE_EOS, **GREEDY)
+                                    "Largest planet?")]
+    kw = dict(model=MODEL, max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)
     before = _scrape(server)
     alone = [client.completions.create(prompt=p, **kw) for p in prompts]
     assert alone[0].usage.prompt_tokens_details.cached_tokens == 0
@@ -158,7 +158,7 @@ def test_shared_prefix_streams_equal_each_alone_with_cached_tokens(server, clien
     assert state["kv"]["used_pages"] == 0 and state["kv"]["cached_pages"] == cache["tree_pages"]
     after = _scrape(server)
     key = f"pcgspec:prefix_cache_hit_tokens_total{[('model_name', MODEL)]}"
-    assert after[key] - before.get(key, 0.0) >= 32 * 17
+    assert after[key] - before.get(key, 0.0) >= 32 * 11
 
 
 def _text(client, **kw) -> str:
