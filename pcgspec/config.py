@@ -41,6 +41,7 @@ class EngineConfig:
     piecewise_cuda_graph_compiler: str | None = None  # "inductor" on CUDA, "eager" elsewhere
     aux_hidden_state_layers: tuple[int, ...] | None = None  # FULL capture: these layers' inputs
     disable_cuda_graph: bool = False  # run decode batches without CUDA graphs
+    disable_radix_cache: bool = False  # no prefix caching (engine/radix_cache.py)
     cuda_graph_max_bs: int = 32  # largest decode batch captured
     random_seed: int = 0
     log_level: str | None = None

@@ -51,6 +51,8 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "aux_hidden_state_layers": ("comma-separated layers whose inputs EAGLE3 reads (default: the "
                                 "draft checkpoint's, else 2, L/2 and L-3)", None),
     "disable_cuda_graph": ("CUDA only: run decode batches without CUDA graphs", None),
+    "disable_radix_cache": ("no prefix caching: every request prefills its whole prompt "
+                            "(default: cached prefixes of whole KV pages are reused)", None),
     "cuda_graph_max_bs": ("CUDA only: largest decode batch captured as a graph", None),
     "random_seed": ("seed of the seeds given to requests that set none", None),
     "log_level": ("log level (default: PCGSPEC_LOG_LEVEL, else info)",

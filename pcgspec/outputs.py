@@ -53,6 +53,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (vLLM's name)
 
     @property
     def text(self) -> str:
@@ -89,7 +90,7 @@ class RequestOutput:
             for r in reqs
         ]
         return cls(first.group_id, prompt, first.prompt_token_ids, outputs,
-                   all(r.finished for r in reqs), _metrics(reqs))
+                   all(r.finished for r in reqs), _metrics(reqs), first.num_cached_tokens)
 
 
 def _as_dict(lp: TokenLogprobs, decode: TokenDecoder | None) -> dict[int, Logprob]:

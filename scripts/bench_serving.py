@@ -8,8 +8,21 @@ p50/p90/p99), request and token throughput, and the speculative accept length ov
 only; exact lengths), ``builtin`` questions, or a file (one prompt per line, or JSONL with a
 "prompt" field). ``--launch`` starts ``pcgspec serve`` first (and stops it after).
 
+Prefix-cache datasets (completions): ``shared-prefix`` sends ``--num-prompts`` requests of one
+random system prompt of ``--shared-prefix-len`` token ids plus a distinct question of
+``--question-len`` ids; ``multi-turn`` runs ``--num-chats`` chats of ``--num-turns`` turns, each
+turn resending the whole history (earlier questions and the server's answers, as text) plus a
+new question of ``--question-len`` words, at most ``--max-concurrency`` chats at a time. The
+report adds the prompt tokens the cache served (``usage.prompt_tokens_details.cached_tokens``)
+and the prefill tokens computed. With ``--launch`` the run repeats per ``--cache-modes``
+(default: with the radix cache, then with ``--disable-radix-cache``) and prints both and
+their ratios.
+
     python scripts/bench_serving.py --launch --server-args "--dtype float32" \\
         --num-prompts 32 --max-concurrency 8 --random-input-len 64 --random-output-len 32
+    python scripts/bench_serving.py --launch --dataset shared-prefix --shared-prefix-len 2000 \\
+        --question-len 32 --num-prompts 64 --random-output-len 32 --max-concurrency 16
+    python scripts/bench_serving.py --launch --dataset multi-turn --num-chats 16 --num-turns 8
 """
 
 from __future__ import annotations
@@ -48,15 +61,26 @@ BUILTIN = [
 class Result:
     ok: bool
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, served by the prefix cache
     output_tokens: int = 0
+    text: str = ""
     ttft: float = 0.0
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
 
 
+WORDS = ("apple river stone cloud paper green quiet seven window garden silver music north "
+         "winter candle bridge orange forest letter engine market yellow ocean planet").split()
+
+
 def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     rng = random.Random(args.seed)
+    if args.dataset == "shared-prefix":
+        lo, hi = args.random_token_range
+        prefix = [rng.randrange(lo, hi) for _ in range(args.shared_prefix_len)]
+        return [prefix + [rng.randrange(lo, hi) for _ in range(args.question_len)]
+                for _ in range(args.num_prompts)]  # fmt: skip
     if args.dataset == "random":
         lo, hi = args.random_token_range
         return [
@@ -100,10 +124,14 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
                 if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    res.prompt_tokens = usage["prompt_tokens"]
+                    res.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
                 if not any(_has_text(c) for c in chunk.get("choices", [])):
                     continue
+                res.text += "".join(c.get("text") or "" for c in chunk["choices"])
                 if last is None:
                     res.ttft = now - start
                 else:
@@ -120,19 +148,31 @@ def _has_text(choice: dict[str, Any]) -> bool:
     return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
 
 
+def _session(args: argparse.Namespace) -> aiohttp.ClientSession:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None)
+    return aiohttp.ClientSession(headers=headers, timeout=timeout,
+                                 connector=aiohttp.TCPConnector(limit=0))  # fmt: skip
+
+
+def _warmup_prompt(args: argparse.Namespace, prompts: list[str | list[int]]) -> str | list[int]:
+    """The first prompt; for the prefix-cache datasets one that shares nothing with them."""
+    if args.dataset == "shared-prefix":
+        rng, (lo, hi) = random.Random(args.seed + 2), args.random_token_range
+        return [rng.randrange(lo, hi) for _ in range(len(prompts[0]))]
+    return prompts[0]
+
+
 async def run_load(
     args: argparse.Namespace, model: str, prompts: list[str | list[int]]
 ) -> tuple[list[Result], float]:
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     url = args.base_url + path
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)
-    timeout = aiohttp.ClientTimeout(total=None)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
+    async with _session(args) as s:
         for _ in range(args.warmup):
-            await one_request(s, url, request_body(args, model, prompts[0]))
+            await one_request(s, url, request_body(args, model, _warmup_prompt(args, prompts)))
 
         async def limited(prompt: str | list[int]) -> Result:
             async with limit:
@@ -146,6 +186,32 @@ async def run_load(
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+async def run_chats(args: argparse.Namespace, model: str) -> tuple[list[Result], float]:
+    """``--num-chats`` chats of ``--num-turns`` turns; each turn resends the history (questions
+    and the server's answers as text) plus a new question. Results of every turn."""
+    url = args.base_url + "/v1/completions"
+    rng = random.Random(args.seed)
+    chats = [[f"Question {c}.{t}: " + " ".join(rng.choice(WORDS) for _ in range(args.question_len))
+              + "?" for t in range(args.num_turns)] for c in range(args.num_chats)]  # fmt: skip
+    limit = asyncio.Semaphore(args.max_concurrency or len(chats))
+    async with _session(args) as s:
+        for _ in range(args.warmup):
+            await one_request(s, url, request_body(args, model, "Warm up: " + " ".join(WORDS)))
+
+        async def chat(questions: list[str]) -> list[Result]:
+            history, results = "", []
+            async with limit:
+                for question in questions:
+                    history += f"User: {question}\nAssistant:"
+                    results.append(await one_request(s, url, request_body(args, model, history)))
+                    history += results[-1].text + "\n"
+            return results
+
+        start = time.perf_counter()
+        done = await asyncio.gather(*(chat(q) for q in chats))
+        return [r for results in done for r in results], time.perf_counter() - start
 
 
 def _dist(values: list[float]) -> dict[str, float]:
@@ -169,6 +235,7 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
         "successful_requests": len(ok),
@@ -177,6 +244,8 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "total_cached_tokens": cached,
+        "prefill_tokens_computed": in_tokens - cached,
         "request_throughput": len(ok) / duration,
         "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
@@ -212,6 +281,8 @@ def print_report(summary: dict[str, Any]) -> None:
         "duration_s",
         "total_input_tokens",
         "total_output_tokens",
+        "total_cached_tokens",
+        "prefill_tokens_computed",
         "request_throughput",
         "output_token_throughput",
         "total_token_throughput",
@@ -226,9 +297,10 @@ def print_report(summary: dict[str, Any]) -> None:
     print("=" * 60)
 
 
-def launch(args: argparse.Namespace) -> subprocess.Popen:
+def launch(args: argparse.Namespace, extra: list[str] | None = None) -> subprocess.Popen:
     port = args.base_url.rsplit(":", 1)[-1].split("/")[0]
-    cmd = [sys.executable, "-m", "pcgspec", "serve", "--port", port, *shlex.split(args.server_args)]
+    cmd = [sys.executable, "-m", "pcgspec", "serve", "--port", port, *shlex.split(args.server_args),
+           *(extra or [])]  # fmt: skip
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -249,7 +321,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", default="random", help="random | builtin | a prompt file")
+    p.add_argument("--dataset", default="random",
+                   help="random | builtin | shared-prefix | multi-turn | a prompt file")
+    p.add_argument("--shared-prefix-len", type=int, default=2000,
+                   help="shared-prefix: token ids of the system prompt all requests share")
+    p.add_argument("--question-len", type=int, default=32,
+                   help="shared-prefix: token ids per question; multi-turn: words per question")
+    p.add_argument("--num-chats", type=int, default=16, help="multi-turn: conversations")
+    p.add_argument("--num-turns", type=int, default=8, help="multi-turn: turns per chat")
+    p.add_argument("--cache-modes", default="on,off",
+                   help="with --launch: run once per mode, on = radix cache, off = "
+                        "--disable-radix-cache (the default dataset runs once, as launched)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--random-input-len", type=int, default=64)
     p.add_argument("--random-output-len", type=int, default=32, help="max_tokens per request")
@@ -265,20 +347,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-label", default=None, help="what the JSON calls the device")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     args = p.parse_args(argv)
-    if args.dataset == "random" and args.endpoint == "chat":
-        p.error("--dataset random sends token ids: use --endpoint completions")
+    if args.dataset in ("random", "shared-prefix", "multi-turn") and args.endpoint == "chat":
+        p.error(f"--dataset {args.dataset} uses the completions endpoint")
+    args.cache_modes = [m.strip() for m in args.cache_modes.split(",")]
+    if not set(args.cache_modes) <= {"on", "off"} or not args.cache_modes:
+        p.error(f"--cache-modes takes on and/or off, got {args.cache_modes}")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    load_before = os.getloadavg()
-    server = launch(args) if args.launch else None
+CACHE_DATASETS = ("shared-prefix", "multi-turn")
+COMPARED = ("ttft_p50_ms", "request_throughput", "prefill_tokens_computed", "duration_s")
+
+
+def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str, Any]:
+    """One load run (launching the server first with --launch); the summary."""
+    server = launch(args, extra_server_args) if args.launch else None
     try:
         model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
-        prompts = load_prompts(args)
         steps0, accepted0 = spec_counters(args.base_url, args.api_key)
-        results, duration = asyncio.run(run_load(args, model, prompts))
+        if args.dataset == "multi-turn":
+            results, duration = asyncio.run(run_chats(args, model))
+        else:
+            results, duration = asyncio.run(run_load(args, model, load_prompts(args)))
         counters = spec_counters(args.base_url, args.api_key)
         steps, accepted = (a - b for a, b in zip(counters, (steps0, accepted0)))
     finally:
@@ -286,20 +376,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
     summary = summarize(results, duration)
+    summary["model"] = model
     summary["avg_spec_accept_length"] = (accepted + steps) / steps if steps else None
     summary["medians_ms"] = {k: summary[k].get("p50_ms") for k in ("ttft", "tpot", "itl", "e2e")}
     print_report(summary)
+    return summary
+
+
+def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Cache on vs off: each value and on / off."""
+    out = {}
+    for key in COMPARED:
+        a, b = (s["ttft"].get("p50_ms") if key == "ttft_p50_ms" else s[key] for s in (on, off))
+        out[key] = {"radix_cache": a, "no_radix_cache": b, "ratio": a / b if a and b else None}
+    print(f"{' Radix cache on vs off ':=^60}")
+    for key, row in out.items():
+        ratio = row["ratio"]
+        print(f"{key:<28}{row['radix_cache']:>12.2f}{row['no_radix_cache']:>12.2f}"
+              f"{'' if ratio is None else f'{ratio:>7.3f}x'}")
+    print("=" * 60)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    modes = args.cache_modes if args.launch and args.dataset in CACHE_DATASETS else [None]
+    runs = {}
+    for mode in modes:
+        if mode is not None:
+            print(f"--- radix cache {mode} ---")
+        runs[mode] = run_once(args, ["--disable-radix-cache"] if mode == "off" else [])
     record = {
         "date": datetime.now(timezone.utc).isoformat(),
         "device": args.device_label,
         "host": f"{platform.machine()}, {os.cpu_count()} cpus",
         "load_average_before_after": [load_before, os.getloadavg()],
         "torch": _torch_version(),
-        "model": model,
         "command": shlex.join(["scripts/bench_serving.py", *(argv or sys.argv[1:])]),
         "args": {k: v for k, v in vars(args).items() if k != "api_key"},
-        **summary,
+        **runs[modes[0]],
     }
+    if len(runs) > 1:
+        record["runs"] = {f"radix_cache_{m}": s for m, s in runs.items()}
+    if {"on", "off"} <= set(runs):
+        record["cache_comparison"] = compare(runs["on"], runs["off"])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -73,7 +73,22 @@ def greedy(max_tokens: int, **kw: object) -> SamplingParams:
 
 
 def assert_all_pages_free(llm: LLM) -> None:
-    """No request left queued or running and every KV page back in the pool."""
+    """No request left queued or running and every KV page back in the pool, but for the prefix
+    cache's, each held by the cache alone."""
     engine = llm.engine
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.pages.num_free == engine.pages.num_pages
+    assert_pool_whole(engine)
+
+
+def assert_pool_whole(engine: object) -> None:
+    """No request holds a page: every page is free, or held once by the prefix cache; then
+    flushing the cache frees them all."""
+    pool, cache = engine.pages, engine.prefix_cache
+    cached = [] if cache is None else cache.pages()
+    assert len(set(cached)) == len(cached)
+    assert all(pool.refcount(p) == 1 for p in cached)
+    assert pool.num_free + len(cached) == pool.num_pages and pool.num_cache_only == len(cached)
+    assert engine.stats()["kv_pages_used"] == 0
+    engine.flush_cache()
+    assert pool.num_free == pool.num_pages
+    assert all(pool.refcount(p) == 0 for p in range(pool.num_pages))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import PROMPTS as ALL_PROMPTS
-from oracle import assert_greedy_match, hf_greedy
+from oracle import assert_greedy_match, assert_pool_whole, hf_greedy
 
 from pcgspec import LLM, SamplingParams
 
@@ -58,7 +58,7 @@ def test_preempted_request_finishes_with_same_tokens(smollm2_path, llm, hf_model
     assert small.engine.scheduler.num_preemptions > 0
     for prompt, out, want in zip(prompts, outs, ref):
         assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, want)
-    assert small.engine.pages.num_free == small.engine.pages.num_pages
+    assert_pool_whole(small.engine)
 
 
 def test_seeded_sampling_reproduces_alone_and_in_batch(llm):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import pytest
 import torch
+from oracle import assert_pool_whole
 
 from pcgspec.sampling import SamplingBatch, sample
 from pcgspec.sampling.slots import SamplingSlots
@@ -185,7 +186,7 @@ def test_engine_slots_through_finishes_aborts_and_preemptions(smollm2_path) -> N
     assert engine.scheduler.num_preemptions > 0
     assert [r.output_token_ids for r in reqs] == want
     assert engine.slots.num_free == engine.slots.num_slots
-    assert engine.pages.num_free == engine.pages.num_pages
+    assert_pool_whole(engine)
 
 
 @pytest.mark.gpu

@@ -117,6 +117,50 @@ def test_32_concurrent_streams_equal_each_alone(server, client):
     assert server.wait_idle()["kv"]["used_pages"] == 0
 
 
+def test_shared_prefix_streams_equal_each_alone_with_cached_tokens(server, client):
+    """Concurrent requests sharing a system prompt hit the prefix cache and stream what each
+    streams alone; usage, /server_info and /metrics report the cached tokens."""
+    system = "You are a terse assistant. Answer with one word or a number, nothing else. " * 3
+    prompts = [system + q for q in ("Capital of Italy?", "Two plus two?", "Color of grass?",
+                                    "Largest planet?")]
+    kw = dict(model=MODEL, max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)
+    before = _scrape(server)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert alone[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert all(r.usage.prompt_tokens_details.cached_tokens >= 32 for r in alone[1:])
+    aclient = openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
+
+    async def one(prompt: str) -> tuple[str, object]:
+        stream = await aclient.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage
+
+    async def run_all() -> list[tuple[str, object]]:
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts * 2))
+        finally:
+            await aclient.close()
+
+    outs = asyncio.run(run_all())
+    for (text, usage), want in zip(outs, alone * 2):
+        assert text == want.choices[0].text
+        assert usage.prompt_tokens_details.cached_tokens >= 32
+    state = server.wait_idle()
+    cache = state["prefix_cache"]
+    assert cache["cached_tokens"] > 0 and 0 < cache["hit_rate"] <= 1 and cache["tree_pages"] > 0
+    assert state["kv"]["used_pages"] == 0 and state["kv"]["cached_pages"] == cache["tree_pages"]
+    after = _scrape(server)
+    key = f"pcgspec:prefix_cache_hit_tokens_total{[('model_name', MODEL)]}"
+    assert after[key] - before.get(key, 0.0) >= 32 * 11
+
+
 def _text(client, **kw) -> str:
     return client.completions.create(model=MODEL, **kw).choices[0].text
 
@@ -294,6 +338,40 @@ def test_bench_serving_smoke(server, tmp_path, monkeypatch):
     for name in ("ttft", "tpot", "itl", "e2e"):
         assert set(record[name]) == {"mean_ms", "p50_ms", "p90_ms", "p99_ms"}
     assert record["ttft"]["p50_ms"] > 0 and record["output_token_throughput"] > 0
+
+
+def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatch):
+    """shared-prefix and multi-turn against the module's server; --launch runs both cache
+    modes (the launch itself faked: both runs go to the module's server)."""
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serving", bench)
+    spec.loader.exec_module(bench)
+    launched = []
+
+    class FakeServer:
+        def send_signal(self, sig: int) -> None: ...
+
+        def wait(self, timeout: float) -> None: ...
+
+    monkeypatch.setattr(bench, "launch", lambda args, extra: launched.append(extra) or FakeServer())
+    common = ["--base-url", server.base_url, "--api-key", API_KEY, "--random-output-len", "3",
+              "--warmup", "1", "--max-concurrency", "2"]  # fmt: skip
+    record = bench.main([*common, "--dataset", "shared-prefix", "--shared-prefix-len", "32",
+                         "--question-len", "4", "--num-prompts", "3"])  # fmt: skip
+    assert record["successful_requests"] == 3 and record["total_input_tokens"] == 3 * 36
+    # the warm-up shares nothing with them; the first two run together, the third hits
+    assert record["total_cached_tokens"] >= 32
+    assert record["prefill_tokens_computed"] == 3 * 36 - record["total_cached_tokens"]
+    record = bench.main([*common, "--dataset", "multi-turn", "--num-chats", "2", "--num-turns",
+                         "2", "--question-len", "4", "--launch"])  # fmt: skip
+    assert launched == [[], ["--disable-radix-cache"]]
+    runs = record["runs"]
+    assert set(runs) == {"radix_cache_on", "radix_cache_off"}
+    assert all(r["successful_requests"] == 4 for r in runs.values())
+    assert runs["radix_cache_on"]["total_cached_tokens"] > 0
+    ratio = record["cache_comparison"]["prefill_tokens_computed"]["ratio"]
+    assert ratio is not None and ratio > 0  # both runs hit the one (cached) server here
 
 
 def test_speculative_server_matches_and_reports_accept_length(server, client):

@@ -16,6 +16,7 @@ from pcgspec.config import EngineConfig
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.kv_pool import PagePool
+from pcgspec.engine.radix_cache import RadixCache
 from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
@@ -48,8 +49,11 @@ class Engine:
         chunk = config.resolved_chunked_prefill_size
         self.slots = SamplingSlots(config.max_running_requests, self.runner.vocab_size,
                                    self.runner.device)  # fmt: skip
+        self.prefix_cache = None if config.disable_radix_cache else RadixCache(
+            self.pages, self.page_size, track_draft=draft is not None)
         self.scheduler = Scheduler(self.pages, self.page_size, config.max_running_requests,
-                                   min(budget, chunk) if chunk else budget, self.slots)
+                                   min(budget, chunk) if chunk else budget, self.slots,
+                                   self.prefix_cache)  # fmt: skip
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
         self._seeds = random.Random(config.random_seed)
         self._ids = itertools.count()
@@ -58,6 +62,8 @@ class Engine:
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
             if spec is not None else None
         )  # fmt: skip
+        if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
+            self.scheduler.draft = self.spec_worker.proposer
         self._capture_draft_graphs()
         warm_up_kernels(self._kernel_warmup(), self.runner.device)
 
@@ -159,15 +165,37 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def stats(self) -> dict[str, int]:
-        """Scheduler and KV-pool occupancy: running / waiting sequences, pages used / total."""
+        """Scheduler and KV-pool occupancy: running / waiting sequences, pages used (held by
+        requests) / cached (held by the prefix cache, also while requests hold them) / total."""
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_pages_used": self.pages.num_pages - self.pages.num_free,
+            "kv_pages_used": self.pages.num_pages - self.pages.num_free - self.pages.num_cache_only,
+            "kv_pages_cached": self.prefix_cache.num_pages if self.prefix_cache else 0,
             "kv_pages_total": self.pages.num_pages,
             "page_size": self.page_size,
         }
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counters; empty when the cache is disabled."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        s = cache.stats
+        return {
+            "prompt_tokens": s.prompt_tokens,  # looked up (prompts, resumed sequences)
+            "cached_tokens": s.cached_tokens,
+            "hit_rate": s.hit_rate,
+            "evicted_tokens": s.evicted_tokens,
+            "tree_pages": cache.num_pages,
+            "tree_tokens": cache.num_pages * self.page_size,
+        }
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (running requests keep their pages)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
 
     def step(self) -> list[Request]:
         """Schedule, run the model (a speculative step for decode batches when configured),

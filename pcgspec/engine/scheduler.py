@@ -1,8 +1,15 @@
 """SGLang-style scheduling: a step is either a prefill (EXTEND) batch or a decode batch.
 
 Prefill has priority and is chunked to a token budget; decode runs every running request.
-When the KV pool runs dry the newest running request is preempted: its pages are freed and
-it is queued again to be recomputed from its tokens so far.
+When the KV pool runs dry, unreferenced cached prefixes are evicted first (``RadixCache``),
+then the newest running request is preempted: its pages are freed and it is queued again to be
+recomputed from its tokens so far (a prefix-cache hit where its pages are still cached).
+
+With a prefix cache a request starting from nothing (new, or preempted) takes its longest cached
+prefix of whole pages, leaving at least one token to prefill, and prefills the rest; every
+prefill step and every release (finish, abort, preemption) inserts the request's written whole
+pages. The ``n`` sequences of one prompt prefill it once: the later ones wait for the first
+one's prefill and then hit its pages.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pcgspec.engine.kv_pool import PagePool
+from pcgspec.engine.radix_cache import RadixCache
 from pcgspec.engine.request import Request, RequestStatus
 from pcgspec.runners.forward_batch import ForwardMode
 
@@ -46,6 +54,16 @@ class RequestSlots(Protocol):
     def free(self, req: Request) -> None: ...
 
 
+class DraftKV(Protocol):
+    """A model drafter's K/V progress per request (``ModelProposer``), which lives in the
+    request's pages: how far it is valid, and a prefix-cache hit that brings it that far.
+    """
+
+    def draft_computed(self, req: Request) -> int: ...
+
+    def adopt_prefix(self, req: Request, num_tokens: int) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -54,6 +72,7 @@ class Scheduler:
         max_running_requests: int,
         prefill_token_budget: int,
         slots: RequestSlots | None = None,
+        prefix_cache: RadixCache | None = None,
     ) -> None:
         self.pages = pages
         self.page_size = page_size
@@ -63,6 +82,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.slots = slots
+        self.prefix_cache = prefix_cache
+        self.draft: DraftKV | None = None  # set by the engine for model drafters
 
     @property
     def has_work(self) -> bool:
@@ -81,14 +102,24 @@ class Scheduler:
         budget = self.prefill_token_budget
         picked: list[Request] = []
         sizes: list[int] = []
+        groups: set[str] = set()  # n > 1 groups whose prompt pages this step computes
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(picked) >= self.max_running_requests:
                 break
+            if self._defer_sibling(req, groups):
+                continue
+            hit = self._take_prefix(req) if not req.pages else None
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             need = self._pages_needed(req, req.num_computed_tokens + n)
-            if need > self.pages.num_free:
+            if not self._ensure_free(need):
+                if hit is not None:
+                    self._drop_prefix(req)
                 break
+            if hit is not None:
+                self._record_hit(req, hit)
             req.pages += self.pages.alloc(need)
+            if self._computes_shared_pages(req):
+                groups.add(req.group_id)
             if self.slots is not None:
                 self.slots.admit(req)
             picked.append(req)
@@ -97,6 +128,51 @@ class Scheduler:
         if not picked:
             return None
         return ScheduledBatch.of(ForwardMode.EXTEND, picked, sizes)
+
+    def _defer_sibling(self, req: Request, groups: set[str]) -> bool:
+        """With a prefix cache, a fresh sequence of an ``n`` > 1 group waits while an earlier one
+        of its group computes the prompt's whole pages: then it hits the pages that one inserted.
+        """
+        return req.group_id in groups and not req.pages and req.num_preemptions == 0
+
+    def _computes_shared_pages(self, req: Request) -> bool:
+        """Whether this step of ``req`` computes prompt pages its ``n`` > 1 siblings could hit."""
+        if self.prefix_cache is None or req.params.n == 1:
+            return False
+        return req.num_computed_tokens < (req.prompt_len - 1) // self.page_size * self.page_size
+
+    def _take_prefix(self, req: Request) -> int:
+        """Hold the longest cached prefix of ``req`` (whole pages, leaving >= 1 token to
+        prefill); returns its length in tokens (0 without a cache or a hit).
+        """
+        if self.prefix_cache is None:
+            return 0
+        hit = self.prefix_cache.match(req.token_ids, len(req.token_ids) - 1)
+        self.pages.incref(hit.pages)  # NOTE: held before evicting, so eviction spares them
+        req.pages = list(hit.pages)
+        req.num_computed_tokens = hit.num_tokens
+        return hit.num_tokens
+
+    def _drop_prefix(self, req: Request) -> None:
+        self.pages.free(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+
+    def _record_hit(self, req: Request, hit: int) -> None:
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.record_lookup(len(req.token_ids), hit)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hit
+        if self.draft is not None and hit:
+            self.draft.adopt_prefix(req, hit)
+
+    def _ensure_free(self, need: int) -> bool:
+        """Whether ``need`` pages are free, after evicting unreferenced cached pages if not."""
+        short = need - self.pages.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return need <= self.pages.num_free
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         for req in list(self.running):
@@ -119,8 +195,10 @@ class Scheduler:
 
     def _make_room(self, need: int, req: Request) -> None:
         """Preempt, newest first, until ``need`` pages are free or ``req`` itself is preempted.
-        Partially prefilled waiting requests give up their pages first.
+        Unreferenced cached pages go first, then partially prefilled waiting requests' pages.
         """
+        if self._ensure_free(need):
+            return
         for victim in [r for r in reversed(self.waiting) if r.pages] + self.running[::-1]:
             if need <= self.pages.num_free or (victim is req and len(self.running) == 1):
                 return
@@ -144,6 +222,8 @@ class Scheduler:
         """
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
+            if batch.mode is ForwardMode.EXTEND and not req.finished:
+                self._cache(req)
             if req.finished:
                 self.release(req)
             elif req.status is RequestStatus.WAITING and (
@@ -157,7 +237,7 @@ class Scheduler:
         """Grow each request's pages to hold ``num_tokens`` slots, all or none (no preemption).
         Returns whether it fit."""
         needs = [self._pages_needed(r, n) for r, n in zip(reqs, num_tokens)]
-        if sum(needs) > self.pages.num_free:
+        if not self._ensure_free(sum(needs)):
             return False
         for req, need in zip(reqs, needs):
             req.pages += self.pages.alloc(need)
@@ -185,7 +265,15 @@ class Scheduler:
             self.waiting.remove(req)
         self._free(req)
 
+    def _cache(self, req: Request) -> None:
+        """Insert the whole pages of ``req`` whose K/V are written (never after an error)."""
+        if self.prefix_cache is None or not req.pages or req.finish_reason == "error":
+            return
+        draft = self.draft.draft_computed(req) if self.draft is not None else 0
+        self.prefix_cache.insert(req.token_ids, req.pages, req.num_computed_tokens, draft)
+
     def _free(self, req: Request) -> None:
+        self._cache(req)
         self.pages.free(req.pages)
         req.pages = []
         if self.slots is not None:

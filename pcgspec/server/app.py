@@ -140,11 +140,13 @@ async def server_info(request: web.Request) -> web.Response:
         "piecewise": piecewise_summary(snap.piecewise),
         "decode_graphs": snap.decode_graphs,
         "kv": {
-            "used_pages": stats.get("kv_pages_used", 0),
+            "used_pages": stats.get("kv_pages_used", 0),  # held by requests
+            "cached_pages": stats.get("kv_pages_cached", 0),  # held by the prefix cache
             "total_pages": total,
             "page_size": stats.get("page_size"),
             "usage": stats.get("kv_pages_used", 0) / total if total else 0.0,
         },
+        "prefix_cache": snap.cache,  # empty with --disable-radix-cache
         "num_running": stats.get("num_running", 0),
         "num_waiting": stats.get("num_waiting", 0),
         "num_preemptions": stats.get("num_preemptions", 0),

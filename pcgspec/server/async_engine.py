@@ -45,6 +45,7 @@ class EngineSnapshot:
     stats: dict[str, int] = field(default_factory=dict)  # Engine.stats()
     spec: dict[str, Any] = field(default_factory=dict)  # Engine.spec_stats()
     piecewise: dict[str, int] = field(default_factory=dict)  # runs and fallbacks by reason
+    cache: dict[str, float] = field(default_factory=dict)  # Engine.cache_stats()
     decode_graphs: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
     num_aborted: int = 0  # requests (groups of n) aborted
@@ -60,6 +61,7 @@ class RequestStream:
         self.request_id = request_id
         self.prompt_index = prompt_index
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0  # of the prompt, served by the prefix cache
         self.out = out
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.arrival = time.perf_counter()
@@ -294,6 +296,7 @@ class AsyncEngine:
         return EngineSnapshot(
             stats=engine.stats(),
             spec=engine.spec_stats(),
+            cache=engine.cache_stats(),
             piecewise=runner.piecewise.stats() if runner.piecewise is not None else {},
             decode_graphs=runner.decode_graphs.stats() if runner.decode_graphs is not None else {},
             **self._counts,
@@ -308,6 +311,9 @@ def _record(stream: RequestStream, deltas: Sequence[SeqDelta], now: float) -> No
         stream.last_token_time = now
         stream.num_output_tokens += tokens
     stream.finish_reasons += [d.finish_reason for d in deltas if d.finish_reason is not None]
+    for d in deltas:
+        if d.index == 0:  # NOTE: the prompt's first sequence; the others hit its pages (n > 1)
+            stream.num_cached_tokens = d.num_cached_tokens
 
 
 def _settle_future(fut: asyncio.Future[None], error: BaseException | None) -> None:

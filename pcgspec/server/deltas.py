@@ -14,6 +14,7 @@ class SeqDelta:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None  # set on the last delta of the sequence only
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known once prefilled)
 
 
 class SeqTracker:
@@ -50,6 +51,7 @@ class SeqTracker:
             tuple(tokens),
             tuple(logprobs),
             req.finish_reason if req.finished else None,
+            req.num_cached_tokens,
         )
         self._text = end
         self._tokens += len(tokens)

@@ -157,9 +157,11 @@ class _EngineCollector:
         total = stats.get("kv_pages_total", 0)
         used = stats.get("kv_pages_used", 0)
         yield gauge(
-            "kv_cache_usage_perc", "Share of KV pages held (0..1).", used / total if total else 0.0
+            "kv_cache_usage_perc",
+            "Share of KV pages requests hold (0..1; pages only the prefix cache holds are free).",
+            used / total if total else 0.0,
         )
-        yield gauge("kv_cache_used_pages", "KV pages held.", used)
+        yield gauge("kv_cache_used_pages", "KV pages held by requests.", used)
         accept = snap.spec.get("avg_spec_accept_length")
         yield gauge(
             "spec_accept_length",
@@ -168,6 +170,7 @@ class _EngineCollector:
         )
         yield from self._piecewise(snap)
         yield from self._speculative(snap)
+        yield from self._prefix_cache(snap)
         counter = CounterMetricFamily(
             PREFIX + "num_preemptions", "Preempted sequences.", labels=["model_name"]
         )
@@ -191,6 +194,26 @@ class _EngineCollector:
         for kind, key in (("speculative", "speculative_steps"), ("plain", "policy_plain_steps")):
             steps.add_metric([self.model_name, kind], snap.spec.get(key, 0))
         yield steps
+
+    def _prefix_cache(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        """Prefix-cache counters (zero with ``--disable-radix-cache``)."""
+        cache, labels = snap.cache, [self.model_name]
+        for name, key, doc in (
+            ("prefix_cache_queried_tokens", "prompt_tokens",
+             "Tokens looked up in the prefix cache (prompts, resumed sequences)."),
+            ("prefix_cache_hit_tokens", "cached_tokens", "Looked-up tokens the cache served."),
+            ("prefix_cache_evicted_tokens", "evicted_tokens", "Tokens evicted from the cache."),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(labels, cache.get(key, 0))
+            yield counter
+        for name, key, doc in (
+            ("prefix_cache_hit_rate", "hit_rate", "Hit tokens / queried tokens (0..1)."),
+            ("prefix_cache_tokens", "tree_tokens", "Tokens held by the prefix cache."),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric(labels, cache.get(key, 0))
+            yield gauge
 
     def _piecewise(self, snap: EngineSnapshot) -> Iterator[Metric]:
         summary = piecewise_summary(snap.piecewise)

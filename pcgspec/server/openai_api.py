@@ -133,7 +133,9 @@ async def _collect(
     want = req.params.logprobs is not None
     out = [body_choice(req.chat, i, choices[i], want, state.token_bytes) for i in sorted(choices)]
     num_prompt = sum(s.num_prompt_tokens for s in gen.streams)
-    return header.body(out, usage(num_prompt, sum(c.num_tokens for c in choices.values())))
+    num_cached = sum(s.num_cached_tokens for s in gen.streams)
+    return header.body(out, usage(num_prompt, sum(c.num_tokens for c in choices.values()),
+                                  num_cached))
 
 
 async def _stream(
@@ -171,7 +173,8 @@ async def _stream(
         await resp.write(sse(ApiError(500, str(e), type="internal_error").body()))
     if with_usage:
         num_prompt = sum(s.num_prompt_tokens for s in gen.streams)
-        await resp.write(sse(header.chunk([], usage(num_prompt, num_tokens))))
+        num_cached = sum(s.num_cached_tokens for s in gen.streams)
+        await resp.write(sse(header.chunk([], usage(num_prompt, num_tokens, num_cached))))
     await resp.write(DONE)
     await resp.write_eof()
     return resp

@@ -83,6 +83,20 @@ class ModelProposer(Proposer):
                                f"next pass starts at {start}")  # fmt: skip
         state.pending.append(hidden)
 
+    # prefix cache ----------------------------------------------------------------------------
+
+    def draft_computed(self, request: object) -> int:
+        """Positions of ``request`` whose draft K/V are valid in its pages."""
+        state = self._states.get(request)
+        return 0 if state is None else state.computed
+
+    def adopt_prefix(self, request: object, num_tokens: int) -> None:
+        """A prefix-cache hit: the cached pages of positions < ``num_tokens`` hold valid draft
+        K/V (see ``engine/radix_cache.py``), so the draft starts there, like the target.
+        """
+        self._states[request] = DraftState(computed=num_tokens)
+        self._proposed.pop(request, None)
+
     # propose ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
