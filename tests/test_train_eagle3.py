@@ -281,7 +281,8 @@ def test_shipped_head_drafts_for_the_default_model_and_output_equals_plain(smoll
     head = default_model.DEFAULT_EAGLE3_HEAD
     assert sum(f.stat().st_size for f in head.iterdir()) < 25 * 2**20
     config = json.loads((head / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] < 49152
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] < config["vocab_size"]
     kw = {"dtype": "float32", "device": "cpu"}
     plain = LLM(str(smollm2_path), **kw)
     spec = LLM(str(smollm2_path), speculative_algorithm="EAGLE3", speculative_num_steps=4,
