@@ -152,7 +152,8 @@ def test_a_failing_request_in_a_speculative_step_ends_alone(
     smollm2_path, hf_model, refs, faulty_sampling, tmp_path, algorithm
 ):
     """Verify fails after the drafts were proposed: the retried halves propose again from the
-    same draft state (EAGLE3: with the same target hidden states).
+    same draft state (EAGLE3: with the same target hidden states). Prompt lookup takes a plain
+    step while no request matches, so there the failing step may be a plain one.
     """
     from pcgspec.models.eagle3 import write_eagle3_checkpoint
     from pcgspec.models.loader import load_config
@@ -167,7 +168,7 @@ def test_a_failing_request_in_a_speculative_step_ends_alone(
     good = PROMPTS[:3]
     params = [greedy(NEW_TOKENS)] * 3 + [greedy(NEW_TOKENS, seed=MARK)]
     *outs, bad = spec.generate([*good, PROMPTS[7]], params, use_tqdm=False)
-    assert bad.finish_reason == "error" and len(bad.token_ids) < FAIL_AT
+    assert bad.finish_reason == "error" and len(bad.token_ids) <= FAIL_AT
     for prompt, out in zip(good, outs):
         assert out.finish_reason == "length" and out.metrics.spec_verify_steps > 0
         assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])

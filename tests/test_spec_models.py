@@ -240,7 +240,8 @@ def test_cuda_speculative_step_syncs_once(smollm2_path, drafts, algorithm):
         engine.add_request(ids, _greedy(64))
     for _ in range(4):  # the prefill, then speculative steps (kernels compiled)
         engine.step()
-    for _ in range(3):
+    speculative = 0
+    for _ in range(12):  # NOTE: prompt lookup takes a plain step where no request matches
         before = engine.spec_stats()["verify_steps"]
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
@@ -251,8 +252,10 @@ def test_cuda_speculative_step_syncs_once(smollm2_path, drafts, algorithm):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-        assert engine.spec_stats()["verify_steps"] == before + 3
-        assert len(syncs) == 1, syncs
+        if engine.spec_stats()["verify_steps"] == before + 3:
+            speculative += 1
+            assert len(syncs) == 1, syncs
+    assert speculative >= 3
 
 
 @pytest.mark.gpu
