@@ -10,10 +10,10 @@ import collections
 import functools
 import inspect
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
+from test_sampling_slots import _Req
 
 from pcgspec.kernels.attention import decode_attention, decode_workspace, store_kv
 from pcgspec.kernels.extend_attention import extend_attention, plan_extend
@@ -123,14 +123,6 @@ def _qkv(rows: int, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
     fused = torch.randn(rows, (h + 2 * kv) * d, dtype=shape.dtype)
     q, k, v = fused.split([h * d, kv * d, kv * d], dim=-1)
     return q.view(rows, h, d), k.view(rows, kv, d), v.view(rows, kv, d), torch.empty(rows, h, d)
-
-
-@dataclass(eq=False)
-class _Req:
-    params: SamplingParams
-    seed: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
 
 
 def _serve_like(shape: AttentionShape) -> None:

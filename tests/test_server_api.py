@@ -85,32 +85,37 @@ def test_chat_stream_equals_non_stream(client):
     assert usage.total_tokens == full.usage.total_tokens
 
 
-def test_32_concurrent_streams_equal_each_alone(server, client):
-    unique = PROMPTS[:10]  # NOTE: 10 requests alone, each sent 3 or 4 times at once
-    prompts = [unique[i % len(unique)] for i in range(32)]
-    kw = dict(model=MODEL, max_tokens=8, extra_body=IGNORE_EOS, **GREEDY)
-    alone = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in unique}
+def _stream_all(server, prompts: list[str], kw: dict) -> list[tuple[str, object]]:
+    """Stream every prompt at once; per prompt the streamed text and the final usage."""
     aclient = openai.AsyncOpenAI(
         base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
     )
 
-    async def one(prompt: str) -> tuple[str, int]:
+    async def one(prompt: str) -> tuple[str, object]:
         stream = await aclient.completions.create(
             prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
         )
-        text, tokens = "", None
+        text, usage = "", None
         async for chunk in stream:
             text += "".join(c.text for c in chunk.choices)
-            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
-        return text, tokens
+            usage = chunk.usage or usage
+        return text, usage
 
-    async def run_all() -> list[tuple[str, int]]:
+    async def run_all() -> list[tuple[str, object]]:
         try:
             return await asyncio.gather(*(one(p) for p in prompts))
         finally:
             await aclient.close()
 
-    outs = asyncio.run(run_all())
+    return asyncio.run(run_all())
+
+
+def test_32_concurrent_streams_equal_each_alone(server, client):
+    unique = PROMPTS[:10]  # NOTE: 10 requests alone, each sent 3 or 4 times at once
+    prompts = [unique[i % len(unique)] for i in range(32)]
+    kw = dict(model=MODEL, max_tokens=8, extra_body=IGNORE_EOS, **GREEDY)
+    alone = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in unique}
+    outs = [(text, usage.completion_tokens) for text, usage in _stream_all(server, prompts, kw)]
     for prompt, (text, tokens) in zip(prompts, outs):
         assert tokens == 8, prompt
         assert text == alone[prompt], prompt
@@ -128,27 +133,7 @@ def test_shared_prefix_streams_equal_each_alone_with_cached_tokens(server, clien
     alone = [client.completions.create(prompt=p, **kw) for p in prompts]
     assert alone[0].usage.prompt_tokens_details.cached_tokens == 0
     assert all(r.usage.prompt_tokens_details.cached_tokens >= 32 for r in alone[1:])
-    aclient = openai.AsyncOpenAI(
-        base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
-    )
-
-    async def one(prompt: str) -> tuple[str, object]:
-        stream = await aclient.completions.create(
-            prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
-        )
-        text, usage = "", None
-        async for chunk in stream:
-            text += "".join(c.text for c in chunk.choices)
-            usage = chunk.usage or usage
-        return text, usage
-
-    async def run_all() -> list[tuple[str, object]]:
-        try:
-            return await asyncio.gather(*(one(p) for p in prompts * 2))
-        finally:
-            await aclient.close()
-
-    outs = asyncio.run(run_all())
+    outs = _stream_all(server, prompts * 2, kw)
     for (text, usage), want in zip(outs, alone * 2):
         assert text == want.choices[0].text
         assert usage.prompt_tokens_details.cached_tokens >= 32

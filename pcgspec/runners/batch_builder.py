@@ -52,8 +52,7 @@ def build_forward_batch(
             sampled.append(len(input_ids) - 1)
     seq_lens = tuple(c.start + len(c.token_ids) for c in chunks)
     extend_lens = tuple(len(c.token_ids) for c in chunks)
-    max_pages = max(len(c.pages) for c in chunks)
-    table = [p for c in chunks for p in (*c.pages, *[0] * (max_pages - len(c.pages)))]
+    table, max_pages = padded_page_table([c.pages for c in chunks])
     starts = list(itertools.accumulate(extend_lens, initial=0))[:-1]
     ids, pos, locs, rows, lens, ext, first, pages = upload(
         device,
@@ -76,6 +75,14 @@ def build_forward_batch(
         capture_hidden_mode=capture_hidden_mode,
         **extra,  # type: ignore[arg-type]
     )
+
+
+def padded_page_table(pages: Sequence[Sequence[int]]) -> tuple[list[int], int]:
+    """The requests' page lists as one flat row-major ``[B, max_pages]`` table, rows padded
+    with page 0 (read nowhere: past each request's length), and ``max_pages``.
+    """
+    max_pages = max(len(row) for row in pages)
+    return [p for row in pages for p in (*row, *[0] * (max_pages - len(row)))], max_pages
 
 
 def upload(

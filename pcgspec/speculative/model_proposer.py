@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, upload
+from pcgspec.runners.batch_builder import (
+    SeqChunk,
+    build_forward_batch,
+    padded_page_table,
+    upload,
+)
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
@@ -177,8 +182,7 @@ class ModelProposer(Proposer):
             src_rows += [have + min(j, n - 1) for j in range(k1)]
             have += n
         seq_lens = tuple(s.computed + k1 for s in states)
-        max_pages = max(len(r.pages) for r in reqs)
-        table = [p for r in reqs for p in (*r.pages, *[0] * (max_pages - len(r.pages)))]
+        table, max_pages = padded_page_table([r.pages for r in reqs])
         starts = range(0, len(reqs) * k1, k1)
         input_ids, pos, locs, rows, src, lens, ext, first, pages = upload(
             self.runner.device,
