@@ -72,6 +72,52 @@ def test_lru_eviction_spares_referenced_pages_and_inner_nodes():
     assert cache.stats.evicted_tokens == 6 * P
 
 
+def test_eviction_order_is_lru_under_random_traffic():
+    """The tree's heap evicts what a full scan of the leaves would: the least recently used
+    unheld leaf, through matches, branching inserts, held pages and parents turned leaves.
+    """
+    rng = random.Random(0)
+    pool, cache = _cache(num_pages=400)
+    held: list[list[int]] = []
+    for _ in range(600):
+        op = rng.random()
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 4) * P)]
+        if op < 0.4 and pool.num_free >= 4:
+            _insert(pool, cache, tokens)
+        elif op < 0.6:
+            hit = cache.match(tokens, len(tokens))
+            if rng.random() < 0.3:
+                pool.incref(hit.pages)
+                held.append(hit.pages)
+        elif op < 0.7 and held:
+            pool.free(held.pop(rng.randrange(len(held))))
+        else:
+            leaves = [n for n in cache._nodes() if not n.children and pool.refcount(n.page) == 1]
+            expected = min(leaves, key=lambda n: n.last_access).page if leaves else None
+            before = set(cache.pages())
+            assert cache.evict(1) == (expected is not None)
+            assert before - set(cache.pages()) == ({expected} if leaves else set())
+    for pages in held:
+        pool.free(pages)
+    cache.evict(10**6)
+    assert cache.num_pages == 0 and pool.num_free == 400
+
+
+def test_eviction_cost_does_not_grow_with_the_tree():
+    """20,000 one-page evictions from a tree of 20,000 leaves (a full scan per eviction would
+    take minutes)."""
+    import time
+
+    n = 20_000
+    pool, cache = _cache(num_pages=n)
+    for i in range(n):
+        _insert(pool, cache, [i] * P)
+    start = time.perf_counter()
+    assert sum(cache.evict(1) for _ in range(n)) == n
+    assert time.perf_counter() - start < 10.0
+    assert pool.num_free == n and len(cache._heap) <= 1024 + 2 * n
+
+
 def test_draft_validity_stops_the_match_and_upgrades():
     pool, cache = _cache(track_draft=True)
     tokens = list(range(12))

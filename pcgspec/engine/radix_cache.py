@@ -15,7 +15,10 @@ it.
   request finishes or is preempted (prompt + output tokens). A page already in the tree keeps
   its node's page; the request keeps its duplicate until it releases it.
 - ``evict`` drops unreferenced leaves (only the tree holds their page), least recently used
-  first; the scheduler calls it when the pool runs short, before preempting anything.
+  first; the scheduler calls it when the pool runs short, before preempting anything. The
+  leaves wait in one heap ordered by last use that lives with the tree (an entry whose node
+  was used again, or is gone, is skipped when it surfaces), so an eviction costs O(log n) per
+  page however many requests the tree remembers.
 
 Model drafters (EAGLE3, NEXTN, STANDALONE) keep their own K/V in the same page ids (the draft
 cache shares the target's page table), so a cached page also carries the draft's K/V of its
@@ -75,7 +78,8 @@ class RadixCache:
         self.track_draft = track_draft
         self.root = _Node((), -1, None)
         self.num_pages = 0  # pages the tree holds
-        self._leaves: set[_Node] = set()  # nodes without children: the eviction candidates
+        # NOTE: every leaf has an entry (last_access, node) here; stale ones are skipped lazily
+        self._heap: list[tuple[int, int, _Node]] = []
         self.stats = CacheStats()
         self._clock = itertools.count(1)
 
@@ -92,7 +96,7 @@ class RadixCache:
             child = node.children.get(key)
             if child is None or (self.track_draft and not child.draft_valid):
                 break
-            child.last_access = now
+            self._touch(child, now)
             pages.append(child.page)
             node = child
         return PrefixHit(pages, len(pages) * self.page_size)
@@ -113,8 +117,6 @@ class RadixCache:
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, pages[i], node, draft_valid=draft)
-                self._leaves.discard(node)
-                self._leaves.add(child)
                 self.pool.cache_hold(pages[i])
                 self.num_pages += 1
                 self.stats.inserted_tokens += p
@@ -124,41 +126,55 @@ class RadixCache:
                     self.pool.cache_release(child.page)
                     child.page = pages[i]
                 child.draft_valid = True
-            child.last_access = now
+            self._touch(child, now)
             node = child
+
+    def _touch(self, node: _Node, now: int) -> None:
+        node.last_access = now
+        if not node.children:
+            heapq.heappush(self._heap, (now, id(node), node))
+            self._compact()
 
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` pages of unreferenced leaves, least recently used first.
         Returns how many pages went back to the pool.
         """
-        heap = [(n.last_access, id(n), n) for n in self._leaves if self._evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while heap and freed < num_pages:
-            _, _, node = heapq.heappop(heap)
+        freed, held = 0, []
+        while self._heap and freed < num_pages:
+            entry = heapq.heappop(self._heap)
+            last_access, _, node = entry
+            if node.parent is None or node.children or last_access != node.last_access:
+                continue  # evicted, no longer a leaf, or used since: a newer entry stands
+            if self.pool.refcount(node.page) > 1:
+                held.append(entry)  # a request holds it: a candidate again later
+                continue
             parent = node.parent
             del parent.children[node.key]
-            self._leaves.discard(node)
-            if parent is not self.root and not parent.children:
-                self._leaves.add(parent)
+            node.parent = None
             self.pool.cache_release(node.page)
             self.num_pages -= 1
             self.stats.evicted_tokens += self.page_size
             freed += 1
-            if parent is not self.root and self._evictable(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            if parent is not self.root and not parent.children:
+                heapq.heappush(self._heap, (parent.last_access, id(parent), parent))
+        for entry in held:
+            heapq.heappush(self._heap, entry)
         return freed
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the leaves once stale entries outnumber live nodes."""
+        if len(self._heap) > 2 * self.num_pages + 1024:
+            self._heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children]
+            heapq.heapify(self._heap)
 
     def reset(self) -> None:
         """Drop every page the tree holds (requests keep theirs)."""
         for node in self._nodes():
             self.pool.cache_release(node.page)
+            node.parent = None
         self.root.children.clear()
-        self._leaves.clear()
+        self._heap.clear()
         self.num_pages = 0
-
-    def _evictable(self, node: _Node) -> bool:
-        return not node.children and self.pool.refcount(node.page) == 1
 
     def pages(self) -> list[int]:
         """Every page the tree holds."""
