@@ -94,6 +94,23 @@ def test_new_requests_start_from_the_average_over_requests():
     assert p.expected_accept(Req()) < 1.1
 
 
+def test_the_average_over_requests_learns_from_the_first_steps():
+    """A plain mean at first (the optimistic start weighing one step): after 8 request-steps
+    that accept nothing, a new request is expected to gain little; later steps weigh at least
+    the EMA's share, so the average still follows a change.
+    """
+    p = policy()
+    for _ in range(8):
+        p.record_accept(Req(), 1)
+    assert p.expected_accept(Req()) == pytest.approx(1 + K / 9)
+    assert p.choose([Req()]) is True  # no step times yet: measure first
+    measured(p, 1, t_spec=1.6, t_plain=1.0)
+    assert p.choose([Req()]) is False  # 1.44 tokens / 1.6 < 1 / 1.0
+    for _ in range(100):
+        p.record_accept(Req(), 5)
+    assert p.expected_accept(Req()) > 4.9
+
+
 def test_times_are_kept_per_batch_bucket():
     p, r = policy(), Req()
     for _ in range(20):

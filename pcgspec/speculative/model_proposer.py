@@ -46,10 +46,27 @@ class DraftState:
     computed: int = 0  # positions whose draft K/V are valid
     # target hidden states of positions computed.., one [m_i, Hh] chunk per target pass
     pending: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0  # NOTE: rows in ``pending``, kept so a plain step's check is O(1)
 
-    @property
-    def num_pending(self) -> int:
-        return sum(len(h) for h in self.pending)
+    def add(self, hidden: torch.Tensor) -> None:
+        self.pending.append(hidden)
+        self.num_pending += len(hidden)
+
+    def rows(self) -> torch.Tensor:
+        """The pending rows as one tensor ``[num_pending, Hh]`` (kept as the one chunk)."""
+        if len(self.pending) > 1:
+            self.pending = [torch.cat(self.pending)]
+        return self.pending[0]
+
+    def advance(self, n: int) -> None:
+        """The draft computed the next ``n`` positions (and consumed their pending rows)."""
+        self.computed += n
+        if self.pending:
+            self.pending = [self.rows()[n:]]
+            self.num_pending -= n
+
+    def restart(self, computed: int) -> None:
+        self.computed, self.pending, self.num_pending = computed, [], 0
 
 
 class ModelProposer(Proposer):
@@ -77,7 +94,7 @@ class ModelProposer(Proposer):
         if state is None or start == 0:
             state = self._states[request] = DraftState()
         elif computed is not None:
-            state.computed, state.pending = computed, []
+            state.restart(computed)
         if not self.uses_target_hidden:
             return
         if hidden is None:
@@ -86,7 +103,7 @@ class ModelProposer(Proposer):
         if have != start:
             raise RuntimeError(f"target hidden states of positions {have}.. are missing: the "
                                f"next pass starts at {start}")  # fmt: skip
-        state.pending.append(hidden)
+        state.add(hidden)
 
     # prefix cache ----------------------------------------------------------------------------
 
@@ -154,12 +171,10 @@ class ModelProposer(Proposer):
                                     self.runner.device)  # fmt: skip
         hidden = None
         if self.uses_target_hidden:
-            hidden = torch.cat([torch.cat(s.pending)[:n] for _, s, n in far])
+            hidden = torch.cat([s.rows()[:n] for _, s, n in far])
         self.runner.extend(batch, hidden)
         for _, state, n in far:
-            state.computed += n
-            if state.pending:
-                state.pending = [torch.cat(state.pending)[n:]]
+            state.advance(n)
 
     def _catch_up_batch(
         self, reqs: Sequence[object], states: Sequence[DraftState]
@@ -206,5 +221,5 @@ class ModelProposer(Proposer):
         )
         if not self.uses_target_hidden:
             return batch, None
-        pending = torch.cat([h for s in states for h in s.pending])  # [sum(behind), Hh]
+        pending = torch.cat([s.rows() for s in states])  # [sum(behind), Hh]
         return batch, pending[src]

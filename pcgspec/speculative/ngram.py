@@ -47,12 +47,12 @@ class NgramIndex:
         if hi - lo >= _BULK:
             self._extend_bulk(tokens, lo, hi)
         else:
-            grams, longest = self.grams, self.windows[0]
+            grams, windows, longest = self.grams, self.windows, self.windows[0]
             for end in range(lo, hi):
                 tail = tuple(tokens[max(end + 1 - longest, 0) : end + 1])
-                for w in self.windows:
-                    if w <= len(tail):
-                        grams[tail[-w:]] = end
+                fit = windows if len(tail) == longest else [w for w in windows if w <= len(tail)]
+                for w in fit:
+                    grams[tail[-w:]] = end
         self.num_seen = n
         self.last_token = tokens[n - 1] if n else None
 

@@ -33,7 +33,7 @@ from pcgspec.compile.buckets import pad_to_bucket
 
 _WINDOW = 16  # step times kept per bucket and kind
 _EMA = 0.3  # weight of the newest verify step in a request's accept-length average
-_PRIOR_EMA = 0.05  # weight of one verify step in the average over all requests
+_PRIOR_EMA = 0.05  # weight of one verify step in the average over all requests (at least)
 MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
 
@@ -51,6 +51,7 @@ class SpecPolicy:
         self._probed: set[int] = set()  # buckets whose last step was a probe
         self._accept: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
         self._prior = num_steps + 1.0  # every draft accepted, until verify steps say otherwise
+        self._num_accepts = 0  # request-steps averaged into the prior
         self.speculative_steps = 0
         self.plain_steps = 0  # plain steps the policy chose
 
@@ -121,4 +122,8 @@ class SpecPolicy:
         drafts)."""
         old = self.expected_accept(request)
         self._accept[request] = (1 - _EMA) * old + _EMA * accept_length
-        self._prior = (1 - _PRIOR_EMA) * self._prior + _PRIOR_EMA * accept_length
+        # NOTE: a plain mean (the optimistic start counting as one step) until it weighs less
+        # than the EMA: a drafter that never accepts is known after a handful of requests.
+        self._num_accepts += 1
+        weight = max(_PRIOR_EMA, 1 / (self._num_accepts + 1))
+        self._prior = (1 - weight) * self._prior + weight * accept_length
