@@ -18,6 +18,10 @@ and the prefill tokens computed. With ``--launch`` the run repeats per ``--cache
 (default: with the radix cache, then with ``--disable-radix-cache``) and prints both and
 their ratios.
 
+``--random-weights SHAPE`` (with ``--launch``) serves random weights of a named shape
+(``pcgspec.models.random_weights.SHAPES``) with the default model's tokenizer and its
+vocabulary, written once to ``--random-weights-dir`` and reused.
+
     python scripts/bench_serving.py --launch --server-args "--dtype float32" \\
         --num-prompts 32 --max-concurrency 8 --random-input-len 64 --random-output-len 32
     python scripts/bench_serving.py --launch --dataset shared-prefix --shared-prefix-len 2000 \\
@@ -301,9 +305,16 @@ def launch(args: argparse.Namespace, extra: list[str] | None = None) -> subproce
     port = args.base_url.rsplit(":", 1)[-1].split("/")[0]
     cmd = [sys.executable, "-m", "pcgspec", "serve", "--port", port, *shlex.split(args.server_args),
            *(extra or [])]  # fmt: skip
+    if args.random_weights:
+        cmd += ["--model-path", str(random_weights_dir(args))]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(args.server_log, "ab") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        if args.server_log:
+            log.close()
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -312,7 +323,24 @@ def launch(args: argparse.Namespace, extra: list[str] | None = None) -> subproce
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"the server did not come up: {shlex.join(cmd)}")
+    raise RuntimeError(f"the server did not come up (log: {args.server_log}): {shlex.join(cmd)}")
+
+
+def random_weights_dir(args: argparse.Namespace) -> Path:
+    """The folder of ``--random-weights``, written on first use (into a temporary sibling
+    renamed when complete, so an interrupted write is never reused)."""
+    from pcgspec import envs
+
+    folder = Path(args.random_weights_dir or envs.cache_dir() / "models" /
+                  f"random-{args.random_weights}")  # fmt: skip
+    if not (folder / "config.json").is_file():
+        from pcgspec.models.default_model import default_model_path
+        from pcgspec.models.draft_checkpoint import write_random_checkpoint
+
+        partial = folder.with_name(folder.name + ".partial")
+        write_random_checkpoint(args.random_weights, partial, default_model_path())
+        partial.rename(folder)
+    return folder
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -344,11 +372,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launch", action="store_true", help="start `pcgspec serve` first")
     p.add_argument("--server-args", default="", help="flags for the launched server")
+    p.add_argument("--server-log", default=None,
+                   help="with --launch: append the server's output here (default: discarded)")
+    p.add_argument("--random-weights", metavar="SHAPE", default=None,
+                   help="with --launch: serve random weights of this shape (see the top)")
+    p.add_argument("--random-weights-dir", default=None,
+                   help="its folder (default: $PCGSPEC_CACHE_DIR/models/random-SHAPE)")
     p.add_argument("--device-label", default=None, help="what the JSON calls the device")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     args = p.parse_args(argv)
     if args.dataset in ("random", "shared-prefix", "multi-turn") and args.endpoint == "chat":
         p.error(f"--dataset {args.dataset} uses the completions endpoint")
+    if args.random_weights and not args.launch:
+        p.error("--random-weights needs --launch")
     args.cache_modes = [m.strip() for m in args.cache_modes.split(",")]
     if not set(args.cache_modes) <= {"on", "off"} or not args.cache_modes:
         p.error(f"--cache-modes takes on and/or off, got {args.cache_modes}")

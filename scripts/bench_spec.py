@@ -302,9 +302,14 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
 
     base = {"dtype": args.dtype, "log_level": "warning", "max_total_tokens": 1 << 16}
     if args.random_weights:
-        from pcgspec.models.default_model import default_model_path
+        import tempfile
 
-        args.model = str(_random_checkpoint(args.random_weights))
+        from pcgspec.models.default_model import default_model_path
+        from pcgspec.models.draft_checkpoint import write_random_checkpoint
+
+        # NOTE: the shape's own vocabulary (a tokenizer passed beside it), as measured before
+        out = tempfile.mkdtemp(prefix=f"pcgspec-{args.random_weights}-")
+        args.model = str(write_random_checkpoint(args.random_weights, out))
         base["tokenizer"] = args.tokenizer or str(default_model_path())
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
@@ -314,21 +319,6 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
                               speculative_draft_model_path=drafts.get(method),
                               speculative_policy=args.policy, **base)  # fmt: skip
     return engines
-
-
-def _random_checkpoint(shape: str) -> Path:
-    """A Hugging Face folder with random bfloat16 weights of ``shape`` (N(0, 0.02^2))."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
-    from pcgspec.models.random_weights import shape_config
-
-    out = Path(tempfile.mkdtemp(prefix=f"pcgspec-{shape}-"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    return out
 
 
 def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str]) -> dict:

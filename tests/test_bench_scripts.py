@@ -122,6 +122,39 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path):
         assert ngram["speculative_steps"] + ngram["policy_plain_steps"] > 0
 
 
+def test_random_weights_folder_serves_with_the_tokenizer(tmp_path, smollm2_path):
+    """bench_serving's --random-weights folder: written once, then reused; the shape with the
+    default tokenizer's files and vocabulary; our greedy tokens equal transformers' on it."""
+    from oracle import assert_greedy_match, greedy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pcgspec import LLM
+
+    bench = _load_script("bench_serving")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--random-weights", "tiny"])  # needs --launch
+    args = bench.parse_args(["--launch", "--random-weights", "tiny", "--random-weights-dir",
+                             str(tmp_path / "tiny")])  # fmt: skip
+    folder = bench.random_weights_dir(args)
+    weights = folder / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    assert bench.random_weights_dir(args) == folder and weights.stat().st_mtime_ns == written
+    assert not (tmp_path / "tiny.partial").exists()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer) == 49152 != SHAPES["tiny"][1]["vocab_size"]
+    assert config["hidden_size"] == SHAPES["tiny"][1]["hidden_size"]
+    copied = folder / "tokenizer.json"
+    assert copied.read_bytes() == (smollm2_path / "tokenizer.json").read_bytes()
+    prompt = tokenizer.encode("The capital of France is")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0]
+    out = LLM(str(folder), dtype="float32", device="cpu").generate(
+        {"prompt_token_ids": prompt}, greedy(6), use_tqdm=False)[0]  # fmt: skip
+    assert_greedy_match(hf, prompt, out.token_ids, ref[len(prompt):].tolist())
+
+
 def test_model_runner_rejects_a_model_of_another_dtype():
     from pcgspec.config import EngineConfig
     from pcgspec.runners.model_runner import ModelRunner

@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 import sys
+import threading
 from pathlib import Path
 
 import openai
@@ -144,6 +145,37 @@ def test_shared_prefix_streams_equal_each_alone_with_cached_tokens(server, clien
     after = _scrape(server)
     key = f"pcgspec:prefix_cache_hit_tokens_total{[('model_name', MODEL)]}"
     assert after[key] - before.get(key, 0.0) >= 32 * 11
+
+
+def test_flush_cache_while_streaming(server, client):
+    """POST /flush_cache (keyed) drops every cached prefix, also while shared-prefix requests
+    stream: they stream what each streams alone, and afterwards nothing is cached."""
+    system = "You are a patient tutor. Explain every answer in plain words for a beginner. " * 3
+    prompts = [system + q for q in ("Why is the sky blue?", "What is a prime number?")]
+    kw = dict(model=MODEL, max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    assert server.post("/flush_cache", {}, key=None)[0] == 401
+    statuses, stop = [], threading.Event()
+
+    def flush_until_stopped() -> None:
+        while not stop.is_set():
+            statuses.append(server.post("/flush_cache", {})[0])
+
+    flusher = threading.Thread(target=flush_until_stopped)
+    flusher.start()
+    try:
+        outs = _stream_all(server, prompts * 3, kw)
+    finally:
+        stop.set()
+        flusher.join()
+    assert statuses and set(statuses) == {200}
+    assert [text for text, _ in outs] == alone * 3
+    assert server.post("/flush_cache", {}) == (200, {"status": "ok"})
+    state = server.wait_idle()
+    assert state["prefix_cache"]["tree_pages"] == 0 and state["kv"]["cached_pages"] == 0
+    again = client.completions.create(prompt=prompts[0], **kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == alone[0]
 
 
 def _text(client, **kw) -> str:

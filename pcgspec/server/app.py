@@ -23,7 +23,7 @@ from pcgspec.server.state import STATE, ServerSettings, ServerState
 
 logger = logging.getLogger("pcgspec")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-_KEYED = ("/server_info", "/get_server_info", "/health_generate")
+_KEYED = ("/server_info", "/get_server_info", "/health_generate", "/flush_cache")
 
 
 @web.middleware
@@ -99,6 +99,16 @@ async def health_generate(request: web.Request) -> web.Response:
         return web.json_response({"status": f"unavailable: {e!r}"}, status=503)
     finally:
         gen.abort()
+    return web.json_response({"status": "ok"})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Drop every cached prefix (SGLang's ``/flush_cache``); running requests keep their pages,
+    so it is safe at any time. 503 when the engine loop is not running."""
+    try:
+        await asyncio.wait_for(request.app[STATE].engine.flush_cache(), timeout=60)
+    except (asyncio.TimeoutError, EngineDeadError) as e:
+        return web.json_response({"status": f"unavailable: {e!r}"}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -186,6 +196,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/v1/completions", completions)

@@ -1,7 +1,7 @@
 """The synchronous ``Engine`` on a thread of its own, requests as asyncio streams.
 
 The engine thread builds the ``Engine`` and steps it; the event loop reaches it only through a
-command queue (add, abort, stop) and gets each step's deltas back through
+command queue (add, abort, flush, stop) and gets each step's deltas back through
 ``loop.call_soon_threadsafe``. So blocking torch work never stalls the loop, and ``Request``
 objects are touched by one thread only. An abort takes effect between two steps: the sequence
 finishes with "abort" and its KV pages return to the pool at once.
@@ -153,6 +153,15 @@ class AsyncEngine:
         for request_id in list(self.streams):
             self.abort(request_id)
 
+    async def flush_cache(self) -> None:
+        """Drop every cached prefix, on the engine thread between two steps."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        assert self._loop is not None
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._send("flush", done)
+        await done
+
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop stepping after the current step (unfinished requests are left as they are)."""
         self._send("stop", None)
@@ -225,6 +234,9 @@ class AsyncEngine:
                 self._add(*payload)
             elif kind == "abort" and self.engine is not None and self.engine.abort(payload):
                 self._counts["num_aborted"] += 1
+            elif kind == "flush" and self.engine is not None:
+                self.engine.flush_cache()
+                self._call(_settle_future, payload, None)
         if ran:
             self._publish()
         return True
