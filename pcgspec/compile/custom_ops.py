@@ -1,4 +1,6 @@
-"""``pcgspec::attention``: the one opaque op the decoder graph is split at."""
+"""``pcgspec::attention``, the one opaque op the decoder graph is split at, and
+``pcgspec::all_reduce``, the tensor-parallel sum that stays inside the compiled pieces.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 from pcgspec.compile.forward_context import get_forward_context
 
 ATTENTION_OP_NAME = "pcgspec::attention"
+ALL_REDUCE_OP_NAME = "pcgspec::all_reduce"
 
 
 def attention_impl(
@@ -34,6 +37,26 @@ def attention(
 @attention.register_fake
 def _attention_fake(q, k, v, output, layer_id) -> None:  # noqa: ANN001
     return None
+
+
+@torch.library.custom_op(ALL_REDUCE_OP_NAME, mutates_args=())
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of process group ``group_name``, as a new tensor.
+
+    NOTE: opaque to Dynamo and not a split op, so it lands inside a compiled piece; under CUDA
+    graph capture ``dist.all_reduce`` on NCCL records into the graph like any kernel.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    out = x.clone()
+    dist.all_reduce(out, group=_resolve_process_group(group_name))
+    return out
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(x, group_name) -> torch.Tensor:  # noqa: ANN001
+    return torch.empty_like(x)
 
 
 def split_ops() -> list[object]:
