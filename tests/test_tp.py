@@ -129,35 +129,33 @@ def test_tp2_logits_equal_tp1_with_the_all_reduce_inside_the_pieces(llama_path) 
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-def test_tp2_greedy_tokens_equal_tp1_with_ngram_speculation(llama_path, smollm2_path) -> None:
+def test_tp2_greedy_tokens_equal_tp1_with_ngram_then_a_killed_worker_fails_cleanly(
+    llama_path, smollm2_path
+) -> None:
+    """One TP=2 engine (a spawn costs seconds): NGRAM-speculative greedy tokens equal TP=1's;
+    then a worker is killed: the next step raises within seconds, later ones too, and no
+    worker process is left.
+    """
     kw = dict(tokenizer=str(smollm2_path), dtype="float32", device="cpu", page_size=PAGE,
               max_total_tokens=512, disable_piecewise_cuda_graph=True,
               speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_policy="always")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(str(llama_path), **kw).generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected = [o.outputs[0].token_ids
+                for o in LLM(str(llama_path), **kw).generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(llama_path), tp_size=2, **kw)
+    procs = llm.engine.runner.tp_driver.procs
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.spec_stats()["verify_steps"] > 0
+        assert got == expected
+        os.kill(procs[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TPGroupFailed, match="tensor-parallel group is down"):
+            llm.generate(prompts[0], params, use_tqdm=False)
+        assert time.monotonic() - start < 30
+        with pytest.raises(TPGroupFailed):  # and stays down
+            llm.generate(prompts[1], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert got == expected
-
-
-def test_a_killed_worker_fails_the_engine_cleanly(llama_path, smollm2_path) -> None:
-    llm = LLM(str(llama_path), tokenizer=str(smollm2_path), dtype="float32", device="cpu",
-              page_size=PAGE, max_total_tokens=512, disable_piecewise_cuda_graph=True, tp_size=2)
-    procs = llm.engine.runner.tp_driver.procs
-    params = SamplingParams(temperature=0.0, max_tokens=4)
-    assert len(llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)) == 1
-    os.kill(procs[0].pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(TPGroupFailed, match="tensor-parallel group is down"):
-        llm.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)
-    assert time.monotonic() - start < 30
-    with pytest.raises(TPGroupFailed):  # and stays down
-        llm.generate({"prompt_token_ids": PROMPTS[2]}, params, use_tqdm=False)
-    llm.shutdown()
     assert all(not p.is_alive() for p in procs)

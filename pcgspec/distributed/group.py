@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-import pcgspec.compile.custom_ops  # noqa: F401  (registers torch.ops.pcgspec.all_reduce)
+import pcgspec.compile.custom_ops  # noqa: F401  (registers the collectives)
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,10 @@ class TPGroup:
         return torch.ops.pcgspec.all_reduce(x, self.group_name)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` [..., N] concatenated in rank order: [..., size * N]. Runs outside
-        the compiled decoder (the LM head), so a plain collective.
-        """
+        """Every rank's ``x`` [..., N] concatenated in rank order: [..., size * N]."""
         if self.size == 1:
             return x
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(self.group_name))
-        return torch.cat(parts, dim=-1)
-
+        parts = torch.ops.pcgspec.all_gather(x, self.group_name, self.size)  # [size, ..., N]
+        return torch.cat(parts.unbind(0), dim=-1)
 
 SINGLE = TPGroup()

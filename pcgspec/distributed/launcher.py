@@ -64,6 +64,7 @@ class TPDriver:
             proc.start()
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _reap, list(self.procs))
+        self._lock = threading.Lock()  # NOTE: one thread at a time polls and reaps the workers
         self.failure: str | None = None
         try:
             self.groups = TPProcessGroups(rendezvous, 0, rank_config(config, 0).torch_device)
@@ -96,31 +97,34 @@ class TPDriver:
 
     def shutdown(self) -> None:
         """Stop the workers (a stop message when healthy, then join, terminate, kill)."""
-        if self.failure is None and all(p.is_alive() for p in self.procs):
-            self.failure = "shut down"
-            try:
-                self.channel.stop()
-            except Exception:  # NOTE: a worker died meanwhile: reaping below handles it
-                logger.warning("tensor parallel: stop message failed", exc_info=True)
-        self.failure = self.failure or "shut down"
-        self._finalizer()
+        with self._lock:
+            if self.failure is None and all(p.is_alive() for p in self.procs):
+                self.failure = "shut down"
+                try:
+                    self.channel.stop()
+                except Exception:  # NOTE: a worker died meanwhile: reaping below handles it
+                    logger.warning("tensor parallel: stop message failed", exc_info=True)
+            self.failure = self.failure or "shut down"
+            self._finalizer()
         self.groups.destroy()
 
     def _check(self) -> None:
-        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
-        if dead and self.failure is None:
-            self._fail(f"worker ranks exited: {dead} (rank, exit code)")
+        with self._lock:
+            dead = [(p.name, p.exitcode) for p in self.procs if p.exitcode is not None]
+        if dead:
+            self._fail(f"worker exited: {dead} (name, exit code)")
         if self.failure is not None:
             raise TPGroupFailed(f"tensor-parallel group is down: {self.failure}")
 
     def _fail(self, reason: str) -> None:
-        if self.failure is None:
-            self.failure = reason
-            logger.error("tensor parallel: %s; stopping every worker", reason)
-        for proc in self.procs:  # NOTE: survivors may wait in a collective: no graceful join
-            if proc.is_alive():
-                proc.terminate()
-        self._finalizer()
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+                logger.error("tensor parallel: %s; stopping every worker", reason)
+            for proc in self.procs:  # NOTE: survivors may wait in a collective: no graceful join
+                if proc.is_alive():
+                    proc.terminate()
+            self._finalizer()
 
     def _watch(self) -> None:
         """Wake on the first worker exit; on CUDA abort the groups so a blocked NCCL call on
@@ -129,7 +133,7 @@ class TPDriver:
         wait([p.sentinel for p in self.procs])
         if self.failure is not None:
             return
-        self._fail(f"a worker exited: {[(p.name, p.exitcode) for p in self.procs]}")
+        self._fail(f"a worker exited ({', '.join(p.name for p in self.procs)})")
         if self.groups.device.type == "cuda":
             from torch.distributed.distributed_c10d import _abort_process_group
 
