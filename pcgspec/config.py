@@ -105,10 +105,10 @@ class EngineConfig:
     def _check_tp(self, spec: SpeculativeConfig | None) -> None:
         if self.tp_size == 1:
             return
-        if spec is not None and spec.algorithm in ("EAGLE3", "NEXTN"):
-            raise ValueError(f"speculative_algorithm {spec.algorithm} reads the target's sharded "
-                             f"embedding and LM head, not supported with tp_size {self.tp_size} "
-                             "yet; use NGRAM or STANDALONE")
+        if spec is not None and spec.algorithm != "NGRAM":
+            raise ValueError(f"speculative_algorithm {spec.algorithm} with tp_size "
+                             f"{self.tp_size} is not supported yet (its draft model is not "
+                             "sharded or placed); NGRAM is")
         if self.device != "cpu":
             import torch
 

@@ -36,7 +36,7 @@ from bench_decode import decode_batch
 from bench_ttft import device_name, prefill_batch, time_bound, time_steps
 
 from pcgspec.config import EngineConfig
-from pcgspec.distributed.launcher import rank_config
+from pcgspec.distributed.launcher import rank_device
 from pcgspec.distributed.process_group import (
     Rendezvous,
     TPProcessGroups,
@@ -115,8 +115,8 @@ def engine_part(args: argparse.Namespace, tp: int, results: mp.Queue) -> None:
 def spmd_part(args: argparse.Namespace, rendezvous: Rendezvous, rank: int,
               results: mp.Queue) -> None:  # fmt: skip
     """Every rank: piecewise and whole-graph steps at each length, in the same order."""
-    config = rank_config(engine_config(args, args.tp_size, max(args.whole_tokens), False), rank)
-    groups = TPProcessGroups(rendezvous, rank, config.torch_device)
+    config = engine_config(args, args.tp_size, max(args.whole_tokens), False)
+    groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
     runner = ModelRunner(config, RandomWeights(args.shape, args.seed), tp_groups=groups)
     device, page = runner.device, runner.page_size
     prompt, rows = tokens(args, max(args.whole_tokens)), []

@@ -86,7 +86,7 @@ def test_head_counts_that_do_not_divide_raise(llama_path) -> None:
         LlamaForCausalLM(config, fake_group(0, 2))
     with pytest.raises(ValueError, match="tp_size must be a positive integer"):
         EngineConfig(tp_size=0)
-    with pytest.raises(ValueError, match="EAGLE3.*tp_size 2"):
+    with pytest.raises(ValueError, match="EAGLE3 with tp_size 2 is not supported"):
         EngineConfig(tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path=".")
 
 
@@ -97,16 +97,17 @@ def runner_config(path, tp: int) -> EngineConfig:
 
 @torch.inference_mode()
 def runner_logits(runner: ModelRunner) -> list[torch.Tensor]:
-    """Logits of a two-request prefill (piecewise), an eager prefill over 32 tokens (past
-    the largest bucket) and a decode step after it.
+    """Logits of a two-request prefill (piecewise), an eager prefill over 40 tokens (past
+    the largest bucket) and a decode step after both.
     """
     chunks = [SeqChunk(list(range(1, 20)), 0, range(5)), SeqChunk([5, 6, 7], 0, [6])]
+    device = runner.device
     batches = [
-        build_forward_batch(ForwardMode.EXTEND, chunks, PAGE, "cpu"),
+        build_forward_batch(ForwardMode.EXTEND, chunks, PAGE, device),
         build_forward_batch(ForwardMode.EXTEND, [SeqChunk(list(range(40)), 0, range(10, 20))],
-                            PAGE, "cpu"),
+                            PAGE, device),
         build_forward_batch(ForwardMode.DECODE, [SeqChunk([9], 19, range(5)),
-                                                 SeqChunk([3], 40, range(10, 21))], PAGE, "cpu"),
+                                                 SeqChunk([3], 40, range(10, 21))], PAGE, device),
     ]
     return [runner.forward(b).logits for b in batches]
 

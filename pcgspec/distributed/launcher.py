@@ -10,7 +10,6 @@ watcher thread aborts the groups so a blocked NCCL call returns) and the group i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import weakref
@@ -21,6 +20,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.multiprocessing as mp
 
 from pcgspec.distributed.broadcast import BatchChannel
@@ -44,12 +44,14 @@ class TPGroupFailed(RuntimeError):
     """A rank of the tensor-parallel group died or failed; the engine cannot go on."""
 
 
-def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """``config`` for ``rank``: on CUDA device ``cuda:(first + rank)``, else unchanged."""
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """``rank``'s device: on CUDA ``cuda:(first + rank)`` (first: the config's index), else the
+    config's device.
+    """
     device = config.torch_device
     if device.type != "cuda":
-        return config
-    return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + rank}")
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 class TPDriver:
@@ -60,14 +62,14 @@ class TPDriver:
         self.procs: list[BaseProcess] = []
         for rank in range(1, config.tp_size):
             proc = ctx.Process(target=_worker_main, name=f"pcgspec-tp{rank}", daemon=True,
-                               args=(rank_config(config, rank), model_path, rendezvous, rank))
+                               args=(config, model_path, rendezvous, rank))
             proc.start()
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _reap, list(self.procs))
         self._lock = threading.Lock()  # NOTE: one thread at a time polls and reaps the workers
         self.failure: str | None = None
         try:
-            self.groups = TPProcessGroups(rendezvous, 0, rank_config(config, 0).torch_device)
+            self.groups = TPProcessGroups(rendezvous, 0, rank_device(config, 0))
         except BaseException:
             self._finalizer()
             raise

@@ -29,12 +29,13 @@ def run_worker(config: EngineConfig, model_path: Path | RandomWeights | None,
     order), then run every batch rank 0 broadcasts until it says stop.
     """
     from pcgspec.distributed.broadcast import BatchChannel
+    from pcgspec.distributed.launcher import rank_device
     from pcgspec.runners.model_runner import ModelRunner
 
     _exit_with_parent()
     if config.log_level:
         logging.getLogger("pcgspec").setLevel(config.log_level.upper())
-    groups = TPProcessGroups(rendezvous, rank, config.torch_device)
+    groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
     runner = ModelRunner(config, model_path, tp_groups=groups)
     channel = BatchChannel(groups)
     while (batch := channel.recv()) is not None:

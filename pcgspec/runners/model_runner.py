@@ -69,7 +69,7 @@ class ModelRunner:
             tp_groups = self.tp_driver.groups
         self.tp_groups = tp_groups
         self.tp = SINGLE if tp_groups is None else tp_groups.tp
-        self.device = config.torch_device
+        self.device = config.torch_device if tp_groups is None else tp_groups.device
         self.dtype = config.torch_dtype
         if model is None:
             model = _build_model(model_path, self.dtype, self.device, self.tp)
