@@ -6,6 +6,7 @@ fail fast and leaves no process behind.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -84,6 +85,9 @@ def test_head_counts_that_do_not_divide_raise(llama_path) -> None:
     config.num_attention_heads, config.num_key_value_heads = 6, 3
     with torch.device("meta"), pytest.raises(ValueError, match=r"num_key_value_heads \(3\).*2"):
         LlamaForCausalLM(config, fake_group(0, 2))
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\).*3"):  # before any spawn
+        ModelRunner(runner_config(llama_path, 3), llama_path)
+    assert not multiprocessing.active_children()
     with pytest.raises(ValueError, match="tp_size must be a positive integer"):
         EngineConfig(tp_size=0)
     with pytest.raises(ValueError, match="EAGLE3 with tp_size 2 is not supported"):

@@ -30,11 +30,13 @@ from pcgspec.distributed.process_group import (
     TPProcessGroups,
     disable_nvlink_multicast,
 )
+from pcgspec.models.loader import load_config
+from pcgspec.models.random_weights import RandomWeights, shape_config
+from pcgspec.models.registry import model_class
 from pcgspec.runners.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from pcgspec.config import EngineConfig
-    from pcgspec.models.random_weights import RandomWeights
 
 logger = logging.getLogger("pcgspec")
 JOIN_TIMEOUT_S = 10.0
@@ -56,6 +58,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 class TPDriver:
     def __init__(self, config: EngineConfig, model_path: Path | RandomWeights | None) -> None:
+        check_shardable(model_path, config.tp_size)
         disable_nvlink_multicast()  # NOTE: before the spawn: children inherit the environment
         rendezvous = Rendezvous.local(config.tp_size)
         ctx = mp.get_context("spawn")
@@ -140,6 +143,18 @@ class TPDriver:
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group()
+
+
+def check_shardable(model_path: Path | RandomWeights | None, tp_size: int) -> None:
+    """Build the model as rank 0 of ``tp_size`` on the meta device: a head count or size that
+    does not divide raises its ``ValueError`` here, before any process starts.
+    """
+    if isinstance(model_path, RandomWeights):
+        hf_config = shape_config(model_path.shape)
+    else:
+        hf_config = load_config(model_path)
+    with torch.device("meta"):
+        model_class(hf_config)(hf_config, TPGroup(0, tp_size, "meta"))
 
 
 def _reap(procs: list[BaseProcess]) -> None:
