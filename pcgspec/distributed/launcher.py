@@ -68,7 +68,9 @@ class TPDriver:
                                args=(config, model_path, rendezvous, rank))
             proc.start()
             self.procs.append(proc)
-        self._finalizer = weakref.finalize(self, _reap, list(self.procs))
+        # NOTE: at garbage collection or interpreter exit: terminate at once (nothing to flush)
+        self._stopping = threading.Event()  # set before any intended exit: the watcher ignores it
+        self._finalizer = weakref.finalize(self, _stop, list(self.procs), self._stopping)
         self._lock = threading.Lock()  # NOTE: one thread at a time polls and reaps the workers
         self.failure: str | None = None
         try:
@@ -101,13 +103,17 @@ class TPDriver:
             raise
 
     def shutdown(self) -> None:
-        """Stop the workers (a stop message when healthy, then join, terminate, kill)."""
+        """Stop the workers: a stop message when healthy and a short wait for them to leave,
+        then terminate (and kill) whatever is left.
+        """
         with self._lock:
+            self._stopping.set()
             if self.failure is None and all(p.is_alive() for p in self.procs):
-                self.failure = "shut down"
                 try:
                     self.channel.stop()
-                except Exception:  # NOTE: a worker died meanwhile: reaping below handles it
+                    for proc in self.procs:
+                        proc.join(JOIN_TIMEOUT_S)
+                except Exception:  # NOTE: a worker died meanwhile: _stop below handles it
                     logger.warning("tensor parallel: stop message failed", exc_info=True)
             self.failure = self.failure or "shut down"
             self._finalizer()
@@ -126,17 +132,14 @@ class TPDriver:
             if self.failure is None:
                 self.failure = reason
                 logger.error("tensor parallel: %s; stopping every worker", reason)
-            for proc in self.procs:  # NOTE: survivors may wait in a collective: no graceful join
-                if proc.is_alive():
-                    proc.terminate()
-            self._finalizer()
+            self._finalizer()  # NOTE: survivors may wait in a collective: no graceful join
 
     def _watch(self) -> None:
         """Wake on the first worker exit; on CUDA abort the groups so a blocked NCCL call on
         rank 0 raises instead of waiting for its timeout.
         """
         wait([p.sentinel for p in self.procs])
-        if self.failure is not None:
+        if self._stopping.is_set() or self.failure is not None:
             return
         self._fail(f"a worker exited ({', '.join(p.name for p in self.procs)})")
         if self.groups.device.type == "cuda":
@@ -157,13 +160,14 @@ def check_shardable(model_path: Path | RandomWeights | None, tp_size: int) -> No
         model_class(hf_config)(hf_config, TPGroup(0, tp_size, "meta"))
 
 
-def _reap(procs: list[BaseProcess]) -> None:
-    for proc in procs:
-        proc.join(JOIN_TIMEOUT_S if proc.is_alive() else 0)
+def _stop(procs: list[BaseProcess], stopping: threading.Event) -> None:
+    """Terminate the workers still running, then kill those that ignore it."""
+    stopping.set()
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-            proc.join(JOIN_TIMEOUT_S)
+    for proc in procs:
+        proc.join(JOIN_TIMEOUT_S)
         if proc.is_alive():
             proc.kill()
             proc.join()
