@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -164,3 +166,36 @@ def test_tp2_greedy_tokens_equal_tp1_with_ngram_then_a_killed_worker_fails_clean
     finally:
         llm.shutdown()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_workers_leave_when_rank0_is_sigtermed(llama_path) -> None:
+    """Rank 0 in a process of its own, killed by SIGTERM (no exit handlers run): its workers
+    notice their parent is gone and exit.
+    """
+    code = (
+        "import sys; from pathlib import Path; from pcgspec.config import EngineConfig; "
+        "from pcgspec.runners.model_runner import ModelRunner; "
+        f"p = Path({str(llama_path)!r}); "
+        "r = ModelRunner(EngineConfig(model=str(p), device='cpu', dtype='float32', tp_size=2, "
+        "max_total_tokens=64, disable_piecewise_cuda_graph=True), p); "
+        "print(*[w.pid for w in r.tp_driver.procs], flush=True); sys.stdin.read()"
+    )
+    rank0 = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    workers = [int(pid) for pid in rank0.stdout.readline().split()]
+    assert workers and all(_running(pid) for pid in workers)
+    rank0.send_signal(signal.SIGTERM)
+    rank0.wait(30)
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in workers)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan's zombie is reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
