@@ -118,9 +118,12 @@ def runner_logits(runner: ModelRunner) -> list[torch.Tensor]:
     return [runner.forward(b).logits for b in batches]
 
 
-def test_tp2_logits_equal_tp1_with_the_all_reduce_inside_the_pieces(llama_path) -> None:
-    expected = runner_logits(ModelRunner(runner_config(llama_path, 1), llama_path))
-    runner = ModelRunner(runner_config(llama_path, 2), llama_path)
+@pytest.mark.parametrize("model", ["llama_path", "qwen3_path"])
+def test_tp2_logits_equal_tp1_with_the_all_reduce_inside_the_pieces(model, request) -> None:
+    """Llama (untied LM head) and Qwen3 (q/k norms, tied vocab-parallel embedding)."""
+    path = request.getfixturevalue(model)
+    expected = runner_logits(ModelRunner(runner_config(path, 1), path))
+    runner = ModelRunner(runner_config(path, 2), path)
     try:
         assert runner.kv_cache.spec.num_kv_heads == 1 and runner.model.num_heads == 2
         split = runner.piecewise.backend.split
