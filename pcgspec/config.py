@@ -44,6 +44,7 @@ class EngineConfig:
     disable_radix_cache: bool = False  # no prefix caching (engine/radix_cache.py)
     cuda_graph_max_bs: int = 32  # largest decode batch captured
     random_seed: int = 0
+    tp_size: int = 1  # tensor-parallel ranks: GPUs on CUDA, gloo processes on CPU
     log_level: str | None = None
     # Speculative decoding (SGLang's names); None = SpeculativeConfig's default.
     speculative_algorithm: str | None = None  # EAGLE3, NEXTN, STANDALONE or NGRAM
@@ -76,7 +77,7 @@ class EngineConfig:
 
         for name in ("context_length", "page_size", "max_total_tokens", "max_running_requests",
                      "max_prefill_tokens", "cpu_kv_cache_bytes", "piecewise_cuda_graph_max_tokens",
-                     "cuda_graph_max_bs"):
+                     "cuda_graph_max_bs", "tp_size"):
             positive(name)
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(
@@ -99,6 +100,23 @@ class EngineConfig:
         spec = self.speculative_config  # validates the speculative_* fields
         if spec is not None:
             spec.draft_model_path(self.model)  # EAGLE3 without a path: the shipped head exists
+        self._check_tp(spec)
+
+    def _check_tp(self, spec: SpeculativeConfig | None) -> None:
+        if self.tp_size == 1:
+            return
+        if spec is not None and spec.algorithm != "NGRAM":
+            raise ValueError(f"speculative_algorithm {spec.algorithm} with tp_size "
+                             f"{self.tp_size} is not supported yet (its draft model is not "
+                             "sharded or placed); NGRAM is")
+        if self.device != "cpu":
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            first = 0 if self.device == "auto" else (torch.device(self.device).index or 0)
+            if count and first + self.tp_size > count:
+                raise ValueError(f"tp_size {self.tp_size} from {self.device} needs "
+                                 f"{first + self.tp_size} CUDA devices, there are {count}")
 
     def _check_device(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",

@@ -55,6 +55,8 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
                             "(default: cached prefixes of whole KV pages are reused)", None),
     "cuda_graph_max_bs": ("CUDA only: largest decode batch captured as a graph", None),
     "random_seed": ("seed of the seeds given to requests that set none", None),
+    "tp_size": ("tensor parallelism: ranks the model is split across, one process each (GPUs "
+                "cuda:0..N-1 from --device on CUDA, gloo processes on CPU)", None),
     "log_level": ("log level (default: PCGSPEC_LOG_LEVEL, else info)",
                   ("debug", "info", "warning", "error")),
     "speculative_algorithm": ("speculative decoding (default: none)", SUPPORTED_ALGORITHMS),

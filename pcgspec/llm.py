@@ -48,6 +48,10 @@ class LLM:
         logger.info("Engine ready in %.1f s (piecewise path %s)", time.perf_counter() - start,
                     "on" if self.engine.runner.piecewise is not None else "off")
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at exit)."""
+        self.engine.runner.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

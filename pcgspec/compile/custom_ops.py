@@ -1,12 +1,19 @@
-"""``pcgspec::attention``: the one opaque op the decoder graph is split at."""
+"""``pcgspec::attention``, the one opaque op the decoder graph is split at, and the
+tensor-parallel collectives ``pcgspec::all_reduce`` / ``pcgspec::all_gather``, which stay inside
+whatever is compiled around them (a piece, a whole step).
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from pcgspec.compile.forward_context import get_forward_context
 
 ATTENTION_OP_NAME = "pcgspec::attention"
+ALL_REDUCE_OP_NAME = "pcgspec::all_reduce"
+ALL_GATHER_OP_NAME = "pcgspec::all_gather"
 
 
 def attention_impl(
@@ -34,6 +41,36 @@ def attention(
 @attention.register_fake
 def _attention_fake(q, k, v, output, layer_id) -> None:  # noqa: ANN001
     return None
+
+
+@torch.library.custom_op(ALL_REDUCE_OP_NAME, mutates_args=())
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of process group ``group_name``, as a new tensor.
+
+    NOTE: opaque to Dynamo and not a split op, so it lands inside a compiled piece; under CUDA
+    graph capture ``dist.all_reduce`` on NCCL records into the graph like any kernel.
+    """
+    out = x.clone()
+    dist.all_reduce(out, group=_resolve_process_group(group_name))
+    return out
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(x, group_name) -> torch.Tensor:  # noqa: ANN001
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(ALL_GATHER_OP_NAME, mutates_args=())
+def all_gather(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    """Every rank's ``x`` stacked in rank order: ``[world_size, *x.shape]``."""
+    out = x.new_empty((world_size, *x.shape))
+    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=_resolve_process_group(group_name))
+    return out
+
+
+@all_gather.register_fake
+def _all_gather_fake(x, group_name, world_size) -> torch.Tensor:  # noqa: ANN001
+    return x.new_empty((world_size, *x.shape))
 
 
 def split_ops() -> list[object]:

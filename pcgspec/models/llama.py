@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pcgspec.compile.custom_ops  # noqa: F401  (registers torch.ops.pcgspec.attention)
-from pcgspec.models.layers.linear import MergedLinear
+from pcgspec.distributed.group import SINGLE, TPGroup
+from pcgspec.models.layers.linear import MergedLinear, RowParallelLinear, VocabParallelEmbedding
 from pcgspec.models.layers.norm import RMSNorm
 from pcgspec.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pcgspec.models.layers.weights import load_named_weights
@@ -39,17 +40,32 @@ def check_config(config: PretrainedConfig) -> None:
         raise ValueError("use_sliding_window=True is not supported")
 
 
+def kv_head_split(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+    """(KV heads per rank, ranks sharing each): split when there are at least as many KV heads
+    as ranks, else each head replicated on ``tp.size / num_kv_heads`` consecutive ranks.
+    """
+    if num_kv_heads >= tp.size:
+        return tp.shard(num_kv_heads, "num_key_value_heads"), 1
+    if tp.size % num_kv_heads:
+        raise ValueError(f"tp_size ({tp.size}) must divide num_key_value_heads "
+                         f"({num_kv_heads}) or be a multiple of it")
+    return 1, tp.size // num_kv_heads
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, flags: AttentionFlags) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, flags: AttentionFlags, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")  # this rank's
+        self.num_kv_heads, kv_replicas = kv_head_split(config.num_key_value_heads, tp)
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=flags.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=flags.o_bias)
+        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=flags.qkv_bias,
+                                     tp=tp, replicas=(1, kv_replicas, kv_replicas))
+        self.o_proj = RowParallelLinear(q_size * tp.size, config.hidden_size, flags.o_bias, tp)
         self.qk_norm = flags.qk_norm
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -75,12 +91,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedLinear(hidden, (inter, inter), bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        part = tp.shard(inter, "intermediate_size")
+        self.gate_up_proj = MergedLinear(hidden, (part, part), bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -88,10 +105,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, flags: AttentionFlags) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, flags: AttentionFlags, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, flags)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, flags, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,11 +122,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder stack (what gets compiled): embedding, layers, final norm."""
 
-    def __init__(self, config: PretrainedConfig, flags: AttentionFlags) -> None:
+    def __init__(self, config: PretrainedConfig, flags: AttentionFlags, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, flags, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
@@ -146,7 +165,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head, with Hugging Face parameter names except the fused
-    ``qkv_proj`` and ``gate_up_proj``.
+    ``qkv_proj`` and ``gate_up_proj``; with ``tp`` of several ranks, this rank's shard of it
+    (``num_heads`` and ``num_kv_heads`` are then this rank's).
     """
 
     # HF module name -> (fused module name, shard index)
@@ -158,20 +178,22 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         check_config(config)
         self.config = config
-        self.model = LlamaModel(config, self.attention_flags(config))
+        self.tp = tp
+        self.model = LlamaModel(config, self.attention_flags(config), tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head: nn.Module = (
+        self.lm_head: VocabParallelEmbedding = (
             self.model.embed_tokens
             if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
+        attention = self.model.layers[0].self_attn
         self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
+        self.num_heads: int = attention.num_heads
+        self.num_kv_heads: int = attention.num_kv_heads
         self.head_dim: int = head_dim_of(config)
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
@@ -203,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, input_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] float32
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face named tensors; every parameter must be filled."""

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pcgspec import envs
+from pcgspec.distributed.group import SINGLE, TPGroup
 from pcgspec.models.registry import MODEL_TYPE_ALIASES, model_class
 
 if TYPE_CHECKING:
@@ -118,9 +119,12 @@ def context_length(requested: int | None, hf_config: PretrainedConfig) -> int:
     return requested
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPGroup = SINGLE
+) -> nn.Module:
     """Build the model for ``path``'s architecture on the meta device, allocate it on ``device``
-    in ``dtype``, and load every weight. Returned in eval mode without gradients.
+    in ``dtype``, and load every weight (with ``tp`` of several ranks, this rank's shard only).
+    Returned in eval mode without gradients.
     """
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
@@ -130,12 +134,12 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     cls = model_class(config)
     files = safetensors_files(folder)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(iter_safetensors(files))
     model.requires_grad_(False).eval()
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    what = f"{cls.__name__} ({millions:.1f}M params, {dtype})"
+    what = f"{cls.__name__} ({millions:.1f}M params, {dtype}, tp rank {tp.rank}/{tp.size})"
     logger.info("Loaded %s from %s in %.1f s", what, folder, time.perf_counter() - start)
     return model
 

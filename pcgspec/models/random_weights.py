@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from pcgspec.distributed.group import SINGLE, TPGroup
 from pcgspec.models.layers.norm import RMSNorm
 from pcgspec.models.registry import model_class
 
@@ -53,6 +55,16 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@dataclass(frozen=True)
+class RandomWeights:
+    """A model source without files: ``random_model(shape, ..., seed)`` in every rank (what
+    tensor-parallel workers build when a benchmark asks for random weights).
+    """
+
+    shape: str
+    seed: int = 0
+
+
 def shape_config(shape: str) -> PretrainedConfig:
     """The Hugging Face config of a named shape; ``ValueError`` listing them when unknown."""
     if shape not in SHAPES:
@@ -69,9 +81,11 @@ def random_model(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = 0,
+    tp: TPGroup = SINGLE,
 ) -> nn.Module:
     """A model of ``shape`` (a name from ``SHAPES`` or a config) with random weights, in eval
-    mode without gradients, like ``load_model`` returns.
+    mode without gradients, like ``load_model`` returns. With ``tp`` of several ranks each rank
+    draws its own shard: the same shapes and timings as a sharded checkpoint, other numbers.
     """
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
@@ -79,7 +93,7 @@ def random_model(
     config = shape_config(shape) if isinstance(shape, str) else shape
     cls = model_class(config)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     fill_random_(model, seed)
     model.model.rotary_emb.init_rope()

@@ -16,13 +16,17 @@ from pcgspec.attention.base import AttentionBackend
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
+from pcgspec.distributed.group import SINGLE, TPGroup
 from pcgspec.models.loader import context_length, load_model
+from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
 
 if TYPE_CHECKING:
+    from pcgspec.distributed.launcher import TPDriver
+    from pcgspec.distributed.process_group import TPProcessGroups
     from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
     from pcgspec.runners.piecewise_runner import PiecewiseRunner
 
@@ -39,22 +43,36 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        model_path: Path | None = None,
+        model_path: Path | RandomWeights | None = None,
         model: nn.Module | None = None,
         draft_kv_bytes_per_token: int = 0,
         drafter_reads_hidden: bool = False,
+        tp_groups: TPProcessGroups | None = None,
     ) -> None:
-        """Loads ``model_path`` (None: the embedded default model), or runs ``model``, an
-        already-built model (e.g. random weights) on the config's device in its dtype.
-        ``draft_kv_bytes_per_token``: a draft KV cache of as many pages will follow; the page
-        count is sized for both. ``drafter_reads_hidden``: the draft (EAGLE3, MTP) reads the
-        hidden states of every position the target computes, so every pass captures them.
+        """Loads ``model_path`` (None: the embedded default model; ``RandomWeights``: a named
+        shape with random weights), or runs ``model``, an already-built model on the config's
+        device in its dtype. ``draft_kv_bytes_per_token``: a draft KV cache of as many pages
+        will follow; the page count is sized for both. ``drafter_reads_hidden``: the draft
+        (EAGLE3, MTP) reads the hidden states of every position the target computes, so every
+        pass captures them. ``config.tp_size > 1``: this runner is rank 0 and spawns the other
+        ranks (``tp_groups``: a worker's runner, in a group already joined).
         """
         self.config = config
-        self.device = config.torch_device
+        self.tp_driver: TPDriver | None = None
+        if config.tp_size > 1 and tp_groups is None:
+            if model is not None:
+                raise ValueError("tp_size > 1 loads a shard in every rank: pass model_path "
+                                 "(a folder or RandomWeights), not a built model")
+            from pcgspec.distributed.launcher import TPDriver
+
+            self.tp_driver = TPDriver(config, model_path)
+            tp_groups = self.tp_driver.groups
+        self.tp_groups = tp_groups
+        self.tp = SINGLE if tp_groups is None else tp_groups.tp
+        self.device = config.torch_device if tp_groups is None else tp_groups.device
         self.dtype = config.torch_dtype
         if model is None:
-            model = load_model(model_path, self.dtype, self.device)
+            model = _build_model(model_path, self.dtype, self.device, self.tp)
         elif model.dtype != self.dtype or model.device.type != self.device.type:
             raise ValueError(f"model is {model.dtype} on {model.device}, the config asks for "
                              f"{self.dtype} on {self.device}")
@@ -66,6 +84,8 @@ class ModelRunner:
                            self.dtype)
         reserve = self._activation_reserve_bytes(spec)
         pages = self._num_kv_pages(spec.bytes_per_token + draft_kv_bytes_per_token, reserve)
+        if tp_groups is not None:  # NOTE: rank 0's page ids index every rank's cache
+            pages = tp_groups.min_over_ranks(pages)
         self.kv_cache = KVCache(spec, pages, self.page_size, self.device)
         self.attn_backend = self._attention_backend(self.kv_cache)
         logger.info("KV cache: %d pages x %d tokens (%.1f MiB), attention backend %s",
@@ -196,6 +216,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run ``batch`` (on rank 0 of a tensor-parallel group: on every rank)."""
+        if self.tp_driver is None:
+            return self._forward(batch)
+        with self.tp_driver.step(batch):
+            return self._forward(batch)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the runner is collected)."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         hidden, aux = self._run_decoder(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         captured = aux if aux is not None else hidden
@@ -223,3 +255,11 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> SamplerOutput:
         return sample(logits, sampling)
+
+
+def _build_model(
+    source: Path | RandomWeights | None, dtype: torch.dtype, device: torch.device, tp: TPGroup
+) -> nn.Module:
+    if isinstance(source, RandomWeights):
+        return random_model(source.shape, dtype, device, source.seed, tp)
+    return load_model(source, dtype, device, tp)

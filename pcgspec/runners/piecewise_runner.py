@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pcgspec import envs
 from pcgspec.compile.backend import CompiledDecoder, PiecewiseBackend
 from pcgspec.compile.buckets import capture_buckets, pad_to_bucket
 from pcgspec.compile.forward_context import forward_context
@@ -78,7 +79,10 @@ class PiecewiseRunner:
         self.use_graphs = self.device.type == "cuda"
         self.pad_without_graphs = False
         self.graphs = PiecewiseGraphs(self.device)
-        self.backend = PiecewiseBackend(config.resolved_piecewise_compiler, graphs=self.graphs)
+        tp = model_runner.tp  # NOTE: one compile cache per rank of a group: no shared writes
+        cache = None if tp.size == 1 else envs.cache_dir() / "compile" / f"tp{tp.size}-{tp.rank}"
+        self.backend = PiecewiseBackend(config.resolved_piecewise_compiler, graphs=self.graphs,
+                                        cache_dir=cache)
         self.decoder = CompiledDecoder(model_runner.model.model, self.backend)
         # Static inputs: every compiled call reads views of these, so replays copy nothing; the
         # padded batch's KV slots and request starts live here too (filled by one launch).

@@ -20,7 +20,8 @@ def load_named_weights(
     skip: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Copy every ``(hf_name, tensor)`` into ``model``; each parameter's owning module may define
-    ``weight_loader(param, tensor, shard_id)`` for fused shards.
+    ``weight_loader(param, tensor, shard_id)`` for fused shards, or ``weight_loader(param,
+    tensor)`` to take its tensor-parallel slice of a whole one.
 
     Raises ``ValueError`` on a name the model does not have, on a shape mismatch, and, at the
     end, on parameters (or shards of fused ones) that no tensor filled.
@@ -100,6 +101,8 @@ def _load_one(
         loader(param, tensor, shard_id)
     elif hasattr(module, "output_sizes"):
         raise ValueError(f"{name} is fused; load its shards, not the whole tensor")
+    elif loader is not None:
+        loader(param, tensor)
     else:
         default_weight_loader(param, tensor)
 

@@ -1,0 +1,80 @@
+"""The process groups of one tensor-parallel rank: device collectives (NCCL on CUDA, gloo on
+CPU) and a gloo group for host messages (each step's batch header, start-up agreements).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pcgspec.distributed.group import TPGroup
+
+# NOTE: NVLink multicast (NVLS) can take a shared host's GPUs out of service: off in every
+# process pcgspec starts, set before NCCL or symmetric memory initialize.
+NVLINK_MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# Workers wait on the host group for the next step however long the engine idles.
+HOST_GROUP_TIMEOUT = timedelta(days=365)
+DEVICE_GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+def disable_nvlink_multicast() -> None:
+    os.environ.update(NVLINK_MULTICAST_OFF)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one group meet (picklable, handed to every worker)."""
+
+    init_method: str  # tcp://host:port of rank 0's store
+    size: int
+
+    @classmethod
+    def local(cls, size: int) -> Rendezvous:
+        """A free port on this host (single-host tensor parallelism)."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return cls(f"tcp://127.0.0.1:{port}", size)
+
+
+class TPProcessGroups:
+    """This process's membership: joins the group (blocking until every rank has), then runs
+    one device all-reduce so NCCL's communicator exists before any CUDA graph capture.
+    """
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, device: torch.device) -> None:
+        disable_nvlink_multicast()
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=rendezvous.init_method, rank=rank,
+            world_size=rendezvous.size,
+            timeout=DEVICE_GROUP_TIMEOUT if cuda else HOST_GROUP_TIMEOUT,
+            device_id=device if cuda else None,
+        )  # fmt: skip
+        self.device = device
+        self.device_group = dist.group.WORLD
+        self.host_group = (dist.new_group(backend="gloo", timeout=HOST_GROUP_TIMEOUT) if cuda
+                           else self.device_group)  # fmt: skip
+        self.tp = TPGroup(rank, rendezvous.size, self.device_group.group_name)
+        dist.all_reduce(torch.ones(1, device=device), group=self.device_group)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` any rank holds (e.g. KV pages: every rank needs the same)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group)
+        return int(t.item())
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

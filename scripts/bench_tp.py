@@ -1,0 +1,203 @@
+"""Tensor parallelism against issue 15's targets, random weights (default: Qwen3-8B shape, bf16).
+
+  startup  ModelRunner construction at TP=1 and TP=N: spawn, load, compile, capture (rank 0's
+           wall clock; each TP size in a fresh process)      target: TP=N <= 1.5x TP=1
+  decode   one decode step at batch 1, decode CUDA graph, rank 0 broadcasting the batch as the
+           engine does                                         target: TP=N <= 0.7x TP=1
+  prefill  one prefill of --prefill-tokens tokens through the piecewise graphs
+                                                               target: TP=N <= 0.6x TP=1
+  whole    at TP=N, piecewise vs the same step compiled whole (fullgraph, one CUDA graph), at
+           --whole-tokens lengths; every rank runs the step itself (SPMD, no broadcast)
+                                                               target: piecewise <= 1.25x whole
+Timing is bench_ttft's: warm-up, then CUDA events around each step on rank 0, median and p90
+(perf_counter on CPU, for smoke runs only). Caches: inductor's live under PCGSPEC_CACHE_DIR (one
+per rank at TP>1), Triton's under TRITON_CACHE_DIR; point both at empty folders for cold starts.
+
+    NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --tp-size 2 \\
+        --out bench/results/tp_qwen3-8b_h200x2.json
+    python scripts/bench_tp.py --device cpu --shape tiny --prefill-tokens 64 \\
+        --whole-tokens 16,32 --context 64 --warmup 1 --repeats 2       # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import time
+from datetime import datetime, timezone
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from bench_decode import decode_batch
+from bench_ttft import device_name, prefill_batch, time_bound, time_steps
+
+from pcgspec.config import EngineConfig
+from pcgspec.distributed.launcher import rank_device
+from pcgspec.distributed.process_group import (
+    Rendezvous,
+    TPProcessGroups,
+    disable_nvlink_multicast,
+)
+from pcgspec.models.random_weights import SHAPES, RandomWeights, shape_config
+from pcgspec.runners.model_runner import ModelRunner
+
+TARGETS = {"startup": 1.5, "decode": 0.7, "prefill": 0.6, "piecewise_over_whole": 1.25}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
+    p.add_argument("--tp-size", type=int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--context", type=int, default=1024, help="tokens before the decode step")
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--whole-tokens", default="16,128,512,2048",
+                   help="lengths compiled whole (each compile is slow)")
+    p.add_argument("--bound-backend", default=None,
+                   help="torch.compile backend of the whole step (default: inductor on CUDA, "
+                        "aot_eager on CPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = p.parse_args(argv)
+    args.whole_tokens = [int(x) for x in args.whole_tokens.split(",") if x]
+    if args.tp_size < 2 or min(args.whole_tokens) < 2 or args.repeats < 1:
+        p.error("--tp-size >= 2, --whole-tokens >= 2 and --repeats >= 1")
+    args.command = " ".join(sys.argv)
+    return args
+
+
+def engine_config(args: argparse.Namespace, tp: int, max_tokens: int,
+                  decode_graphs: bool) -> EngineConfig:  # fmt: skip
+    """KV for one prompt of ``max_tokens`` or one decode request of ``--context`` (both start
+    at page 0: the timed steps need the shapes, not the cached values).
+    """
+    pages = -(-max(max_tokens, args.context + 1) // 16)
+    return EngineConfig(device=args.device, dtype=args.dtype, tp_size=tp, page_size=16,
+                        max_total_tokens=pages * 16, cuda_graph_max_bs=1,
+                        disable_cuda_graph=not decode_graphs,
+                        piecewise_cuda_graph_max_tokens=max_tokens)  # fmt: skip
+
+
+def tokens(args: argparse.Namespace, n: int) -> torch.Tensor:
+    vocab = shape_config(args.shape).vocab_size
+    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(args.seed))
+
+
+def engine_part(args: argparse.Namespace, tp: int, results: mp.Queue) -> None:
+    """Startup, decode and prefill through the engine's runner (rank 0 spawns the workers)."""
+    disable_nvlink_multicast()
+    start = time.perf_counter()
+    runner = ModelRunner(engine_config(args, tp, args.prefill_tokens, True),
+                         RandomWeights(args.shape, args.seed))  # fmt: skip
+    startup = time.perf_counter() - start
+    device, page = runner.device, runner.page_size
+    decode = decode_batch(1, args.context, runner)
+    decode = time_steps(lambda b: runner.forward(b).logits, lambda: decode, device,
+                        args.warmup, args.repeats)  # fmt: skip
+    prompt = tokens(args, args.prefill_tokens)
+    prefill = time_steps(lambda b: runner.forward(b).logits,
+                         lambda: prefill_batch(prompt, page, device), device, args.warmup,
+                         args.repeats)  # fmt: skip
+    results.put({"tp": tp, "startup_s": startup, "decode_bs1": decode.summary(),
+                 "prefill": prefill.summary(), "device": device_name(device),
+                 "decode_graph_stats": runner.decode_graphs and runner.decode_graphs.stats(),
+                 "piecewise_stats": runner.piecewise and runner.piecewise.stats()})
+    runner.shutdown()
+
+
+def spmd_part(args: argparse.Namespace, rendezvous: Rendezvous, rank: int,
+              results: mp.Queue) -> None:  # fmt: skip
+    """Every rank: piecewise and whole-graph steps at each length, in the same order."""
+    config = engine_config(args, args.tp_size, max(args.whole_tokens), False)
+    groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
+    runner = ModelRunner(config, RandomWeights(args.shape, args.seed), tp_groups=groups)
+    device, page = runner.device, runner.page_size
+    prompt, rows = tokens(args, max(args.whole_tokens)), []
+    for n in args.whole_tokens:
+        piecewise = time_steps(lambda b: runner.forward(b).logits,
+                               lambda n=n: prefill_batch(prompt[:n], page, device), device,
+                               args.warmup, args.repeats)  # fmt: skip
+        whole = time_bound(runner, prompt[:n], args)
+        rows.append({"tokens": n, "piecewise": piecewise.summary(), "whole": whole.summary(),
+                     "piecewise_over_whole": piecewise.median_ms / whole.median_ms})
+    if rank == 0:
+        results.put({"tp": args.tp_size, "whole_vs_piecewise": rows})
+    groups.destroy()
+
+
+def run(target, *args: object) -> dict:  # noqa: ANN001
+    """``target(*args, queue)`` in a fresh process; its result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    return collect([ctx.Process(target=target, args=(*args, results))], results)
+
+
+def run_spmd(args: argparse.Namespace) -> dict:
+    """``spmd_part`` in one fresh process per rank; rank 0's result."""
+    ctx = mp.get_context("spawn")
+    results, rendezvous = ctx.Queue(), Rendezvous.local(args.tp_size)
+    return collect([ctx.Process(target=spmd_part, args=(args, rendezvous, r, results))
+                    for r in range(args.tp_size)], results)  # fmt: skip
+
+
+def collect(procs: list[BaseProcess], results: mp.Queue) -> dict:
+    """Start ``procs`` and wait for the one result; any of them failing stops them all."""
+    for proc in procs:
+        proc.start()
+    try:
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a benchmark process failed: exit codes {failed}") from None
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    disable_nvlink_multicast()  # NOTE: before any spawn: the children inherit it
+    if args.bound_backend is None:
+        cuda = EngineConfig(device=args.device).torch_device.type == "cuda"
+        args.bound_backend = "inductor" if cuda else "aot_eager"
+    single = run(engine_part, args, 1)
+    split = run(engine_part, args, args.tp_size)
+    whole = run_spmd(args)
+    ratios = {
+        "startup": split["startup_s"] / single["startup_s"],
+        "decode": split["decode_bs1"]["median_ms"] / single["decode_bs1"]["median_ms"],
+        "prefill": split["prefill"]["median_ms"] / single["prefill"]["median_ms"],
+        "piecewise_over_whole": max(r["piecewise_over_whole"]
+                                    for r in whole["whole_vs_piecewise"]),
+    }
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(), "device": single["device"],
+        "torch": torch.__version__, "command": args.command, "model": args.shape,
+        "dtype": args.dtype, "tp_size": args.tp_size, "context": args.context,
+        "prefill_tokens": args.prefill_tokens, "runs": [single, split], **whole,
+        "ratios": ratios, "targets": TARGETS,
+        "met": {k: ratios[k] <= TARGETS[k] for k in TARGETS},
+    }
+    for key, ratio in ratios.items():
+        print(f"{key:>22}: {ratio:6.3f} (target <= {TARGETS[key]})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Tensor parallelism on two GPUs (NCCL): the Llama-3.2-1B shape with random weights saved as a
+checkpoint, so TP=1 and TP=2 compute the same function. Greedy tokens of TP=2 equal TP=1 in
+float32 through piecewise graphs, decode graphs and NGRAM verify graphs (transformers decides
+near-ties); bf16 logits of TP=2 stay within bf16 tolerance of TP=1.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from oracle import assert_greedy_match, greedy
+from safetensors.torch import save_file
+from test_tp import runner_logits
+
+from pcgspec import LLM
+from pcgspec.config import EngineConfig
+from pcgspec.models.layers.weights import unfused_state_dict
+from pcgspec.models.random_weights import random_model, shape_config
+from pcgspec.runners.model_runner import ModelRunner
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+SHAPE = "llama-3.2-1b"
+VOCAB = 49152  # prompt ids below the tokenizer's (SmolLM2's) vocabulary
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("llama-1b-random")
+    model = random_model(SHAPE, torch.bfloat16, "cuda:0", seed=0)
+    tensors = unfused_state_dict(model, model.packed_modules_mapping)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, path / "model.safetensors")
+    shape_config(SHAPE).save_pretrained(path)
+    del model, tensors
+    torch.cuda.empty_cache()
+    return path
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    rand = [torch.randint(VOCAB, (n,), generator=gen).tolist() for n in (7, 33, 130, 300)]
+    loop = [11, 22, 33, 44, 55] * 8  # NGRAM drafts from it
+    return [*rand, loop, loop[:17]]
+
+
+def generate(path, smollm2_path, tp: int, **kw: object) -> tuple[list[list[int]], dict]:
+    llm = LLM(str(path), tokenizer=str(smollm2_path), dtype="float32", tp_size=tp,
+              max_total_tokens=16384, cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=512,
+              **kw)  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], greedy(24), use_tqdm=False)
+    runner = llm.engine.runner
+    stats = {"piecewise": runner.piecewise.stats(), "decode": runner.decode_graphs.stats(),
+             "spec": llm.engine.spec_stats()}
+    llm.shutdown()
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "NGRAM",
+                                       "speculative_policy": "always"}])
+def test_tp2_greedy_equals_tp1_float32_through_the_graphs(checkpoint, smollm2_path, spec):
+    expected, _ = generate(checkpoint, smollm2_path, 1, **spec)
+    got, stats = generate(checkpoint, smollm2_path, 2, **spec)
+    assert stats["piecewise"]["piecewise_runs"] > 0 and stats["decode"]["graphs"] > 0
+    if spec:
+        assert stats["spec"]["verify_steps"] > 0
+    else:
+        assert stats["decode"].get("replays", 0) > 0
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for prompt, ours, ref in zip(prompts(), got, expected):
+        assert_greedy_match(hf, prompt, ours, ref)
+
+
+def test_tp2_bf16_logits_within_tolerance_of_tp1(checkpoint):
+    def logits(tp: int) -> list[torch.Tensor]:
+        config = EngineConfig(model=str(checkpoint), dtype="bfloat16", page_size=4, tp_size=tp,
+                              max_total_tokens=512, cuda_graph_max_bs=2,
+                              piecewise_cuda_graph_max_tokens=32)  # fmt: skip
+        runner = ModelRunner(config, checkpoint)
+        out = [t.cpu() for t in runner_logits(runner)]
+        runner.shutdown()
+        return out
+
+    expected = logits(1)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for got, ref in zip(logits(2), expected):
+        assert ((got - ref).norm() / ref.norm()).item() < 3e-2
