@@ -206,9 +206,10 @@ def test_cuda_overlap_equals_synchronous():
     params = [PARAMS[i] for i in (0, 1, 3, 6)]
     results = {}
     for overlap in (True, False):
-        llm = LLM(disable_overlap_schedule=not overlap, chunked_prefill_size=64)
+        llm = LLM(disable_overlap_schedule=not overlap, chunked_prefill_size=64,
+                  cuda_graph_max_bs=64, max_total_tokens=1 << 15)
         assert llm.engine.overlap is overlap and llm.engine.runner.decode_graphs is not None
-        outs = llm.generate(PROMPTS * 3, [params[i % 4] for i in range(48)], use_tqdm=False)
+        outs = llm.generate(PROMPTS * 2, [params[i % 4] for i in range(32)], use_tqdm=False)
         results[overlap] = [(o.token_ids, o.finish_reason) for out in outs for o in out.outputs]
         _assert_whole(llm)
         del llm
