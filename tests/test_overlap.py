@@ -18,6 +18,7 @@ from test_fault_isolation import _one_torch_thread  # noqa: F401 - autouse fixtu
 import pcgspec.server.async_engine as async_engine
 from pcgspec import LLM, SamplingParams
 from pcgspec.config import EngineConfig
+from pcgspec.engine.overlap import LaunchedStep
 from pcgspec.server.app import build_app
 from pcgspec.server.state import ServerSettings, ServerState
 
@@ -117,6 +118,24 @@ def test_max_tokens_wastes_no_step(engines, monkeypatch):
         llm.generate(PROMPTS[3], greedy(7), use_tqdm=False)
         steps[overlap] = forwards
     assert steps[True] == steps[False] == ["EXTEND"] + ["DECODE"] * 6
+
+
+def test_each_step_launches_before_the_previous_one_is_read(engines, monkeypatch):
+    engine, events = engines[True].engine, []
+    forward, read = engine.runner.forward, LaunchedStep.read
+
+    def launch(batch):
+        events.append("launch")
+        return forward(batch)
+
+    def read_back(step, eos_token_ids):
+        events.append("read")
+        return read(step, eos_token_ids)
+
+    monkeypatch.setattr(engine.runner, "forward", launch)
+    monkeypatch.setattr(LaunchedStep, "read", read_back)
+    engines[True].generate(PROMPTS[0], greedy(4), use_tqdm=False)
+    assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
 
 
 def test_abort_mid_flight(engines):
