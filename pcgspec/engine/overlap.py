@@ -42,7 +42,7 @@ class LaunchedStep:
     """
 
     requests: list[Request]
-    tokens: torch.Tensor  # [R] int64 on the host (pinned on CUDA), valid once ``ready`` is
+    tokens: torch.Tensor  # [R] int64 on the host (pinned on CUDA), valid once ``ready`` passed
     logprobs: SampleLogprobs | None  # host copies, like ``tokens``
     ready: torch.cuda.Event | None  # None off CUDA, where the copies are done
 
