@@ -107,6 +107,7 @@ def build_llm(args: argparse.Namespace, model: str) -> LLM:
 
 
 def bench_batch(llm: LLM, bs: int, args: argparse.Namespace) -> dict:
+    llm.engine.flush_cache()  # NOTE: graph_times writes K/V into free pages, cached ones too
     graph_ms, device_ms = graph_times(llm, bs, args.context, args.graph_repeats)
     engine = llm.engine
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1 << 20)
@@ -150,8 +151,10 @@ def graph_times(llm: LLM, bs: int, context: int, repeats: int) -> tuple[float, f
     if graphs is None or not graphs.can_run(batch):
         return device_ms, device_ms
     bucket = min(b for b in graphs.batch_sizes if b >= bs)
-    graphs.buffers.load(batch, bucket)
+    with torch.inference_mode():
+        graphs.buffers.load(batch, bucket)
 
+    @torch.inference_mode()
     def replay() -> torch.Tensor:
         graphs.graphs[bucket].replay()
         return graphs.outputs[bucket][0][:1]
