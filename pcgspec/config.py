@@ -43,6 +43,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False  # run decode batches without CUDA graphs
     disable_radix_cache: bool = False  # no prefix caching (engine/radix_cache.py)
     cuda_graph_max_bs: int = 32  # largest decode batch captured
+    disable_overlap_schedule: bool | None = None  # None: overlap on CUDA, off elsewhere
     random_seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks: GPUs on CUDA, gloo processes on CPU
     log_level: str | None = None
@@ -94,6 +95,9 @@ class EngineConfig:
         if self.piecewise_cuda_graph_compiler not in (None, "eager", "inductor"):
             raise ValueError("piecewise_cuda_graph_compiler must be eager or inductor, got "
                              f"{self.piecewise_cuda_graph_compiler!r}")
+        if not isinstance(self.disable_overlap_schedule, (bool, type(None))):
+            raise ValueError("disable_overlap_schedule must be a bool or None, got "
+                             f"{self.disable_overlap_schedule!r}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be torch or triton, got {self.attention_backend!r}")
@@ -184,6 +188,19 @@ class EngineConfig:
         if self.disable_piecewise_cuda_graph:
             return False
         return self.torch_device.type == "cuda" or envs.cpu_piecewise()
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        """Whether the host schedules and launches step N+1 while the device runs step N
+        (engine/overlap.py): on CUDA unless disabled, off elsewhere unless
+        ``disable_overlap_schedule=False``, and never with speculation (its steps run
+        synchronously).
+        """
+        if self.speculative_algorithm is not None:
+            return False
+        if self.disable_overlap_schedule is not None:
+            return not self.disable_overlap_schedule
+        return self.torch_device.type == "cuda"
 
     @property
     def resolved_attention_backend(self) -> str:

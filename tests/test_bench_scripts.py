@@ -165,3 +165,25 @@ def test_model_runner_rejects_a_model_of_another_dtype():
         ModelRunner(config, model=random_model("tiny", torch.bfloat16, "cpu"))
     runner = ModelRunner(config, model=random_model("tiny", torch.float32, "cpu"))
     assert runner.kv_cache.num_slots == 64
+
+
+def test_bench_engine_writes_json(tmp_path):
+    bench = _load_script("bench_engine")
+    out = tmp_path / "engine.json"
+    result = bench.main([
+        "--models", "tiny", "--batch-sizes", "1,3", "--context", "20", "--steps", "4",
+        "--repeats", "2", "--graph-repeats", "3", "--warmup", "2", "--device", "cpu",
+        "--out", str(out),
+    ])
+    written = json.loads(out.read_text())
+    assert written["rows"] == json.loads(json.dumps(result["rows"]))
+    for key in ("date", "device", "torch", "command", "model", "context", "steps", "rows"):
+        assert key in written, key
+    assert [(r["model"], r["batch"]) for r in written["rows"]] == [("tiny", 1), ("tiny", 3)]
+    for row in written["rows"]:
+        for schedule in ("overlap", "sync"):
+            step = row[f"{schedule}_ms"]
+            assert step > 0 and math.isclose(row[f"{schedule}_vs_graph"], row["graph_ms"] / step)
+            parts = row["parts_ms"][schedule]
+            assert parts["forward"] > 0 and parts["schedule"] > 0 and parts["build"] > 0
+            assert math.isclose(sum(parts[k] for k in bench.PARTS), parts["step"])

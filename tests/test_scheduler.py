@@ -95,3 +95,36 @@ def test_request_alone_larger_than_pool_finishes_with_length():
         _step(sched)
     assert req.finish_reason == "length" and req.num_output_tokens == 3
     assert sched.pages.num_free == 2
+
+
+def test_overlap_schedules_one_step_ahead_of_the_tokens():
+    """Driven as the overlap schedule drives it: each step is scheduled and launched before the
+    previous step's tokens are appended. Inputs still line up with the tokens, pages cover the
+    pending token, and a request whose pending token reaches max_tokens gets no further step.
+    """
+    sched = Scheduler(PagePool(64), page_size=4, max_running_requests=8, prefill_token_budget=8)
+    reqs = [_request("a", 10, max_tokens=4), _request("b", 3, max_tokens=2)]
+    for req in reqs:
+        sched.add(req)
+    pending, batches = [], []
+    while sched.has_work or pending:
+        batch = sched.schedule()
+        if batch is not None:
+            batches.append((batch.mode, [r.request_id for r in batch.requests]))
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                end = req.num_computed_tokens + n
+                assert end <= min(req.num_tokens, len(req.pages) * 4)
+                assert batch.mode is ForwardMode.EXTEND or end == req.num_tokens
+            for req in batch.sampled_requests:
+                req.num_pending_tokens += 1
+            sched.launched(batch)
+        for req in pending:
+            req.num_pending_tokens -= 1
+            req.append_token(7, frozenset())
+        sched.retire(pending)
+        pending = [] if batch is None else batch.sampled_requests
+    assert [r.num_output_tokens for r in reqs] == [4, 2] and all(r.finished for r in reqs)
+    extend, decode = ForwardMode.EXTEND, ForwardMode.DECODE
+    assert batches == [(extend, ["a"]), (extend, ["a", "b"]), (decode, ["a", "b"]),
+                       (decode, ["a"]), (decode, ["a"])]  # fmt: skip
+    assert sched.pages.num_free == 64

@@ -16,8 +16,9 @@ from pcgspec.config import EngineConfig
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.kv_pool import PagePool
+from pcgspec.engine.overlap import PENDING_TOKEN, LaunchedStep, resolve_pending
 from pcgspec.engine.radix_cache import RadixCache
-from pcgspec.engine.request import Request, TokenLogprobs
+from pcgspec.engine.request import Request
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
@@ -25,7 +26,6 @@ from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner
-from pcgspec.sampling.sampler import SamplerOutput
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
@@ -56,6 +56,8 @@ class Engine:
                                    self.prefix_cache)  # fmt: skip
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
         self._seeds = random.Random(config.random_seed)
+        self.overlap = config.use_overlap_schedule
+        self.in_flight: list[LaunchedStep] = []  # overlap: launched, tokens not read yet
         self._ids = itertools.count()
         spec = config.speculative_config
         self.spec_worker = (
@@ -156,7 +158,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.in_flight)
 
     def abort(self, request_id: str) -> list[Request]:
         """Abort the unfinished sequences of ``request_id`` (an ``add_request`` id): they finish
@@ -200,20 +202,38 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule, run the model (a speculative step for decode batches when configured),
         sample, commit. A request the step fails on finishes with "error" (see isolation.py).
-        Returns the requests that took part.
+        Under the overlap schedule the step is launched and the previous one's tokens are
+        committed while it runs (overlap.py). Returns the requests whose tokens were committed.
         """
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        run_isolated(batch, self._run, self.scheduler.release)
-        return batch.requests
+        running, self.in_flight = self.in_flight, []
+        try:
+            if batch is not None:
+                run_isolated(batch, self._run, self.scheduler.release)
+        finally:
+            committed = self._read(running)
+        return committed if self.overlap or batch is None else batch.requests
+
+    def drain(self) -> list[Request]:
+        """Commit the tokens of every launched step, launching none (overlap schedule)."""
+        steps, self.in_flight = self.in_flight, []
+        return self._read(steps)
+
+    def _read(self, steps: list[LaunchedStep]) -> list[Request]:
+        """Commit the tokens of launched steps; release the requests they finished."""
+        took = [req for step in steps for req in step.read(self.eos_token_ids)]
+        self.scheduler.retire(took)
+        return took
 
     def _run(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
         committed = self._speculate(batch)
         if committed is None:
             self._forward_and_sample(batch)
-        self.scheduler.update(committed if committed is not None else batch)
+        if self.overlap:
+            self.scheduler.launched(batch)
+        else:
+            self.scheduler.update(committed if committed is not None else batch)
         worker = self.spec_worker
         if worker is not None and batch.mode.is_decode():
             speculated = committed is not None
@@ -231,7 +251,13 @@ class Engine:
         forward_batch = self._build_forward_batch(batch)
         out = self.runner.forward(forward_batch)
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
-        self._commit(batch, sampled)
+        rows = batch.sampled_requests
+        self.slots.commit(rows, sampled.tokens[:, None], torch.ones_like(sampled.tokens))
+        launched = LaunchedStep.start(rows, sampled)
+        if self.overlap:
+            self.in_flight.append(launched)
+        else:
+            launched.read(self.eos_token_ids)
         if self.spec_worker is not None:  # NOTE: after the commit: a failed run observed nothing
             self.spec_worker.observe(batch, out)
 
@@ -252,40 +278,24 @@ class Engine:
         }
 
     def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        """Input tokens from the host, but for a pending token (overlap.py): the device takes
+        it from the sampling slots.
+        """
         chunks = []
         for req, n, sample in zip(batch.requests, batch.num_new_tokens, batch.samples):
             start = req.num_computed_tokens
-            chunks.append(SeqChunk(req.token_ids[start : start + n], start, req.pages, sample))
-        return build_forward_batch(
+            ids = req.token_ids[start : start + n]
+            ids += [PENDING_TOKEN] * (n - len(ids))  # NOTE: decode only: pending is the last
+            chunks.append(SeqChunk(ids, start, req.pages, sample))
+        built = build_forward_batch(
             batch.mode, chunks, self.page_size, self.runner.device,
             capture_hidden_mode=self.runner.capture_hidden_mode(batch.mode),
             sampling=self.slots.rows(batch.sampled_requests),
-        )
-
-    def _commit(self, batch: ScheduledBatch, sampled: SamplerOutput) -> None:
-        rows = batch.sampled_requests
-        self.slots.commit(rows, sampled.tokens[:, None], torch.ones_like(sampled.tokens))
-        tokens = sampled.tokens.tolist()
-        logprobs = _logprob_rows(sampled, rows)
-        for row, (req, token) in enumerate(zip(rows, tokens)):
-            if logprobs is not None:
-                req.logprobs.append(logprobs[row])
-            req.append_token(token, self.eos_token_ids)
-
-
-def _logprob_rows(sampled: SamplerOutput, rows: list[Request]) -> list[TokenLogprobs] | None:
-    if sampled.logprobs is None:
-        return None
-    lp = sampled.logprobs
-    token_lp = lp.token_logprobs.tolist()
-    top_ids, top_lp = lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    tokens = sampled.tokens.tolist()
-    out = []
-    for i, req in enumerate(rows):
-        n = req.params.logprobs or 0
-        out.append(TokenLogprobs(tokens[i], token_lp[i], tuple(zip(top_ids[i][:n],
-                                                                   top_lp[i][:n]))))
-    return out
+        )  # fmt: skip
+        if not any(r.num_pending_tokens for r in batch.requests):
+            return built
+        ids = resolve_pending(built.input_ids, self.slots.last_tokens(batch.requests))
+        return dataclasses.replace(built, input_ids=ids)
 
 
 def _eos_token_ids(tokenizer: object, hf_config: object) -> frozenset[int]:

@@ -72,7 +72,8 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(init=False)
     pages: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or launched steps write)
+    num_pending_tokens: int = 0  # sampled by a launched step, not yet read back (overlap)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -98,6 +99,21 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens, the pending ones (still on the device) included."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def length_reached(self) -> bool:
+        """Whether its tokens, pending ones included, reach max_tokens or the context length:
+        the pending tokens will finish it, so it needs no further step.
+        """
+        max_tokens = self.params.max_tokens
+        if max_tokens is not None and self.num_tokens - self.prompt_len >= max_tokens:
+            return True
+        return self.num_tokens >= self.max_len
 
     @property
     def text(self) -> str:

@@ -10,6 +10,12 @@ prefix of whole pages, leaving at least one token to prefill, and prefills the r
 prefill step and every release (finish, abort, preemption) inserts the request's written whole
 pages. The ``n`` sequences of one prompt prefill it once: the later ones wait for the first
 one's prefill and then hit its pages.
+
+Under the overlap schedule (engine/overlap.py) a step is scheduled while the previous one runs:
+its requests' progress advances when it is launched (``launched``), and sampled tokens are
+counted as pending (``Request.num_pending_tokens``) until the host reads them and ``retire``
+releases the requests they finished. A request whose pending tokens reach its length limit is
+not scheduled again.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ class ScheduledBatch:
 
     @classmethod
     def of(cls, mode: ForwardMode, requests: list[Request], sizes: list[int]) -> ScheduledBatch:
-        samples = [r.num_computed_tokens + n == len(r.token_ids) for r, n in zip(requests, sizes)]
+        samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(requests, sizes)]
         return cls(mode, requests, sizes, samples)
 
     @property
@@ -176,9 +182,9 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted to make room for an older request
-            need = self._pages_needed(req, len(req.token_ids))
+            if req.status is not RequestStatus.RUNNING or req.length_reached:
+                continue  # preempted to make room for an older request, or done once read back
+            need = self._pages_needed(req, req.num_tokens)
             if need > self.pages.num_free:
                 self._make_room(need, req)
             if req.status is not RequestStatus.RUNNING:
@@ -189,9 +195,10 @@ class Scheduler:
                 self.release(req)
                 continue
             req.pages += self.pages.alloc(need)
-        if not self.running:
+        decoding = [r for r in self.running if not r.length_reached]
+        if not decoding:
             return None
-        return ScheduledBatch.of(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+        return ScheduledBatch.of(ForwardMode.DECODE, decoding, [1] * len(decoding))
 
     def _make_room(self, need: int, req: Request) -> None:
         """Preempt, newest first, until ``need`` pages are free or ``req`` itself is preempted.
@@ -217,21 +224,32 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, batch: ScheduledBatch) -> None:
-        """After the step's tokens were appended: advance progress, promote requests whose
-        prefill completed, release finished ones.
+        """After the step's tokens were appended: ``launched``, then ``retire``."""
+        self.launched(batch)
+        self.retire(batch.requests)
+
+    def launched(self, batch: ScheduledBatch) -> None:
+        """Once the step is launched (its sampled tokens appended or pending): advance
+        progress, cache written prefill pages, promote requests whose prefill completed.
         """
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-            if batch.mode is ForwardMode.EXTEND and not req.finished:
-                self._cache(req)
             if req.finished:
-                self.release(req)
-            elif req.status is RequestStatus.WAITING and (
-                req.num_computed_tokens == len(req.token_ids) - 1
+                continue
+            if batch.mode is ForwardMode.EXTEND:
+                self._cache(req)
+            if req.status is RequestStatus.WAITING and (
+                req.num_computed_tokens == req.num_tokens - 1
             ):
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+
+    def retire(self, reqs: list[Request]) -> None:
+        """Release those of ``reqs`` that finished."""
+        for req in reqs:
+            if req.finished:
+                self.release(req)
 
     def reserve(self, reqs: list[Request], num_tokens: list[int]) -> bool:
         """Grow each request's pages to hold ``num_tokens`` slots, all or none (no preemption).

@@ -5,7 +5,9 @@ is preempted. Admission writes the slot once: parameters, seed and the output-po
 (the request's output count, nonzero after a preemption) and, while some admitted request uses
 penalties, its output-token counts and prompt mask. After that a step touches the tables on the
 device only: ``rows`` expands slots into a ``SamplingBatch`` (1 row per request, or k+1 to verify
-k drafts) and ``commit`` advances the counters and counts by what each request emitted.
+k drafts) and ``commit`` advances the counters and counts by what each request emitted and
+records its last token, which the next decode step reads as its input (``last_tokens``), so the
+host need not have read it back (the overlap schedule).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class SamplingSlots:
         self.device = torch.device(device)
         self._floats = torch.zeros(len(FLOAT_FIELDS), num_slots, device=self.device)  # [6, S]
         self._ints = torch.zeros(3, num_slots, dtype=torch.int64, device=self.device)  # [3, S]
+        self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)  # [S]
         f = dict(zip(FLOAT_FIELDS, self._floats))
         self.table = SamplingTensors(f["temperature"], f["top_p"], self._ints[0], f["min_p"],
                                      self._ints[1], self._ints[2])  # fmt: skip
@@ -102,8 +105,8 @@ class SamplingSlots:
         outputs = req.output_token_ids
         floats = torch.tensor([values[name] for name in FLOAT_FIELDS], dtype=torch.float32)
         ints = torch.tensor([values["top_k"], as_int64(req.seed), len(outputs)])
-        self._floats[:, slot].copy_(floats, non_blocking=True)
-        self._ints[:, slot].copy_(ints, non_blocking=True)
+        self._floats[:, slot].copy_(self._upload(floats))
+        self._ints[:, slot].copy_(self._upload(ints))
         if p.needs_penalties and self.output_counts is None:
             self._allocate_penalty_tables()
         if self.output_counts is not None:
@@ -174,12 +177,14 @@ class SamplingSlots:
         self, reqs: Sequence[SlotRequest], tokens: torch.Tensor, num_emitted: torch.Tensor
     ) -> None:
         """After sampling or verification: request b emitted ``tokens[b, :num_emitted[b]]``
-        (``tokens`` [B, n], ``num_emitted`` [B], device tensors). Advances each counter and the
-        output counts on the device, with no host sync.
+        (``tokens`` [B, n], ``num_emitted`` [B] >= 1, device tensors). Advances each counter and
+        the output counts and records the last tokens on the device, with no host sync.
         """
         slots = self.slot_indices(reqs)
         advance = advance_positions if self._triton else advance_positions_ref
         advance(self.table.position, num_emitted, slots)
+        last = tokens.gather(1, (num_emitted.to(torch.int64) - 1)[:, None]).squeeze(1)
+        self.last_token.index_copy_(0, slots, last)
         if self.output_counts is None or not any(r.params.needs_penalties for r in reqs):
             return
         steps = torch.arange(tokens.shape[1], device=self.device)
@@ -187,6 +192,10 @@ class SamplingSlots:
         columns = tokens.clamp(0, self.vocab_size - 1)  # NOTE: unemitted entries may hold -1
         self.output_counts.index_put_((slots[:, None].expand_as(tokens), columns),
                                       emitted.to(torch.int32), accumulate=True)  # fmt: skip
+
+    def last_tokens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
+        """[B] int64 device tensor: each request's last emitted token (as of the device)."""
+        return self.last_token.index_select(0, self.slot_indices(reqs))
 
     def slot_indices(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor of the requests' slots (reused while the batch repeats)."""
@@ -199,4 +208,12 @@ class SamplingSlots:
         return self._cached_slots[1]
 
     def _index(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._upload(torch.tensor(values, dtype=torch.int64))
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the device through pinned memory on CUDA: a pageable copy may wait for
+        the stream, i.e. for a step the overlap schedule left running.
+        """
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)

@@ -1,0 +1,102 @@
+"""The overlap schedule: the host schedules and launches step N+1 while the device runs step N.
+
+Step N+1's decode inputs are step N's sampled tokens: the host builds the batch with
+``PENDING_TOKEN`` in their place and the device puts in each request's last token, which step N's
+sampler left in the sampling slots (``resolve_pending``). Sequence lengths and pages depend on
+token counts only, which the host knows (``Request.num_pending_tokens``). A launched step starts
+copying its tokens (and logprobs) into pinned host memory behind an event (``LaunchedStep``);
+the host reads them one step late, after launching the next step, for stop checks,
+detokenizing and streaming. So a request that finished at step N took part in step N+1 at most
+(that result is dropped), and one whose pending token reaches max_tokens or the context length
+is not scheduled again. Its pages are freed once its last token is read: a step still running
+on them was launched before any step that reuses them, and the device runs steps in launch
+order.
+
+Synchronous stepping is the same path with the read right after the launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pcgspec.engine.request import Request, TokenLogprobs
+from pcgspec.sampling.sampler import SampleLogprobs, SamplerOutput
+
+PENDING_TOKEN = -1  # a decode input that a running step samples
+
+
+def resolve_pending(input_ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    """A decode batch's ``input_ids`` [B] with each ``PENDING_TOKEN`` replaced by the
+    request's ``last_tokens`` [B] (device tensors: no host sync).
+    """
+    return torch.where(input_ids == PENDING_TOKEN, last_tokens, input_ids)
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """The sampled requests of a launched step (one per row) and their tokens on their way to
+    the host.
+    """
+
+    requests: list[Request]
+    tokens: torch.Tensor  # [R] int64 on the host (pinned on CUDA), valid once ``ready`` passed
+    logprobs: SampleLogprobs | None  # host copies, like ``tokens``
+    ready: torch.cuda.Event | None  # None off CUDA, where the copies are done
+
+    @classmethod
+    def start(cls, requests: Sequence[Request], sampled: SamplerOutput) -> LaunchedStep:
+        """Start copying ``sampled`` to the host; the requests' tokens are pending until read."""
+        lp = sampled.logprobs
+        logprobs = None if lp is None else SampleLogprobs(
+            _to_host(lp.token_logprobs), _to_host(lp.top_ids), _to_host(lp.top_logprobs))
+        tokens = _to_host(sampled.tokens)
+        ready = None
+        if sampled.tokens.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        for req in requests:
+            req.num_pending_tokens += 1
+        return cls(list(requests), tokens, logprobs, ready)
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def read(self, eos_token_ids: frozenset[int]) -> list[Request]:
+        """Wait for the tokens and append each to its request, unless it finished meanwhile
+        (its stop was read one step late, or it was aborted or failed): those are dropped.
+        Returns the requests that took a token.
+        """
+        self.wait()
+        logprobs = self._logprob_rows()
+        took = []
+        for row, (req, token) in enumerate(zip(self.requests, self.tokens.tolist())):
+            req.num_pending_tokens -= 1
+            if req.finished:
+                continue
+            if logprobs is not None:
+                req.logprobs.append(logprobs[row])
+            req.append_token(token, eos_token_ids)
+            took.append(req)
+        return took
+
+    def _logprob_rows(self) -> list[TokenLogprobs] | None:
+        lp = self.logprobs
+        if lp is None:
+            return None
+        token_lp, top_ids, top_lp = (lp.token_logprobs.tolist(), lp.top_ids.tolist(),
+                                     lp.top_logprobs.tolist())  # fmt: skip
+        out = []
+        for i, (req, token) in enumerate(zip(self.requests, self.tokens.tolist())):
+            n = req.params.logprobs or 0
+            out.append(TokenLogprobs(token, token_lp[i], tuple(zip(top_ids[i][:n],
+                                                                   top_lp[i][:n]))))
+        return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy of ``t`` on the host (into pinned memory when ``t`` is on CUDA)."""
+    return t.to("cpu", non_blocking=True)
