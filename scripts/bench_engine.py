@@ -38,7 +38,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import decode_batch, header, time_step  # noqa: E402
-from bench_spec import _random_checkpoint  # noqa: E402
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
 from pcgspec.engine.overlap import LaunchedStep  # noqa: E402
@@ -95,7 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def build_llm(args: argparse.Namespace, model: str) -> LLM:
     """An engine whose decode graphs cover the largest batch, with a KV pool sized for it."""
+    import tempfile
+
     from pcgspec.models.default_model import default_model_path
+    from pcgspec.models.draft_checkpoint import write_random_checkpoint
 
     max_bs = max(args.batch_sizes)
     tokens = args.context + args.warmup + (args.repeats + 1) * args.steps * len(SCHEDULES) + 16
@@ -103,7 +105,8 @@ def build_llm(args: argparse.Namespace, model: str) -> LLM:
           "cuda_graph_max_bs": max_bs, "max_total_tokens": max_bs * (tokens + 16)}
     if model == "default":
         return LLM(None, **kw)
-    return LLM(str(_random_checkpoint(model)), tokenizer=str(default_model_path()), **kw)
+    folder = write_random_checkpoint(model, tempfile.mkdtemp(prefix=f"pcgspec-{model}-"))
+    return LLM(str(folder), tokenizer=str(default_model_path()), **kw)
 
 
 def bench_batch(llm: LLM, bs: int, args: argparse.Namespace) -> dict:
@@ -111,7 +114,8 @@ def bench_batch(llm: LLM, bs: int, args: argparse.Namespace) -> dict:
     graph_ms, device_ms = graph_times(llm, bs, args.context, args.graph_repeats)
     engine = llm.engine
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1 << 20)
-    prompt = [(7 * i + 11) % 1000 for i in range(args.context)]
+    vocab = min(1000, engine.runner.vocab_size)
+    prompt = [(7 * i + 11) % vocab for i in range(args.context)]
     reqs = [r for _ in range(bs) for r in engine.add_request(prompt, params)]
     while engine.scheduler.waiting:  # prefill (in chunks) until every request decodes
         engine.step()
