@@ -21,6 +21,7 @@ from pcgspec.attention import ATTENTION_BACKENDS
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
+from pcgspec.distributed.group import SINGLE
 from pcgspec.runners.batch_builder import page_slots
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -76,6 +77,7 @@ class DraftRunner:
     """
 
     extend_capture_hidden_mode = CaptureHiddenMode.NULL  # what a piecewise runner captures
+    tp = SINGLE  # NOTE: drafts run unsharded (model drafters are refused with tp_size > 1)
 
     def __init__(
         self, draft: nn.Module, num_pages: int, page_size: int, config: EngineConfig,
