@@ -193,11 +193,9 @@ class EngineConfig:
     def use_overlap_schedule(self) -> bool:
         """Whether the host schedules and launches step N+1 while the device runs step N
         (engine/overlap.py): on CUDA unless disabled, off elsewhere unless
-        ``disable_overlap_schedule=False``, and never with speculation (its steps run
-        synchronously).
+        ``disable_overlap_schedule=False``. With speculation it overlaps the plain steps (a
+        speculative step runs synchronously).
         """
-        if self.speculative_algorithm is not None:
-            return False
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
         return self.torch_device.type == "cuda"

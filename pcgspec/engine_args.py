@@ -55,8 +55,8 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
                             "(default: cached prefixes of whole KV pages are reused)", None),
     "cuda_graph_max_bs": ("CUDA only: largest decode batch captured as a graph", None),
     "disable_overlap_schedule": ("step synchronously: no scheduling of step N+1 while the GPU "
-                                 "runs step N (default: overlap on CUDA, off on CPU; always off "
-                                 "with speculative decoding)", None),
+                                 "runs step N (default: overlap on CUDA, off on CPU; with "
+                                 "speculative decoding the plain steps overlap)", None),
     "random_seed": ("seed of the seeds given to requests that set none", None),
     "tp_size": ("tensor parallelism: ranks the model is split across, one process each (GPUs "
                 "cuda:0..N-1 from --device on CUDA, gloo processes on CPU)", None),

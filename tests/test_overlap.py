@@ -89,8 +89,8 @@ def engines(smollm2_path) -> dict[bool, LLM]:
 def test_config_resolves_and_validates():
     assert not EngineConfig(device="cpu").use_overlap_schedule
     assert EngineConfig(device="cpu", disable_overlap_schedule=False).use_overlap_schedule
-    assert not EngineConfig(device="cpu", disable_overlap_schedule=False,
-                            speculative_algorithm="NGRAM").use_overlap_schedule
+    assert EngineConfig(device="cpu", disable_overlap_schedule=False,
+                        speculative_algorithm="NGRAM").use_overlap_schedule
     with pytest.raises(ValueError, match="disable_overlap_schedule must be a bool"):
         EngineConfig(device="cpu", disable_overlap_schedule="yes")
 

@@ -9,6 +9,7 @@ heads written in the published layouts, which prove losslessness and plumbing, n
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import warnings
 
@@ -182,6 +183,38 @@ def test_logprobs_requests_fall_back_and_the_draft_keeps_up(llm, spec):
     assert_all_pages_free(spec)
 
 
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE", "NGRAM"])
+def test_overlapped_plain_steps_between_speculative_ones_equal_plain(
+    smollm2_path, drafts, llm, hf_model, algorithm
+):
+    """Under the overlap schedule the policy's plain steps are launched ahead of their tokens;
+    a speculative step first reads them.
+    """
+    draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
+    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
+               speculative_num_steps=K, disable_overlap_schedule=False, **draft)
+    _assert_mixed_steps_equal_plain(spec, llm, hf_model)
+
+
+def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
+    """A fixed pattern of the policy's choices covers every switch (plain after speculative,
+    speculative after a run of launched plain steps, after a prefill), with stops and
+    max_tokens landing on pending tokens: output equals plain decoding, nothing is left held.
+    """
+    engine, pattern = spec.engine, itertools.cycle([True, False, False, True, True, False, False])
+    assert engine.overlap
+    engine.spec_worker.policy.choose = lambda reqs: next(pattern)
+    params = [_greedy(NEW_TOKENS), _greedy(9), _greedy(NEW_TOKENS, stop=[" the"])] * 3
+    prompts = PROMPTS[: len(params)]
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    _assert_same_greedy(plain, hf_model, prompts, want, outs)
+    assert [o.text for o in outs] == [w.text for w in want]
+    assert engine.spec_worker.policy.speculative_steps > 0 and not engine.in_flight
+    assert engine.slots.num_free == engine.slots.num_slots
+    assert_all_pages_free(spec)
+
+
 def test_standalone_vocabulary_must_match(smollm2_path, tmp_path):
     tiny_hf_model("LlamaConfig").save_pretrained(tmp_path)  # vocabulary 256
     with pytest.raises(ValueError, match="vocabulary of 256 tokens but the target has 49152"):
@@ -223,6 +256,18 @@ def test_cuda_graphs_greedy_equals_plain(smollm2_path, drafts, cuda_plain, hf_mo
     if algorithm == "STANDALONE":
         assert spec.engine.spec_stats()["avg_spec_accept_length"] > K  # near-ties aside: K + 1
     assert_all_pages_free(spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NGRAM"])
+def test_cuda_overlapped_plain_steps_between_speculative_ones_equal_plain(
+    smollm2_path, drafts, cuda_plain, hf_model, algorithm
+):
+    """The CPU test above through decode, verify and draft graphs (overlap on by default)."""
+    draft = None if algorithm == "NGRAM" else drafts[algorithm]
+    spec = LLM(str(smollm2_path), speculative_algorithm=algorithm,
+               speculative_draft_model_path=draft, **SPEC_KW, **GPU_KW)
+    _assert_mixed_steps_equal_plain(spec, cuda_plain, hf_model)
 
 
 @pytest.mark.gpu

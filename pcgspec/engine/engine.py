@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -58,6 +59,7 @@ class Engine:
         self._seeds = random.Random(config.random_seed)
         self.overlap = config.use_overlap_schedule
         self.in_flight: list[LaunchedStep] = []  # overlap: launched, tokens not read yet
+        self._last_decode: bool | None = None  # whether the last decode step speculated
         self._ids = itertools.count()
         spec = config.speculative_config
         self.spec_worker = (
@@ -200,22 +202,32 @@ class Engine:
             self.prefix_cache.reset()
 
     def step(self) -> list[Request]:
-        """Schedule, run the model (a speculative step for decode batches when configured),
-        sample, commit. A request the step fails on finishes with "error" (see isolation.py).
-        Under the overlap schedule the step is launched and the previous one's tokens are
-        committed while it runs (overlap.py). Returns the requests whose tokens were committed.
+        """Schedule, run the model (a speculative step for decode batches when the policy
+        chooses one), sample, commit. A request the step fails on finishes with "error" (see
+        isolation.py). Under the overlap schedule a plain step is launched and the previous
+        one's tokens are committed while it runs (overlap.py); a speculative step first reads
+        every launched step's tokens, then runs synchronously. Returns the requests whose tokens
+        were committed.
         """
-        batch = self.scheduler.schedule()
-        running, self.in_flight = self.in_flight, []
+        start, batch = time.perf_counter(), self.scheduler.schedule()
+        speculate, took = self.spec_worker is not None and self.spec_worker.chooses(batch), []
+        if speculate:  # NOTE: verification reads every token on the host: commit them first
+            took, batch = self.drain(), batch.unfinished()  # type: ignore[union-attr]
+        running, self.in_flight, verified = self.in_flight, [], []
         try:
             if batch is not None:
-                run_isolated(batch, self._run, self.scheduler.release)
+                run = functools.partial(self._run, speculate=speculate, verified=verified)
+                run_isolated(batch, run, self.scheduler.release)
         finally:
-            committed = self._read(running)
-        return committed if self.overlap or batch is None else batch.requests
+            took += self._read(running) + verified
+            if not self.overlap:
+                took += self.drain()
+        if self.spec_worker is not None:
+            self._time_step(batch, bool(verified), time.perf_counter() - start)
+        return took
 
     def drain(self) -> list[Request]:
-        """Commit the tokens of every launched step, launching none (overlap schedule)."""
+        """Commit the tokens of every launched step, launching none."""
         steps, self.in_flight = self.in_flight, []
         return self._read(steps)
 
@@ -225,27 +237,30 @@ class Engine:
         self.scheduler.retire(took)
         return took
 
-    def _run(self, batch: ScheduledBatch) -> None:
-        start = time.perf_counter()
-        committed = self._speculate(batch)
+    def _run(self, batch: ScheduledBatch, speculate: bool, verified: list[Request]) -> None:
+        """A speculative step where chosen and possible (its tokens committed here, its
+        requests added to ``verified``), else a launched plain step."""
+        committed = self.spec_worker.step(batch) if speculate else None  # type: ignore[union-attr]
         if committed is None:
             self._forward_and_sample(batch)
-        if self.overlap:
             self.scheduler.launched(batch)
         else:
-            self.scheduler.update(committed if committed is not None else batch)
-        worker = self.spec_worker
-        if worker is not None and batch.mode.is_decode():
-            speculated = committed is not None
-            steady = not (speculated and worker.proposer.caught_up)
-            worker.policy.record_step(speculated, len(batch.requests),
-                                      time.perf_counter() - start, steady)  # fmt: skip
+            self.scheduler.update(committed)
+            verified += batch.requests
 
-    def _speculate(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The committed batch of a speculative step, or None where none ran."""
-        if self.spec_worker is None or not batch.mode.is_decode():
-            return None
-        return self.spec_worker.step(batch)
+    def _time_step(self, batch: ScheduledBatch | None, speculated: bool, seconds: float) -> None:
+        """Tell the speculation policy what a decode step cost. A step is timed only after a
+        decode step of its own kind (a plain step then read a plain step, not a prefill; a
+        speculative step did not wait for a plain one) and without a draft catch-up: the first
+        step of a run is charged with the switch.
+        """
+        worker = self.spec_worker
+        if batch is None or not batch.mode.is_decode():
+            self._last_decode = None
+            return
+        steady = self._last_decode is speculated and not (speculated and worker.proposer.caught_up)
+        worker.policy.record_step(speculated, len(batch.requests), seconds, steady)
+        self._last_decode = speculated
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
@@ -253,11 +268,7 @@ class Engine:
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         rows = batch.sampled_requests
         self.slots.commit(rows, sampled.tokens[:, None], torch.ones_like(sampled.tokens))
-        launched = LaunchedStep.start(rows, sampled)
-        if self.overlap:
-            self.in_flight.append(launched)
-        else:
-            launched.read(self.eos_token_ids)
+        self.in_flight.append(LaunchedStep.start(rows, sampled))
         if self.spec_worker is not None:  # NOTE: after the commit: a failed run observed nothing
             self.spec_worker.observe(batch, out)
 

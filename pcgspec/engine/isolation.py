@@ -62,18 +62,8 @@ def _run_or_split(batch: ScheduledBatch, run: RunBatch) -> list[RequestFailure]:
         rest = [i for i, a in enumerate(advanced) if not a]
         half = len(rest) // 2
         for part in (rest[:half], rest[half:]):
-            failures += _run_or_split(_subset(batch, part), run) if part else []
+            failures += _run_or_split(batch.subset(part), run) if part else []
         return failures
-
-
-def _subset(batch: ScheduledBatch, rows: list[int]) -> ScheduledBatch:
-    """The requests ``rows`` of ``batch`` as a batch of their own (their pages are reserved)."""
-    return ScheduledBatch(
-        batch.mode,
-        [batch.requests[i] for i in rows],
-        [batch.num_new_tokens[i] for i in rows],
-        [batch.samples[i] for i in rows],
-    )
 
 
 def _progress(req: Request) -> tuple[int, int]:

@@ -49,6 +49,19 @@ class ScheduledBatch:
     def sampled_requests(self) -> list[Request]:
         return [r for r, s in zip(self.requests, self.samples) if s]
 
+    def unfinished(self) -> ScheduledBatch | None:
+        """The batch without its finished requests (None if that leaves none)."""
+        if not any(r.finished for r in self.requests):
+            return self
+        keep = [i for i, r in enumerate(self.requests) if not r.finished]
+        return self.subset(keep) if keep else None
+
+    def subset(self, rows: list[int]) -> ScheduledBatch:
+        """The requests ``rows`` as a batch of their own (their pages are reserved)."""
+        return ScheduledBatch(self.mode, [self.requests[i] for i in rows],
+                              [self.num_new_tokens[i] for i in rows],
+                              [self.samples[i] for i in rows])  # fmt: skip
+
 
 class RequestSlots(Protocol):
     """Per-request state outside the scheduler (e.g. ``SamplingSlots``): a request is admitted

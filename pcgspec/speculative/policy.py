@@ -17,9 +17,12 @@ A model drafter that took plain steps (or met a new prompt) first catches up ove
 positions; such a step is not timed (``record_step(steady=False)``), or the catch-up after every
 run of plain steps would make speculation look dearer than it is and keep the policy off it.
 
-Prompt lookup (NGRAM) knows before the step which requests found a match: the others count as
-accept length 1, their averages are of steps with a match, and a batch where none matched
-takes a plain step (also under ``always``: there is nothing to verify).
+The choice comes before the step's tokens are on the host (under the overlap schedule the last
+ones are still on the device, and only a speculative step waits for them). Prompt lookup
+(NGRAM) then proposes, and learns which requests found a match: a request's expected gain is
+``1 + match_rate * (accept - 1)``, with its running match rate and its accept-length average
+over steps with a match, and a batch where none matched takes a plain step after all (also
+under ``always``: there is nothing to verify).
 """
 
 from __future__ import annotations
@@ -38,6 +41,28 @@ MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
 
 
+class RunningAverage:
+    """A per-request running average (an EMA) that starts from the average over all requests,
+    which is a plain mean (the start value counting as one sample) until that weighs less
+    than ``_PRIOR_EMA``: a drafter that never accepts is known after a handful of requests.
+    """
+
+    def __init__(self, start: float) -> None:
+        self.prior = start
+        self._count = 0  # samples averaged into the prior
+        # NOTE: keyed by the Request object: a finished request's average goes with it.
+        self._values: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+
+    def get(self, request: object) -> float:
+        return self._values.get(request, self.prior)
+
+    def add(self, request: object, value: float) -> None:
+        self._values[request] = (1 - _EMA) * self.get(request) + _EMA * value
+        self._count += 1
+        weight = max(_PRIOR_EMA, 1 / (self._count + 1))
+        self.prior = (1 - weight) * self.prior + weight * value
+
+
 class SpecPolicy:
     def __init__(self, mode: str, num_steps: int, batch_sizes: Sequence[int]) -> None:
         self.mode = mode
@@ -49,9 +74,8 @@ class SpecPolicy:
         self._plain_run: dict[int, int] = defaultdict(int)  # plain steps since the last probe
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: set[int] = set()  # buckets whose last step was a probe
-        self._accept: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
-        self._prior = num_steps + 1.0  # every draft accepted, until verify steps say otherwise
-        self._num_accepts = 0  # request-steps averaged into the prior
+        self._accept = RunningAverage(num_steps + 1.0)  # every draft accepted, until measured
+        self._match = RunningAverage(1.0)  # the share of steps with drafts (prompt lookup)
         self.speculative_steps = 0
         self.plain_steps = 0  # plain steps the policy chose
 
@@ -63,20 +87,14 @@ class SpecPolicy:
         return statistics.median(times) if times else None
 
     def expected_accept(self, request: object) -> float:
-        """The request's running accept length (the average over all requests before its
-        first verify step).
+        """The request's expected tokens from a speculative step: its running accept length
+        (the average over all requests before its first verify step), discounted by how often
+        it had no drafts.
         """
-        return self._accept.get(request, self._prior)
+        return 1 + self._match.get(request) * (self._accept.get(request) - 1)
 
-    def choose(self, requests: Sequence[object], drafted: Sequence[bool] | None = None) -> bool:
-        """True: speculate on this batch; False: take a plain decode step. ``drafted``: which
-        requests have drafts, where the proposer knows before the step (prompt lookup); one
-        without drafts gains nothing (accept length 1), and a batch without any takes a plain
-        step whatever the mode.
-        """
-        if drafted is not None and not any(drafted):
-            self.plain_steps += 1
-            return False
+    def choose(self, requests: Sequence[object]) -> bool:
+        """True: speculate on this batch; False: take a plain decode step."""
         if self.mode == "always":
             return True
         bucket = self._bucket(len(requests))
@@ -84,10 +102,7 @@ class SpecPolicy:
         if t_spec is None:
             return True  # measure the speculative step first, then the plain one
         if t_plain is not None:
-            expected = [self.expected_accept(r) for r in requests]
-            if drafted is not None:
-                expected = [a if d else 1.0 for a, d in zip(expected, drafted)]
-            gain = sum(expected) * t_plain
+            gain = sum(self.expected_accept(r) for r in requests) * t_plain
             pays = gain > len(requests) * t_spec
             if bucket in self._probed:  # the probe's verdict: back to 8, or twice as long
                 self._probed.discard(bucket)
@@ -104,13 +119,25 @@ class SpecPolicy:
         self.plain_steps += 1
         return False
 
+    def record_drafted(self, requests: Sequence[object], drafted: Sequence[bool]) -> bool:
+        """After a chosen speculative step proposed (prompt lookup): which requests have drafts.
+        Returns whether any has; a batch without any takes a plain step (counted as chosen).
+        """
+        for request, has in zip(requests, drafted):
+            self._match.add(request, float(has))
+        if any(drafted):
+            return True
+        self.plain_steps += 1
+        return False
+
     def record_step(
         self, speculative: bool, batch_size: int, seconds: float, steady: bool = True
     ) -> None:
         """A decode step of ``batch_size`` requests took ``seconds`` of wall time. A step that
-        is not ``steady`` (a model drafter first caught up over the positions of plain steps or
-        a new prompt) is counted but not timed: that cost comes with switching to speculation,
-        which the probes' back-off already bounds, not with each speculative step.
+        is not ``steady`` (the first of its kind after a step of the other kind or a prefill,
+        or one where a model drafter first caught up over the positions of plain steps or a new
+        prompt) is counted but not timed: that cost comes with switching, which the probes'
+        back-off already bounds, not with each step.
         """
         if steady:
             self._times[(speculative, self._bucket(batch_size))].append(seconds)
@@ -118,12 +145,6 @@ class SpecPolicy:
 
     def record_accept(self, request: object, accept_length: int) -> None:
         """``request`` accepted ``accept_length - 1`` drafts in a verify step (where it had
-        drafts, when the proposer says so before the step: then the averages are of steps with
+        drafts, when the proposer says so before verifying: then the average is of steps with
         drafts)."""
-        old = self.expected_accept(request)
-        self._accept[request] = (1 - _EMA) * old + _EMA * accept_length
-        # NOTE: a plain mean (the optimistic start counting as one step) until it weighs less
-        # than the EMA: a drafter that never accepts is known after a handful of requests.
-        self._num_accepts += 1
-        weight = max(_PRIOR_EMA, 1 / (self._num_accepts + 1))
-        self._prior = (1 - weight) * self._prior + weight * accept_length
+        self._accept.add(request, accept_length)

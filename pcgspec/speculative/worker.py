@@ -13,11 +13,13 @@ verification. The step copies to the host once, the accepted lengths and tokens 
 checks, streaming and page bookkeeping need.
 
 A plain decode step (the caller's) runs instead when the policy (``SpecPolicy``) says
-speculation does not pay (for prompt lookup, decided on the proposal: a request without a
-match gains nothing), when a request wants logprobs (not computed for accepted drafts yet),
+speculation does not pay, when a request wants logprobs (not computed for accepted drafts yet),
 when a request would pass the context length, or when the KV pool cannot hold k more slots per
-request. Model drafters see every target pass through ``observe`` (the positions it computed
-and, for EAGLE3 / MTP, their hidden states).
+request; for prompt lookup also when no request found a match. The choice comes before the
+step's tokens are on the host (under the overlap schedule the last ones are still on the
+device), so the engine reads them only for a speculative step. Model drafters see every
+target pass through ``observe`` (the positions it computed and, for EAGLE3 / MTP, their hidden
+states).
 """
 
 from __future__ import annotations
@@ -86,19 +88,36 @@ class SpecWorker:
             self.proposer.observe(req, req.num_computed_tokens, rows)
             row += n
 
+    def chooses(self, batch: ScheduledBatch | None) -> bool:
+        """Whether ``batch`` should take a speculative step: a decode batch the policy chooses
+        to speculate on, none of whose requests wants logprobs (not computed for accepted
+        drafts yet) or would pass its context length. Decided before the step's tokens are on
+        the host (prompt lookup's matches are not known yet).
+        """
+        if batch is None or not batch.mode.is_decode():
+            return False
+        k = self.num_steps
+        if any(r.params.logprobs is not None or r.num_tokens + k > r.max_len
+               for r in batch.requests):  # fmt: skip
+            self.num_fallbacks += 1
+            return False
+        return self.policy.choose(batch.requests)
+
     def step(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """Run one speculative step; returns the batch to hand to ``Scheduler.update`` (with
-        the tokens committed per request), or None: nothing ran, do a plain decode step.
+        """Run one speculative step on a batch whose tokens are all on the host; returns the
+        batch to hand to ``Scheduler.update`` (with the tokens committed per request), or None:
+        nothing ran, do a plain decode step.
         """
         reqs = batch.requests
         proposal = drafted = None
         if self.proposer.proposes_first:
             proposal = self.propose(reqs)
             drafted = [n > 0 for n in proposal.num_tokens_host]
-        if not self.policy.choose(reqs, drafted):
-            return None
-        if not self._can_speculate(reqs):
-            self.num_fallbacks += 1
+            if not self.policy.record_drafted(reqs, drafted):
+                return None
+        k = self.num_steps
+        if not self.scheduler.reserve(list(reqs), [len(r.token_ids) + k for r in reqs]):
+            self.num_fallbacks += 1  # the KV pool cannot hold k more slots per request
             return None
         if proposal is None:
             proposal = self.propose(reqs)
@@ -107,13 +126,6 @@ class SpecWorker:
         self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
         self.rollback(reqs)
         return ScheduledBatch(batch.mode, reqs, committed, [True] * len(reqs))
-
-    def _can_speculate(self, reqs: Sequence[Request]) -> bool:
-        """Reserve KV slots for the k drafts of every request (all or none)."""
-        k = self.num_steps
-        if any(r.params.logprobs is not None or len(r.token_ids) + k > r.max_len for r in reqs):
-            return False
-        return self.scheduler.reserve(list(reqs), [len(r.token_ids) + k for r in reqs])
 
     # propose -----------------------------------------------------------------------------
 
