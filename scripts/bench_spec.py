@@ -111,6 +111,12 @@ class StepTimes:
                 self.times["step"].append(seconds)
                 speculated = worker is not None and worker.policy.speculative_steps > before
                 self.times["spec_step" if speculated else "plain_step"].append(seconds)
+                if mode.get("last") is (not speculated):  # the first step after a switch
+                    self.times["switch_to_spec" if speculated else "switch_to_plain"].append(
+                        seconds)  # fmt: skip
+                mode["last"] = speculated
+            else:
+                mode["last"] = None
             return out
 
         engine.scheduler.schedule, engine.step = scheduled, timed_step
@@ -196,6 +202,13 @@ def _spec_step(llm, prompts: list[str], params) -> dict[str, float | None]:
             "verify_ms": verify, "host_ms": host}
 
 
+def _graph_counters(llm) -> dict:
+    """Replays and refusals (by reason) of the target's decode and verify graphs."""
+    runner = llm.engine.runner
+    graphs = {"decode": runner.decode_graphs, "verify": runner.verify_graphs}
+    return {name: g.stats() for name, g in graphs.items() if g is not None}
+
+
 def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     params = _params(args)
@@ -209,7 +222,11 @@ def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> l
                "avg_accept_length": statistics.mean(accept) if accept else None,
                "decode_step_ms": times.median_ms("step"),
                "policy_spec_step_ms": times.median_ms("spec_step"),
-               "policy_plain_step_ms": times.median_ms("plain_step")}
+               "policy_plain_step_ms": times.median_ms("plain_step"),
+               "switch_to_spec_ms": times.median_ms("switch_to_spec"),
+               "switch_to_plain_ms": times.median_ms("switch_to_plain"),
+               "switches": len(times.times.get("switch_to_spec", [])),
+               "graphs": _graph_counters(llm)}
         if name != "none":
             row.update(llm.engine.spec_stats())
             row.update(_spec_step(llm, prompts, params))

@@ -4,9 +4,11 @@ pays, probe back from plain steps, and always speculate under ``always``.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from pcgspec.speculative.policy import MIN_PROBE_INTERVAL, SpecPolicy
+from pcgspec.speculative.policy import MIN_PROBE_INTERVAL, PROBE_SHARE, SpecPolicy
 
 K = 4
 
@@ -152,3 +154,21 @@ def test_a_step_that_first_caught_up_is_counted_but_not_timed():
     p.record_step(False, 1, 1.0)
     p.record_step(True, 1, 60.0, steady=False)  # a probe after plain steps
     assert p.speculative_steps == 3 and p._time(True, 1) == 2.0
+
+
+def test_probes_are_spaced_by_what_a_switch_costs():
+    """A probe after plain steps that costs 16 ms over a steady 3 ms speculative step (a model
+    drafter catching up), plus 1 ms for the plain step after it: with 1 ms plain steps the
+    probes' switches may cost PROBE_SHARE of the plain time between them, so they come every
+    17 / 0.05 = 340 plain steps, not every 8.
+    """
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 1)
+    p.record_step(True, 1, 19.0, steady=False, switched=True)
+    p.record_step(False, 1, 2.0, steady=False, switched=True)
+    p.record_step(True, 1, 50.0, steady=False)  # a catch-up after a prefill: no switch
+    assert p.switch_cost(1) == pytest.approx(17.0)
+    want = math.ceil(17.0 / (PROBE_SHARE * 1.0))
+    chosen = [p.choose([r]) for _ in range(want + 1)]
+    assert chosen.index(True) == want and chosen.count(True) == 1

@@ -251,15 +251,16 @@ class Engine:
     def _time_step(self, batch: ScheduledBatch | None, speculated: bool, seconds: float) -> None:
         """Tell the speculation policy what a decode step cost. A step is timed only after a
         decode step of its own kind (a plain step then read a plain step, not a prefill; a
-        speculative step did not wait for a plain one) and without a draft catch-up: the first
-        step of a run is charged with the switch.
+        speculative step did not wait for a plain one) and without a draft catch-up; the first
+        step after one of the other kind is timed as a switch.
         """
         worker = self.spec_worker
         if batch is None or not batch.mode.is_decode():
             self._last_decode = None
             return
         steady = self._last_decode is speculated and not (speculated and worker.proposer.caught_up)
-        worker.policy.record_step(speculated, len(batch.requests), seconds, steady)
+        switched = self._last_decode is (not speculated)
+        worker.policy.record_step(speculated, len(batch.requests), seconds, steady, switched)
         self._last_decode = speculated
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:

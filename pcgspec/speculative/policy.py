@@ -13,9 +13,14 @@ A bucket that chose plain steps probes with one speculative step after a run of 
 doubles that run after every probe that does not win it back (a request that stops accepting
 stops drafting, at a probe cost that fades). ``always`` speculates every step.
 
-A model drafter that took plain steps (or met a new prompt) first catches up over those
-positions; such a step is not timed (``record_step(steady=False)``), or the catch-up after every
-run of plain steps would make speculation look dearer than it is and keep the policy off it.
+A switch costs more than either kind of step: a speculative step first waits for the plain
+steps in flight (and a model drafter catches up over their positions), and the plain step after
+it starts from an idle device. Such steps are not timed as steps (``record_step(steady=False)``),
+or the catch-up after every run of plain steps would make speculation look dearer than it is
+and keep the policy off it. Their excess over a steady step is the switch cost, and the run of
+plain steps before a probe is at least long enough that probes cost under ``PROBE_SHARE`` of
+the plain steps' time (an untrained EAGLE3 head switches for 5-15 ms on SmolLM2: a probe every
+50-250 steps, not every 8).
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup
@@ -27,6 +32,7 @@ under ``always``: there is nothing to verify).
 
 from __future__ import annotations
 
+import math
 import statistics
 import weakref
 from collections import defaultdict, deque
@@ -39,6 +45,7 @@ _EMA = 0.3  # weight of the newest verify step in a request's accept-length aver
 _PRIOR_EMA = 0.05  # weight of one verify step in the average over all requests (at least)
 MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
+PROBE_SHARE = 0.05  # the most a probe's switches may cost, against the plain steps between probes
 
 
 class RunningAverage:
@@ -71,6 +78,10 @@ class SpecPolicy:
         self._times: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=_WINDOW)
         )
+        # the excess of a step that switched kinds over a steady one, per kind and bucket
+        self._switch: dict[tuple[bool, int], deque[float]] = defaultdict(
+            lambda: deque(maxlen=_WINDOW)
+        )
         self._plain_run: dict[int, int] = defaultdict(int)  # plain steps since the last probe
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: set[int] = set()  # buckets whose last step was a probe
@@ -85,6 +96,17 @@ class SpecPolicy:
     def _time(self, speculative: bool, bucket: int) -> float | None:
         times = self._times[(speculative, bucket)]
         return statistics.median(times) if times else None
+
+    def switch_cost(self, bucket: int) -> float:
+        """Seconds a switch to a speculative step and back costs beyond the two steady steps."""
+        switches = (self._switch[(True, bucket)], self._switch[(False, bucket)])
+        return sum(statistics.median(times) for times in switches if times)
+
+    def probe_interval(self, bucket: int, t_plain: float) -> int:
+        """Plain steps before the next probe: backed off, and long enough that the probe's
+        switches cost at most ``PROBE_SHARE`` of their time."""
+        floor = math.ceil(self.switch_cost(bucket) / (PROBE_SHARE * t_plain))
+        return min(max(self._interval[bucket], floor), MAX_PROBE_INTERVAL)
 
     def expected_accept(self, request: object) -> float:
         """The request's expected tokens from a speculative step: its running accept length
@@ -106,12 +128,12 @@ class SpecPolicy:
             pays = gain > len(requests) * t_spec
             if bucket in self._probed:  # the probe's verdict: back to 8, or twice as long
                 self._probed.discard(bucket)
-                interval = MIN_PROBE_INTERVAL if pays else 2 * self._interval[bucket]
+                interval = MIN_PROBE_INTERVAL if pays else 2 * self.probe_interval(bucket, t_plain)
                 self._interval[bucket] = min(interval, MAX_PROBE_INTERVAL)
             if pays:
                 self._plain_run[bucket] = 0
                 return True
-            if self._plain_run[bucket] >= self._interval[bucket]:
+            if self._plain_run[bucket] >= self.probe_interval(bucket, t_plain):
                 self._plain_run[bucket] = 0
                 self._probed.add(bucket)
                 return True
@@ -131,16 +153,25 @@ class SpecPolicy:
         return False
 
     def record_step(
-        self, speculative: bool, batch_size: int, seconds: float, steady: bool = True
+        self,
+        speculative: bool,
+        batch_size: int,
+        seconds: float,
+        steady: bool = True,
+        switched: bool = False,
     ) -> None:
         """A decode step of ``batch_size`` requests took ``seconds`` of wall time. A step that
         is not ``steady`` (the first of its kind after a step of the other kind or a prefill,
         or one where a model drafter first caught up over the positions of plain steps or a new
-        prompt) is counted but not timed: that cost comes with switching, which the probes'
-        back-off already bounds, not with each step.
+        prompt) is counted but not timed as a step: that cost comes with switching, not with
+        each step. One that ``switched`` (the previous decode step was of the other kind) is
+        timed as a switch instead.
         """
+        bucket = self._bucket(batch_size)
         if steady:
-            self._times[(speculative, self._bucket(batch_size))].append(seconds)
+            self._times[(speculative, bucket)].append(seconds)
+        elif switched and (steady_time := self._time(speculative, bucket)) is not None:
+            self._switch[(speculative, bucket)].append(max(0.0, seconds - steady_time))
         self.speculative_steps += speculative
 
     def record_accept(self, request: object, accept_length: int) -> None:
