@@ -42,7 +42,7 @@ class EngineConfig:
     aux_hidden_state_layers: tuple[int, ...] | None = None  # FULL capture: these layers' inputs
     disable_cuda_graph: bool = False  # run decode batches without CUDA graphs
     disable_radix_cache: bool = False  # no prefix caching (engine/radix_cache.py)
-    cuda_graph_max_bs: int = 32  # largest decode batch captured
+    cuda_graph_max_bs: int = 128  # largest decode batch captured; larger ones run piecewise
     disable_overlap_schedule: bool | None = None  # None: overlap on CUDA, off elsewhere
     random_seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks: GPUs on CUDA, gloo processes on CPU

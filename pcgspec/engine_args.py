@@ -53,7 +53,8 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "disable_cuda_graph": ("CUDA only: run decode batches without CUDA graphs", None),
     "disable_radix_cache": ("no prefix caching: every request prefills its whole prompt "
                             "(default: cached prefixes of whole KV pages are reused)", None),
-    "cuda_graph_max_bs": ("CUDA only: largest decode batch captured as a graph", None),
+    "cuda_graph_max_bs": ("CUDA only: largest decode batch captured as a graph (default 128; "
+                          "larger batches decode through the piecewise runner)", None),
     "disable_overlap_schedule": ("step synchronously: no scheduling of step N+1 while the GPU "
                                  "runs step N (default: overlap on CUDA, off on CPU; with "
                                  "speculative decoding the plain steps overlap)", None),
