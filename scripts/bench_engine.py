@@ -2,9 +2,10 @@
 
 Per model and batch size B (steady-state decode only: B requests of --context prompt tokens,
 ignore_eos, every request decoding through the timed window):
-  graph    one replay of the decode CUDA graph of B's bucket, inputs in place: CUDA events,
-           warm-up, --graph-repeats replays, median (CPU: an eager ``ModelRunner.forward``)
-  device   the step's device work alone (copy into the graph buffers, replay, LM head, sampling)
+  graph    one replay of the decode CUDA graph of B's bucket (the decoder and the LM head),
+           inputs in place: CUDA events, warm-up, --graph-repeats replays, median (CPU: an
+           eager ``ModelRunner.forward``)
+  device   the step's device work alone (copy into the graph buffers, replay, sampling)
            back to back, the same way
   overlap  ``Engine.step`` wall time per decode step under the overlap schedule, median of
            --repeats windows of --steps steps
@@ -140,8 +141,8 @@ def bench_batch(llm: LLM, bs: int, args: argparse.Namespace) -> dict:
 
 def graph_times(llm: LLM, bs: int, context: int, repeats: int) -> tuple[float, float]:
     """Median ms of the bucket's graph replay alone, and of the step's device work (load,
-    replay, LM head, greedy sampling), for ``bs`` requests at ``context`` tokens; CPU: an eager
-    forward for both."""
+    replay with the LM head, greedy sampling), for ``bs`` requests at ``context`` tokens; CPU:
+    an eager forward for both."""
     runner = llm.engine.runner
     batch = decode_batch(bs, context, runner)  # on free pages: the engine is idle
     graphs = runner.decode_graphs

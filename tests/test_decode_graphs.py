@@ -109,12 +109,15 @@ def check_against_eager(runner: ModelRunner, graphs: DecodeGraphRunner, tol: flo
         batch = reqs.decode(rows)
         assert graphs.can_run(batch)
         before = kv_snapshot(kv)
-        hidden, aux = graphs.replay(batch)
+        hidden, aux, logits = graphs.replay(batch)
         assert aux is None and hidden.shape == (len(rows), runner.model.hidden_size)
-        hidden = hidden.clone()
+        hidden, logits = hidden.clone(), logits.clone()
         assert_only_slots_written(kv, before, batch.out_cache_loc)
         want, _ = runner.run_eager(batch)
         torch.testing.assert_close(hidden, want, atol=tol, rtol=tol)
+        # the LM head inside the graph: every row's logits
+        torch.testing.assert_close(logits, runner.model.compute_logits(want), atol=10 * tol,
+                                   rtol=tol)  # fmt: skip
         reqs.advance(rows)
     buckets = [next(bs for bs in graphs.batch_sizes if bs >= len(rows)) for rows in STEPS]
     stats = graphs.stats()

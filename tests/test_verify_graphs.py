@@ -58,7 +58,8 @@ def check_verify_against_eager(runner: ModelRunner, graphs: DecodeGraphRunner, t
         batch = verify_batch(reqs, rows)
         assert graphs.can_run(batch)
         before = kv_snapshot(kv)
-        hidden, aux = graphs.replay(batch)
+        hidden, aux, logits = graphs.replay(batch)
+        assert logits is None  # verify graphs leave the LM head to the caller
         assert aux is None and hidden.shape == (len(rows) * K1, runner.model.hidden_size)
         hidden = hidden.clone()
         assert_only_slots_written(kv, before, batch.out_cache_loc)

@@ -5,8 +5,11 @@ so a bucket of ``bs`` requests holds ``bs * (k+1)`` tokens).
 What is captured is one whole step of the decoder stack: the piecewise runner's compiled
 pieces (called outside a piecewise capture/replay step, they run their compiled code directly,
 so no second compile) or the plain decoder, with the attention between them reading metadata
-built by ``AttentionBackend.init_capture_metadata`` over static buffers. Buckets are captured
-largest first into one memory pool.
+built by ``AttentionBackend.init_capture_metadata`` over static buffers. DECODE graphs also
+capture the LM head over every row (each request's one token is sampled), as SGLang's decode
+graphs do: on a 128K vocabulary its matmul and launches are a quarter of a step of a 1B model.
+Verify graphs leave it to the caller (k+1 rows of float32 logits per request would hold a large
+static buffer). Buckets are captured largest first into one memory pool.
 
 Static buffers hold ``max_bs`` requests; bucket ``bs`` sees requests ``[:bs]``. A replay copies
 the batch into the first ``B`` requests' rows (in place, three launches), makes requests
@@ -29,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -46,6 +49,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DecoderOutput = tuple[torch.Tensor, torch.Tensor | None]  # hidden [T, H], aux [T, A] | None
+
+
+class GraphOutput(NamedTuple):
+    """A replay's rows: graph memory, overwritten by the next replay."""
+
+    hidden: torch.Tensor  # [T, H]
+    aux: torch.Tensor | None  # [T, A]: the auxiliary hidden states, when captured
+    logits: torch.Tensor | None  # [T, V] float32: every row's logits (DECODE graphs)
 
 
 def decode_batch_sizes(max_bs: int) -> list[int]:
@@ -170,6 +181,9 @@ class DecodeGraphRunner:
         self.max_seq_len = model_runner.context_length
         self.max_pages = -(-self.max_seq_len // self.page_size)
         self.capture_hidden_mode = model_runner.capture_hidden_mode(mode)
+        self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = (
+            model_runner.model.compute_logits if mode is ForwardMode.DECODE else None
+        )
         self.batch_sizes = decode_batch_sizes(
             min(config.cuda_graph_max_bs, config.max_running_requests)
         )
@@ -178,7 +192,7 @@ class DecodeGraphRunner:
             self.max_bs, tokens_per_seq, self.max_pages, self.device
         )
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
-        self.outputs: dict[int, DecoderOutput] = {}
+        self.outputs: dict[int, GraphOutput] = {}
         self.pool: tuple[int, int] | None = None
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -215,11 +229,13 @@ class DecodeGraphRunner:
         self.outputs[bs] = graph.capture(step, ())
         self.graphs[bs] = graph
 
-    def _step(self, batch: ForwardBatch) -> DecoderOutput:
+    def _step(self, batch: ForwardBatch) -> GraphOutput:
         """One decode step on the static buffers: the captured region."""
         self.attn_backend.init_capture_metadata(batch, self.max_seq_len)
         with forward_context(batch, self.attn_backend):
-            return self.decoder(batch.input_ids, batch.positions)
+            hidden, aux = self.decoder(batch.input_ids, batch.positions)
+        logits = None if self.compute_logits is None else self.compute_logits(hidden)
+        return GraphOutput(hidden, aux, logits)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         verify = self.mode is ForwardMode.TARGET_VERIFY
@@ -262,10 +278,8 @@ class DecodeGraphRunner:
         return None
 
     @torch.inference_mode()
-    def replay(self, batch: ForwardBatch) -> DecoderOutput:
-        """The decoder outputs for ``batch`` (``can_run`` must hold): its ``T`` rows of graph
-        memory.
-        """
+    def replay(self, batch: ForwardBatch) -> GraphOutput:
+        """The outputs for ``batch`` (``can_run`` must hold): its ``T`` rows of graph memory."""
         n = batch.batch_size
         bs = pad_to_bucket(n, self.batch_sizes)
         if bs is None or bs not in self.graphs:
@@ -276,9 +290,8 @@ class DecodeGraphRunner:
         self.graphs[bs].replay()
         self.counters["replays"] += 1
         self.counters["padded_rows"] += bs - n
-        hidden, aux = self.outputs[bs]
         t = batch.num_tokens
-        return hidden[:t], None if aux is None else aux[:t]
+        return GraphOutput(*(None if out is None else out[:t] for out in self.outputs[bs]))
 
     def stats(self) -> dict[str, int]:
         """Replays, padded requests replayed, and refusals by reason (``rejected_<reason>``)."""

@@ -20,6 +20,7 @@ from pcgspec.distributed.group import SINGLE, TPGroup
 from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
+from pcgspec.runners.decode_graph_runner import GraphOutput
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
@@ -228,8 +229,10 @@ class ModelRunner:
             self.tp_driver.shutdown()
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
-        hidden, aux = self._run_decoder(batch)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        hidden, aux, logits = self._run_decoder(batch)
+        if logits is None or batch.logits_indices.shape[0] != batch.num_tokens:
+            # NOTE: a graph's logits are every row's; the rows are ascending, so all rows = all
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         captured = aux if aux is not None else hidden
         mode = batch.capture_hidden_mode
         if mode is CaptureHiddenMode.FULL:  # NOTE: graph runners return graph memory: copy
@@ -238,14 +241,15 @@ class ModelRunner:
             return ForwardOutput(logits, captured[batch.logits_indices])
         return ForwardOutput(logits)
 
-    def _run_decoder(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_decoder(self, batch: ForwardBatch) -> GraphOutput:
+        """Hidden states, auxiliary hidden states and (from a decode graph) every row's logits."""
         verify = batch.forward_mode is ForwardMode.TARGET_VERIFY
         graphs = self.verify_graphs if verify else self.decode_graphs
         if graphs is not None and graphs.can_run(batch):
             return graphs.replay(batch)
         if self.piecewise is not None and self.piecewise.can_run(batch):
-            return self.piecewise.run(batch)
-        return self.run_eager(batch)
+            return GraphOutput(*self.piecewise.run(batch), None)
+        return GraphOutput(*self.run_eager(batch), None)
 
     def run_eager(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.attn_backend.init_forward_metadata(batch)
