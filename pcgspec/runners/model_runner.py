@@ -20,7 +20,7 @@ from pcgspec.distributed.group import SINGLE, TPGroup
 from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
-from pcgspec.runners.decode_graph_runner import GraphOutput
+from pcgspec.runners.decode_graph_runner import DecodeGraphRunner, GraphOutput
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
@@ -28,7 +28,6 @@ from pcgspec.sampling.sampler import SamplerOutput, sample
 if TYPE_CHECKING:
     from pcgspec.distributed.launcher import TPDriver
     from pcgspec.distributed.process_group import TPProcessGroups
-    from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
     from pcgspec.runners.piecewise_runner import PiecewiseRunner
 
 logger = logging.getLogger("pcgspec")
@@ -137,8 +136,6 @@ class ModelRunner:
             self.piecewise = PiecewiseRunner(self)
             self.piecewise.capture()
         if self.device.type == "cuda" and not self.config.disable_cuda_graph:
-            from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
-
             self.decode_graphs = DecodeGraphRunner(self)
             self.decode_graphs.capture()
             spec = self.config.speculative_config
