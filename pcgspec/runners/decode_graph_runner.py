@@ -7,7 +7,8 @@ pieces (called outside a piecewise capture/replay step, they run their compiled 
 so no second compile) or the plain decoder, with the attention between them reading metadata
 built by ``AttentionBackend.init_capture_metadata`` over static buffers. DECODE graphs also
 capture the LM head over every row (each request's one token is sampled), as SGLang's decode
-graphs do: on a 128K vocabulary its matmul and launches are a quarter of a step of a 1B model.
+graphs do: its launches leave the host's step (on an H100 the 1B shape's device step at batch 1
+fell from 1.69 to 1.57 ms).
 Verify graphs leave it to the caller (k+1 rows of float32 logits per request would hold a large
 static buffer). Buckets are captured largest first into one memory pool.
 
