@@ -18,6 +18,11 @@ and the prefill tokens computed. With ``--launch`` the run repeats per ``--cache
 (default: with the radix cache, then with ``--disable-radix-cache``) and prints both and
 their ratios.
 
+``--compare-engine`` (with ``--launch``) then runs the same prompts with the same sampling
+through ``LLM.generate`` in this process, with the server's engine flags (``--server-args``;
+with ``--max-concurrency`` the engine runs at most that many requests at once), and prints the
+served throughput against the engine's own.
+
 ``--random-weights SHAPE`` (with ``--launch``) serves random weights of a named shape
 (``pcgspec.models.random_weights.SHAPES``) with the default model's tokenizer and its
 vocabulary, written once to ``--random-weights-dir`` and reused.
@@ -44,7 +49,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -378,6 +383,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --launch: serve random weights of this shape (see the top)")
     p.add_argument("--random-weights-dir", default=None,
                    help="its folder (default: $PCGSPEC_CACHE_DIR/models/random-SHAPE)")
+    p.add_argument("--compare-engine", action="store_true",
+                   help="with --launch: also run the prompts through LLM.generate with the "
+                        "server's engine flags, after the server stopped, and compare")
     p.add_argument("--device-label", default=None, help="what the JSON calls the device")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     args = p.parse_args(argv)
@@ -385,6 +393,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dataset {args.dataset} uses the completions endpoint")
     if args.random_weights and not args.launch:
         p.error("--random-weights needs --launch")
+    if args.compare_engine and (not args.launch or args.endpoint != "completions"
+                                or args.dataset == "multi-turn"):  # fmt: skip
+        p.error("--compare-engine needs --launch, the completions endpoint and a dataset "
+                "of single prompts")
     args.cache_modes = [m.strip() for m in args.cache_modes.split(",")]
     if not set(args.cache_modes) <= {"on", "off"} or not args.cache_modes:
         p.error(f"--cache-modes takes on and/or off, got {args.cache_modes}")
@@ -417,6 +429,51 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
     summary["medians_ms"] = {k: summary[k].get("p50_ms") for k in ("ttft", "tpot", "itl", "e2e")}
     print_report(summary)
     return summary
+
+
+def engine_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The load's prompts through ``LLM.generate`` in this process, with the launched server's
+    engine flags and the requests' sampling: the engine's own throughput (``--compare-engine``).
+    """
+    from pcgspec import LLM, SamplingParams
+    from pcgspec.config import EngineConfig
+    from pcgspec.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("model_tag", nargs="?")
+    add_engine_args(parser)
+    model = ["--model-path", str(random_weights_dir(args))] if args.random_weights else []
+    flags, _ = parser.parse_known_args([*shlex.split(args.server_args), *model])  # server flags
+    engine = {f.name: getattr(flags, f.name) for f in fields(EngineConfig)}
+    engine["model"] = engine["model"] or flags.model_tag
+    if args.max_concurrency:  # NOTE: the server had at most this many requests in flight
+        engine["max_running_requests"] = min(args.max_concurrency,
+                                             engine["max_running_requests"])  # fmt: skip
+    llm = LLM(**engine)
+    params = SamplingParams(max_tokens=args.random_output_len, temperature=args.temperature,
+                            ignore_eos=args.ignore_eos)  # fmt: skip
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in load_prompts(args)]
+    if args.warmup:
+        llm.generate(prompts[: args.warmup], params, use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"duration_s": duration, "successful_requests": len(outs),
+            "total_output_tokens": tokens, "request_throughput": len(outs) / duration,
+            "output_token_throughput": tokens / duration}  # fmt: skip
+
+
+def compare_engine(served: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    """Served throughput against the engine's own: each value and served / engine."""
+    out = {}
+    print(f"{' Served vs LLM.generate ':=^60}")
+    for key in ("request_throughput", "output_token_throughput"):
+        a, b = served[key], engine[key]
+        out[key] = {"served": a, "engine": b, "ratio": a / b if b else None}
+        print(f"{key:<28}{a:>12.2f}{b:>12.2f}{a / b if b else float('nan'):>7.3f}x")
+    print("=" * 60)
+    return out
 
 
 def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, dict[str, float | None]]:
@@ -457,6 +514,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record["runs"] = {f"radix_cache_{m}": s for m, s in runs.items()}
     if {"on", "off"} <= set(runs):
         record["cache_comparison"] = compare(runs["on"], runs["off"])
+    if args.compare_engine:
+        record["engine"] = engine_run(args)
+        record["engine_comparison"] = compare_engine(runs[modes[0]], record["engine"])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2, default=str) + "\n")

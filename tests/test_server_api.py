@@ -16,7 +16,7 @@ import openai
 import pytest
 from oracle import PROMPTS
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import API_KEY, MODEL, ServerProcess
+from server_process import API_KEY, DEFAULT_ARGS, MODEL, ServerProcess
 
 GREEDY = {"temperature": 0.0}
 IGNORE_EOS = {"ignore_eos": True}
@@ -389,6 +389,34 @@ def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatc
     assert runs["radix_cache_on"]["total_cached_tokens"] > 0
     ratio = record["cache_comparison"]["prefill_tokens_computed"]["ratio"]
     assert ratio is not None and ratio > 0  # both runs hit the one (cached) server here
+
+
+def test_bench_serving_compares_with_the_engine(server, monkeypatch):
+    """--compare-engine: after the (faked) launch's load, the same prompts through
+    LLM.generate with the server's engine flags, and served / engine throughput."""
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serving", bench)
+    spec.loader.exec_module(bench)
+
+    class FakeServer:
+        def send_signal(self, sig: int) -> None: ...
+
+        def wait(self, timeout: float) -> None: ...
+
+    monkeypatch.setattr(bench, "launch", lambda args, extra: FakeServer())
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compare-engine"])  # needs --launch
+    record = bench.main(["--base-url", server.base_url, "--api-key", API_KEY, "--launch",
+                         "--compare-engine", "--server-args", " ".join(DEFAULT_ARGS),
+                         "--num-prompts", "3", "--max-concurrency", "2", "--random-input-len",
+                         "8", "--random-output-len", "3", "--warmup", "1"])  # fmt: skip
+    engine = record["engine"]
+    assert engine["successful_requests"] == 3 and engine["total_output_tokens"] == 9
+    assert record["total_output_tokens"] == 9
+    for row in record["engine_comparison"].values():
+        assert row["served"] > 0 and row["engine"] > 0
+        assert row["ratio"] == pytest.approx(row["served"] / row["engine"])
 
 
 def test_speculative_server_matches_and_reports_accept_length(server, client):
