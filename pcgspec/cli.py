@@ -12,11 +12,14 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcgspec import __version__, envs
 from pcgspec.engine_args import HelpFormatter, add_engine_args, engine_config_from_args
 from pcgspec.training.options import add_train_eagle3_args
+
+if TYPE_CHECKING:
+    from pcgspec.config import EngineConfig
 
 logger = logging.getLogger("pcgspec")
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
@@ -160,6 +163,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
     )
     return run_server(engine_config_from_args(args), settings)
+
+
+def serve_engine_config(argv: Sequence[str]) -> EngineConfig:
+    """The engine configuration ``pcgspec serve ARGV`` runs with (its server flags parsed and
+    left aside), e.g. for running the served engine in-process."""
+    args = build_parser().parse_args(["serve", *argv])
+    _take_positional_model(args)
+    return engine_config_from_args(args)
 
 
 def _take_positional_model(args: argparse.Namespace) -> None:

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -436,20 +436,14 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     engine flags and the requests' sampling: the engine's own throughput (``--compare-engine``).
     """
     from pcgspec import LLM, SamplingParams
-    from pcgspec.config import EngineConfig
-    from pcgspec.engine_args import add_engine_args
+    from pcgspec.cli import serve_engine_config
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("model_tag", nargs="?")
-    add_engine_args(parser)
     model = ["--model-path", str(random_weights_dir(args))] if args.random_weights else []
-    flags, _ = parser.parse_known_args([*shlex.split(args.server_args), *model])  # server flags
-    engine = {f.name: getattr(flags, f.name) for f in fields(EngineConfig)}
-    engine["model"] = engine["model"] or flags.model_tag
+    config = serve_engine_config([*shlex.split(args.server_args), *model])
     if args.max_concurrency:  # NOTE: the server had at most this many requests in flight
-        engine["max_running_requests"] = min(args.max_concurrency,
-                                             engine["max_running_requests"])  # fmt: skip
-    llm = LLM(**engine)
+        config = replace(config, max_running_requests=min(
+            args.max_concurrency, config.max_running_requests))  # fmt: skip
+    llm = LLM(**vars(config))
     params = SamplingParams(max_tokens=args.random_output_len, temperature=args.temperature,
                             ignore_eos=args.ignore_eos)  # fmt: skip
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in load_prompts(args)]
