@@ -76,6 +76,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-connections", type=int, default=1024,
                    help="open connections at most; more get 503 and are closed "
                         "(default: %(default)s)")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine loop on a thread of the server process, not in a "
+                        "process of its own: one process for debuggers and profilers, but the "
+                        "HTTP side then shares the engine's GIL and throughput falls")
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -160,7 +164,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
         keep_alive_timeout=args.keep_alive_timeout, read_timeout=args.read_timeout,
-        max_connections=args.max_connections,
+        max_connections=args.max_connections, engine_in_process=args.engine_in_process,
     )
     return run_server(engine_config_from_args(args), settings)
 
@@ -232,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=(getattr(args, "log_level", None) or envs.log_level()).upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=envs.LOG_FORMAT)
     try:
         run = {"generate": _run_generate, "serve": _run_serve, "convert": _run_convert,
                "train-eagle3": _run_train_eagle3}

@@ -17,6 +17,9 @@ def cache_dir() -> Path:
     return _path("PCGSPEC_CACHE_DIR", xdg / "pcgspec")
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def log_level() -> str:
     """Log level of the ``pcgspec`` logger (``PCGSPEC_LOG_LEVEL``, default INFO)."""
     return os.environ.get("PCGSPEC_LOG_LEVEL", "INFO").upper()

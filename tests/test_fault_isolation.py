@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from oracle import PROMPTS, assert_all_pages_free, assert_greedy_match, greedy
 
 import pcgspec.sampling.sampler as sampler
-import pcgspec.server.async_engine as async_engine
+import pcgspec.server.engine_loop as engine_loop
 import pcgspec.speculative.worker as spec_worker
 from pcgspec import LLM, SamplingParams
 from pcgspec.engine.isolation import run_isolated
@@ -20,6 +20,7 @@ from pcgspec.engine.scheduler import ScheduledBatch
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.server.app import build_app
+from pcgspec.server.async_engine import AsyncEngine
 from pcgspec.server.state import ServerSettings, ServerState
 
 MARK = 4242  # the seed that makes a row fail
@@ -223,11 +224,11 @@ async def _complete(client: TestClient, prompt: str, stream: bool, **extra: obje
 def test_the_server_answers_the_failing_request_with_an_error(
     llm, refs, faulty_sampling, monkeypatch
 ):
-    monkeypatch.setattr(async_engine, "Engine", lambda config: llm.engine)
+    monkeypatch.setattr(engine_loop, "Engine", lambda config: llm.engine)
     good = PROMPTS[3:5]
 
     async def run() -> list[tuple[int, object]]:
-        engine = async_engine.AsyncEngine()
+        engine = AsyncEngine(in_process=True)  # the injected engine
         await engine.start(llm.config)
         state = ServerState.build(engine, llm.config, ServerSettings())
         try:

@@ -15,11 +15,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from oracle import PROMPTS, assert_all_pages_free, greedy
 from test_fault_isolation import _one_torch_thread  # noqa: F401 - autouse fixture
 
-import pcgspec.server.async_engine as async_engine
+import pcgspec.server.engine_loop as engine_loop
 from pcgspec import LLM, SamplingParams
 from pcgspec.config import EngineConfig
 from pcgspec.engine.overlap import LaunchedStep
 from pcgspec.server.app import build_app
+from pcgspec.server.async_engine import AsyncEngine
 from pcgspec.server.state import ServerSettings, ServerState
 
 # A mixed batch: greedy and seeded rows, stop strings and tokens, EOS, max_tokens, n > 1,
@@ -199,10 +200,10 @@ async def _complete(client: TestClient, prompt: str, **extra: object) -> str:
 def test_server_streams_equal_generate(engines, monkeypatch):
     llm = engines[True]
     want = [o.text for o in engines[False].generate(PROMPTS[:6], greedy(10), use_tqdm=False)]
-    monkeypatch.setattr(async_engine, "Engine", lambda config: llm.engine)
+    monkeypatch.setattr(engine_loop, "Engine", lambda config: llm.engine)
 
     async def run() -> list[str]:
-        engine = async_engine.AsyncEngine()
+        engine = AsyncEngine(in_process=True)  # the injected engine
         await engine.start(llm.config)
         state = ServerState.build(engine, llm.config, ServerSettings())
         try:

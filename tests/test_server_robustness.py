@@ -1,15 +1,18 @@
 """`pcgspec serve` under abuse: 50 clients hanging up mid-stream, a fuzz run of 600 random and
 mutated bodies, then SIGTERM with requests in flight (the last test: it ends the server).
-One server process for the module; about 60 s on the 2-core CI machine.
+One server process for the module; about 60 s on the 2-core CI machine. Then a server of its
+own whose engine process is killed mid-stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -270,3 +273,42 @@ def test_sigterm_drains_aborts_and_exits(server):
     assert long == ("abort", True)  # aborted when the grace period ran out
     assert GRACE_S - 0.5 < elapsed < GRACE_S + 30
     assert server.proc.wait(timeout=30) == 0
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (multiprocessing's resource tracker may
+    be another)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    engines = [int(pid) for pid in children
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+def test_engine_process_death_ends_open_streams_and_the_server():
+    """SIGKILL to the engine process (the OOM killer, a crashed driver): the open stream ends
+    with an OpenAI error event and [DONE], and the server exits with 1."""
+    proc = ServerProcess()
+    try:
+        proc.wait_healthy()
+        url = proc.base_url + "/v1/completions"
+
+        async def run() -> tuple[list[dict], bool]:
+            events, done = [], False
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json=LONG, headers=AUTH) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data: [DONE]"):
+                            done = True
+                        elif line.startswith(b"data: "):
+                            if not events:  # the first token arrived: kill the engine
+                                os.kill(_engine_pid(proc.proc.pid), signal.SIGKILL)
+                            events.append(json.loads(line[6:]))
+            return events, done
+
+        events, done = asyncio.run(asyncio.wait_for(run(), timeout=120))
+        assert done and events[-1]["error"]["type"] == "internal_error"
+        assert "engine" in events[-1]["error"]["message"]
+        assert proc.proc.wait(timeout=30) == 1
+    finally:
+        proc.close()

@@ -167,12 +167,12 @@ async def server_info(request: web.Request) -> web.Response:
         "engine_alive": state.engine.alive,
     }
     settings = {k: v for k, v in asdict(state.settings).items() if k != "api_key"}
-    core = state.engine.engine
+    info = state.engine.info
     return web.json_response(
         {
-            "model_path": str(core.model_dir) if core else None,
+            "model_path": info.model_dir if info else None,
             "served_model_name": state.limits.model_name,
-            "context_length": core.context_length if core else None,
+            "context_length": info.context_length if info else None,
             "max_model_len": state.limits.max_model_len,
             "config": asdict(state.config),
             "server_args": {**settings, "api_key_set": state.settings.api_key is not None},
@@ -216,7 +216,7 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     install_log_filters()
-    engine = AsyncEngine()
+    engine = AsyncEngine(in_process=settings.engine_in_process)
     await engine.start(config)
     if stop.is_set():  # Ctrl-C / SIGTERM while the model loaded: never announce "serving"
         await engine.stop()

@@ -1,55 +1,46 @@
-"""The synchronous ``Engine`` on a thread of its own, requests as asyncio streams.
+"""The server's end of the engine: requests as asyncio streams, the engine loop
+(engine_loop.py) in a process of its own (or, with ``--engine-in-process``, on a thread).
 
-The engine thread builds the ``Engine`` and steps it; the event loop reaches it only through a
-command queue (add, abort, flush, stop) and gets each step's deltas back through
-``loop.call_soon_threadsafe``. So blocking torch work never stalls the loop, and ``Request``
-objects are touched by one thread only. An abort takes effect between two steps: the sequence
-finishes with "abort" and its KV pages return to the pool at once.
+The event loop reaches the engine only through commands (add, abort, flush, stop); the engine's
+messages (each step's deltas, counter snapshots, replies) come back to the event loop, from a
+reader thread of the process's pipe or from the engine thread, through
+``loop.call_soon_threadsafe``. An abort takes effect between two steps: the sequence finishes
+with "abort" and its KV pages return to the pool at once. When the engine process exits or its
+loop dies, every open request ends with ``EngineDeadError`` and ``alive`` turns False.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
+import multiprocessing
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pcgspec.config import EngineConfig
-from pcgspec.engine.engine import Engine
 from pcgspec.sampling_params import SamplingParams
-from pcgspec.server.deltas import SeqDelta, SeqTracker
+from pcgspec.server.deltas import SeqDelta
+from pcgspec.server.engine_loop import (
+    EngineDeadError,
+    EngineInfo,
+    EngineSnapshot,
+    RequestFailedError,
+    ThreadChannel,
+    run_engine,
+    run_engine_process,
+)
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from pcgspec.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pcgspec")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (stopped, or died of an error)."""
-
-
-class RequestFailedError(EngineDeadError):
-    """A step failed on this request's data; it alone ends (the engine serves on). A subclass
-    so that every handler of an engine failure answers it the same way (500 internal_error)."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine counters as of the end of the last step (swapped in whole, read lock-free)."""
-
-    stats: dict[str, int] = field(default_factory=dict)  # Engine.stats()
-    spec: dict[str, Any] = field(default_factory=dict)  # Engine.spec_stats()
-    piecewise: dict[str, int] = field(default_factory=dict)  # runs and fallbacks by reason
-    cache: dict[str, float] = field(default_factory=dict)  # Engine.cache_stats()
-    decode_graphs: dict[str, int] = field(default_factory=dict)
-    num_steps: int = 0
-    num_aborted: int = 0  # requests (groups of n) aborted
-    num_step_errors: int = 0
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "Generation",
+           "RequestFailedError"]  # fmt: skip
 
 
 class RequestStream:
@@ -95,10 +86,8 @@ class Generation:
         remaining = len(self.streams)
         while remaining:
             stream, item, final = await self.queue.get()
-            if isinstance(item, RequestFailedError):
+            if isinstance(item, BaseException):  # an EngineDeadError (RequestFailedError)
                 raise item
-            if isinstance(item, BaseException):
-                raise EngineDeadError(f"the engine failed: {item}") from item
             remaining -= final
             yield stream, item
 
@@ -109,210 +98,171 @@ class Generation:
 
 
 class AsyncEngine:
-    def __init__(self, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, metrics: ServerMetrics | None = None, in_process: bool = False) -> None:
         self.metrics = metrics
-        self.engine: Engine | None = None
+        self.in_process = in_process
+        self.info: EngineInfo | None = None  # once started
         self.snapshot = EngineSnapshot()
-        self.streams: dict[str, RequestStream] = {}  # loop side: unfinished requests
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.streams: dict[str, RequestStream] = {}  # unfinished requests
+        self._accepting: dict[str, RequestStream] = {}  # added, not yet accepted or refused
+        self._flushes: dict[int, asyncio.Future[None]] = {}
+        self._tokens = itertools.count()
+        self._send: Callable[[Any], None] | None = None
+        self._worker: threading.Thread | multiprocessing.process.BaseProcess | None = None
+        self._ready: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._live: dict[str, tuple[RequestStream, list[SeqTracker]]] = {}  # engine thread
-        self._counts = {"num_steps": 0, "num_aborted": 0, "num_step_errors": 0}
+        self._dead = False
 
-    # Event-loop side --------------------------------------------------------------------------
-
-    async def start(self, config: EngineConfig) -> Engine:
-        """Build the engine on its thread and start stepping; returns once it is ready."""
+    async def start(self, config: EngineConfig) -> EngineInfo:
+        """Start the engine loop; returns once the engine is built (or raises its error)."""
         self._loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._main, args=(config, ready), name="pcgspec-engine", daemon=True
-        )
-        self._thread.start()
-        await ready
-        assert self.engine is not None
-        return self.engine
+        self._ready = self._loop.create_future()
+        if self.in_process:
+            channel = ThreadChannel(self._post)
+            self._send = channel.inbox.put
+            self._worker = threading.Thread(target=run_engine, args=(config, channel),
+                                            name="pcgspec-engine", daemon=True)  # fmt: skip
+        else:
+            context = multiprocessing.get_context("spawn")  # NOTE: a forked CUDA process breaks
+            ours, theirs = context.Pipe()
+            self._send = ours.send
+            self._worker = context.Process(
+                target=run_engine_process, name="pcgspec-engine", daemon=True,
+                args=(config, theirs, logging.getLogger().getEffectiveLevel()),
+            )  # fmt: skip
+        self._worker.start()
+        if not self.in_process:
+            theirs.close()  # NOTE: the reader then sees EOF once the engine process is gone
+            threading.Thread(target=self._read, args=(ours,), name="pcgspec-engine-reader",
+                             daemon=True).start()  # fmt: skip
+        await self._ready
+        assert self.info is not None
+        return self.info
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.engine is not None
+        return (self.info is not None and not self._dead and self._worker is not None
+                and self._worker.is_alive())  # fmt: skip
 
     def submit(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams) -> None:
         if not self.alive:
             stream.settle(EngineDeadError("the engine loop is not running"))
             return
         self.streams[stream.request_id] = stream
-        self._send("add", (stream, prompt_ids, params))
+        self._accepting[stream.request_id] = stream
+        self._command("add", stream.request_id, prompt_ids, params)
 
     def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        self._command("abort", request_id)
 
     def abort_all(self) -> None:
         for request_id in list(self.streams):
             self.abort(request_id)
 
     async def flush_cache(self) -> None:
-        """Drop every cached prefix, on the engine thread between two steps."""
+        """Drop every cached prefix, on the engine's side between two steps."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         assert self._loop is not None
-        done: asyncio.Future[None] = self._loop.create_future()
-        self._send("flush", done)
+        token = next(self._tokens)
+        done = self._flushes[token] = self._loop.create_future()
+        self._command("flush", token)
         await done
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop stepping after the current step (unfinished requests are left as they are)."""
-        self._send("stop", None)
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        worker = self._worker
+        if worker is None:
+            return
+        self._command("stop")
+        await asyncio.get_running_loop().run_in_executor(None, worker.join, timeout)
+        if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
+            logger.warning("the engine process did not stop in %.0f s; terminating it", timeout)
+            worker.terminate()
 
-    def _send(self, kind: str, payload: Any) -> None:
-        self._commands.put((kind, payload))
-        self._wake.set()
+    def _command(self, *command: Any) -> None:
+        if self._send is None or self._dead:
+            return
+        try:
+            self._send(command)
+        except (OSError, ValueError):  # NOTE: the pipe is closed: the engine process is gone
+            self._died("the engine process is gone")
 
-    def _deliver(self, batch: list[tuple[RequestStream, Any, bool]]) -> None:
+    # Messages from the engine (on the event loop) -----------------------------------------------
+
+    def _read(self, connection: Connection) -> None:
+        """Reader thread: hand every message of the engine process to the event loop."""
+        while True:
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                self._post(("died", "the engine process exited"))
+                return
+            self._post(message)
+
+    def _post(self, message: tuple[Any, ...]) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._handle, message)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind, *payload = message
+        if kind == "deltas":
+            items, snapshot = payload
+            if snapshot is not None:
+                self.snapshot = snapshot
+            self._deliver(items)
+        elif kind == "accepted":
+            request_id, error = payload
+            stream = self._accepting.pop(request_id, None)
+            if stream is not None and error is not None:
+                self.streams.pop(request_id, None)
+                stream.finished = True
+            if stream is not None:
+                stream.settle(error)
+        elif kind == "flushed" and payload[0] in self._flushes:
+            _settle_future(self._flushes.pop(payload[0]), None)
+        elif kind == "ready":
+            self.info = payload[0]
+            _settle_future(self._ready, None)
+        elif kind == "failed":
+            self._dead = True
+            _settle_future(self._ready, payload[0])
+        elif kind == "died":
+            self._died(payload[0])
+
+    def _deliver(self, items: list[tuple[str, Any, bool]]) -> None:
         now = time.perf_counter()
-        for stream, item, final in batch:
+        for request_id, item, final in items:
+            stream = self.streams.get(request_id)
+            if stream is None:
+                continue
             if final:
                 stream.finished = True
-                self.streams.pop(stream.request_id, None)
+                del self.streams[request_id]
             if not isinstance(item, BaseException):
                 if self.metrics is not None:
                     self.metrics.observe(stream, item, final, now)
                 _record(stream, item, now)
             stream.out.put_nowait((stream, item, final))
 
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    # Engine-thread side -----------------------------------------------------------------------
-
-    def _main(self, config: EngineConfig, ready: asyncio.Future[None]) -> None:
-        try:
-            engine = Engine(config)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of start()
-            self._call(_settle_future, ready, e)
+    def _died(self, message: str) -> None:
+        """The engine is gone: every open request ends with ``EngineDeadError``."""
+        if self._dead:
             return
-        self.engine = engine
-        self._publish()
-        self._call(_settle_future, ready, None)
-        try:
-            self._run()
-        except BaseException as e:
-            logger.exception("the engine loop died")
-            self._fail_all(e)
-            self.engine = None
-
-    def _run(self) -> None:
-        engine = self.engine
-        assert engine is not None
-        while self._run_commands():
-            if engine.has_unfinished:
-                self._step(engine)
-            else:
-                self._wake.wait()
-                self._wake.clear()
-
-    def _run_commands(self) -> bool:
-        """Apply queued commands; False once asked to stop."""
-        ran = False
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "stop":
-                return False
-            ran = True
-            if kind == "add":
-                self._add(*payload)
-            elif kind == "abort" and self.engine is not None and self.engine.abort(payload):
-                self._counts["num_aborted"] += 1
-            elif kind == "flush" and self.engine is not None:
-                self.engine.flush_cache()
-                self._call(_settle_future, payload, None)
-        if ran:
-            self._publish()
-        return True
-
-    def _add(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams) -> None:
-        assert self.engine is not None
-        try:
-            reqs = self.engine.add_request(prompt_ids, params, request_id=stream.request_id)
-        except ValueError as e:
-            self._call(_reject, self, stream, e)
-            return
-        self._live[stream.request_id] = (stream, [SeqTracker(r) for r in reqs])
-        self._call(stream.settle, None)
-
-    def _step(self, engine: Engine) -> None:
-        try:
-            engine.step()
-            self._counts["num_steps"] += 1
-        except Exception as e:
-            # NOTE: no request is to blame for sure: abort all (frees their pages), keep serving.
-            logger.exception("engine step failed; aborting %d requests", len(self._live))
-            self._counts["num_step_errors"] += 1
-            for request_id in list(self._live):
-                engine.abort(request_id)
-            self._fail_all(e)
-        self._publish()
-
-    def _publish(self) -> None:
-        """Hand every new delta to the loop in one call, and refresh the snapshot."""
-        batch: list[tuple[RequestStream, Any, bool]] = []
-        for request_id, (stream, trackers) in list(self._live.items()):
-            error = self._failure(request_id, trackers)
-            if error is not None:
-                del self._live[request_id]
-                batch.append((stream, error, True))
-                continue
-            deltas = [d for d in (t.delta() for t in trackers) if d is not None]
-            if not deltas:
-                continue
-            final = all(t.done for t in trackers)
-            if final:
-                del self._live[request_id]
-            batch.append((stream, deltas, final))
-        self.snapshot = self._take_snapshot()
-        if batch:
-            self._call(self._deliver, batch)
-
-    def _failure(self, request_id: str, trackers: list[SeqTracker]) -> RequestFailedError | None:
-        """The error of a request one of whose sequences a step failed on (the others are
-        aborted), or None."""
-        failed = next((t.req for t in trackers if t.req.finish_reason == "error"), None)
-        if failed is None:
-            return None
-        if self.engine is not None:
-            self.engine.abort(request_id)
-        return RequestFailedError(f"the request failed: {failed.error}")
-
-    def _fail_all(self, error: BaseException) -> None:
-        batch = [(stream, error, True) for stream, _ in self._live.values()]
-        self._live.clear()
-        if batch:
-            self._call(self._deliver, batch)
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        if engine is None:
-            return self.snapshot
-        runner = engine.runner
-        return EngineSnapshot(
-            stats=engine.stats(),
-            spec=engine.spec_stats(),
-            cache=engine.cache_stats(),
-            piecewise=runner.piecewise.stats() if runner.piecewise is not None else {},
-            decode_graphs=runner.decode_graphs.stats() if runner.decode_graphs is not None else {},
-            **self._counts,
-        )
+        self._dead = True
+        error = EngineDeadError(message)
+        if self._ready is not None:
+            _settle_future(self._ready, error)
+        for stream in self._accepting.values():
+            stream.settle(error)
+        self._accepting.clear()
+        for future in self._flushes.values():
+            _settle_future(future, error)
+        self._flushes.clear()
+        self._deliver([(request_id, error, True) for request_id in list(self.streams)])
 
 
 def _record(stream: RequestStream, deltas: Sequence[SeqDelta], now: float) -> None:
@@ -335,9 +285,3 @@ def _settle_future(fut: asyncio.Future[None], error: BaseException | None) -> No
         fut.set_result(None)
     else:
         fut.set_exception(error)
-
-
-def _reject(engine: AsyncEngine, stream: RequestStream, error: BaseException) -> None:
-    engine.streams.pop(stream.request_id, None)
-    stream.finished = True
-    stream.settle(error)

@@ -2,7 +2,7 @@
 
 Request latencies are histograms observed as deltas reach the event loop; engine state
 (running / waiting, KV usage, speculative accept length, piecewise hit ratio) is read from the
-engine thread's latest snapshot when ``/metrics`` is scraped.
+engine's latest snapshot when ``/metrics`` is scraped.
 """
 
 from __future__ import annotations

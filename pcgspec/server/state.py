@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +29,7 @@ class ServerSettings:
     keep_alive_timeout: float = 30.0  # seconds an idle connection (or one yet to send) stays
     read_timeout: float = 30.0  # seconds a request body may take to arrive (then 408)
     max_connections: int = 1024  # open connections; more are answered 503 and closed
+    engine_in_process: bool = False  # the engine loop on a thread, not a process of its own
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -53,7 +55,7 @@ class ServerState:
     config: EngineConfig
     settings: ServerSettings
     limits: Limits
-    tokenizer: Any  # the server's own copy: the engine thread's is never shared
+    tokenizer: Any  # the server's own copy
     metrics: ServerMetrics
     started: float = field(default_factory=time.time)
     draining: bool = False
@@ -68,15 +70,13 @@ class ServerState:
     def build(
         cls, engine: AsyncEngine, config: EngineConfig, settings: ServerSettings
     ) -> ServerState:
-        core = engine.engine
-        assert core is not None, "start the engine first"
-        name = settings.served_model_name or core.model_dir.name
-        stats = core.stats()
-        kv_tokens = stats["kv_pages_total"] * stats["page_size"]
-        limits = Limits(name, core.runner.vocab_size, min(core.context_length, kv_tokens))
+        info = engine.info
+        assert info is not None, "start the engine first"
+        name = settings.served_model_name or Path(info.model_dir).name
+        limits = Limits(name, info.vocab_size, min(info.context_length, info.kv_tokens))
         metrics = ServerMetrics(name, lambda: engine.snapshot)
         engine.metrics = metrics
-        tokenizer = load_tokenizer(config.tokenizer or core.model_dir)
+        tokenizer = load_tokenizer(config.tokenizer or info.model_dir)
         return cls(engine, config, settings, limits, tokenizer, metrics)
 
     async def encode(self, req: GenerationRequest) -> list[list[int]]:
