@@ -17,6 +17,7 @@ from test_sampling_slots import _Req
 
 from pcgspec.kernels.attention import decode_attention, decode_workspace, store_kv
 from pcgspec.kernels.extend_attention import extend_attention, plan_extend
+from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.kernels.warmup import (
@@ -34,6 +35,7 @@ from pcgspec.sampling_params import SamplingParams
 BF16, F32 = torch.bfloat16, torch.float32
 TINY = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, dtype=F32, page_size=4)
 K, VOCAB = 3, 64
+NGRAM = (K, 2, 5)  # k, min window, max window
 
 
 @pytest.mark.parametrize(
@@ -128,7 +130,7 @@ def _qkv(rows: int, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
 def _serve_like(shape: AttentionShape) -> None:
     """What an engine step launches, over batches whose sizes give every index array every
     alignment: prefill batches (piecewise padding + extend), decode/verify passes, sampling
-    rows and commits, verification.
+    rows and commits, verification, prompt lookup (as ``NgramProposer`` calls it on CUDA).
     """
     rng, page = random.Random(1), shape.page_size
     cache = [torch.zeros(65 * page + 1, shape.num_kv_heads, shape.head_dim) for _ in range(2)]
@@ -159,7 +161,8 @@ def _serve_like(shape: AttentionShape) -> None:
                              tokens_per_seq=n,
                              workspace=decode_workspace(out_rows, shape.num_heads,
                                                         shape.head_dim, splits, "cpu"))  # fmt: skip
-    slots = SamplingSlots(3, VOCAB, "cpu", triton=True)  # NOTE: 3 slots: misaligned table rows
+    # NOTE: 3 slots: misaligned table rows; 7 tokens of history: rows of odd stride
+    slots = SamplingSlots(3, VOCAB, "cpu", triton=True, history_len=7)
     reqs = [_Req(SamplingParams(temperature=t, seed=7), 7, [1, 2]) for t in (0.0, 0.8, 0.5)]
     for req in reqs:
         slots.admit(req)
@@ -174,19 +177,22 @@ def _serve_like(shape: AttentionShape) -> None:
                 seed=rows.seed.view(b, K + 1), position=rows.position.view(b, K + 1),
                 num_draft=torch.full((b,), K),
             )  # fmt: skip
+        ngram_propose(slots.token_history, slots.slot_indices(batch_reqs),
+                      slots.seq_lens(batch_reqs), *NGRAM)  # fmt: skip
         slots.rows(batch_reqs)
 
 
 def test_warmup_covers_every_serving_specialization(record) -> None:
     warmed = record()
-    warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB))
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 2 + 3 + 3 + 3 + 2 * 2
+    warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB),
+                          ngram=NGRAM)  # fmt: skip
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 2 + 3 + 3 + 3 + 2 * 2 + 1
     served = record()
     _serve_like(TINY)
     assert set(served) == set(warmed) == {
         "_pad_batch_kernel", "_build_kernel", "_advance_kernel", "_extend_kernel",
         "_store_kv_kernel", "_split_kv_kernel", "_split_kv_reduce_kernel",
-        "_verify_rows_kernel", "_accept_kernel",
+        "_verify_rows_kernel", "_accept_kernel", "_ngram_kernel",
     }  # fmt: skip
     for name, keys in served.items():
         missing = keys - warmed[name]
@@ -195,7 +201,7 @@ def test_warmup_covers_every_serving_specialization(record) -> None:
     assert {n: len(k) for n, k in warmed.items()} == {
         "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 1, "_extend_kernel": 3,
         "_store_kv_kernel": 1, "_split_kv_kernel": 2, "_split_kv_reduce_kernel": 1,
-        "_verify_rows_kernel": 2, "_accept_kernel": 1,
+        "_verify_rows_kernel": 2, "_accept_kernel": 1, "_ngram_kernel": 1,
     }  # fmt: skip
 
 

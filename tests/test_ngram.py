@@ -1,78 +1,30 @@
-"""NGRAM drafting against two references (a plain Python search and the earlier vectorized
-suffix match over the whole history), incrementally as requests grow, and SpeculativeConfig
-validation.
+"""NGRAM drafting on the device: the Triton kernel (under the interpreter on CPU) and its torch
+reference against a plain Python search, on random and adversarial sequences; the token history
+that ``SamplingSlots`` keeps for it against each request's host tokens, through plain and verify
+commits, re-admission and slot reuse, and in the engine through preemptions; and
+SpeculativeConfig validation.
 """
 
 from __future__ import annotations
 
-import gc
 import random
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
+from oracle import PROMPTS
+from test_sampling_slots import _Req
 
-from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput
+from pcgspec.kernels.ngram_propose import ngram_propose, ngram_propose_ref
+from pcgspec.sampling.slots import SamplingSlots
+from pcgspec.sampling_params import SamplingParams
+from pcgspec.speculative.base import FILLER_TOKEN, ProposeInput
 from pcgspec.speculative.config import SpeculativeConfig
 from pcgspec.speculative.ngram import NgramProposer
 
-_PAD = -1  # left padding of the right-aligned batch; never equals a token id
-
-
-def right_align(
-    token_ids: Sequence[Sequence[int] | torch.Tensor], device: torch.device | str
-) -> torch.Tensor:
-    """Reference only. Per-request token lists -> ``[B, max_len]`` int64, right-aligned,
-    left-padded with -1.
-    """
-    width = max((len(t) for t in token_ids), default=0)
-    out = torch.full((len(token_ids), width), _PAD, dtype=torch.int64, device=device)
-    for row, ids in zip(out, token_ids):
-        if len(ids):
-            row[width - len(ids) :] = torch.as_tensor(ids, dtype=torch.int64)
-    return out
-
-
-def suffix_match_lengths(tokens: torch.Tensor, max_window: int) -> torch.Tensor:
-    """Reference only. ``[B, N]`` right-aligned -> ``[B, N-1]``: at end position e, the length
-    (<= max_window) of the longest common suffix of ``tokens[:, :e+1]`` and the whole sequence.
-    """
-    b, n = tokens.shape
-    padded = F.pad(tokens, (max_window, 0), value=_PAD)  # token x sits at column x + max_window
-    run = torch.zeros(b, n - 1, dtype=torch.int32, device=tokens.device)
-    alive = (tokens[:, n - 1 :] != _PAD).expand(b, n - 1).clone()  # an empty row matches nothing
-    for d in range(min(max_window, n - 1)):
-        earlier = padded[:, max_window - d : max_window - d + n - 1]  # tokens[:, e - d]
-        alive &= earlier == tokens[:, n - 1 - d : n - d]  # vs tokens[:, N-1-d]
-        run += alive
-    # NOTE: a window reaches the left padding before the suffix does (e < N-1), and padding
-    # never equals a token, so no match extends past the start of a sequence.
-    return run
-
-
-def ngram_propose(
-    tokens: torch.Tensor, num_steps: int, min_window: int, max_window: int
-) -> DraftProposal:
-    """Reference only (the full-history scan ``NgramProposer`` replaced): drafts for
-    right-aligned ``tokens`` [B, N], the longest suffix match in [min_window, max_window], its
-    latest earlier occurrence, the (up to) ``num_steps`` tokens after it.
-    """
-    b, n = tokens.shape
-    device = tokens.device
-    steps = torch.arange(num_steps, device=device)
-    if n < 2:
-        return DraftProposal(torch.full((b, num_steps), FILLER_TOKEN, device=device),
-                             torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
-    run = suffix_match_lengths(tokens, max_window)  # [B, N-1]
-    best = run.amax(dim=1)  # [B] longest earlier match of the suffix
-    ends = torch.arange(n - 1, device=device)
-    last_end = torch.where(run >= best[:, None], ends, -1).amax(dim=1)  # latest such occurrence
-    num = (n - 1 - last_end).clamp_max(num_steps)  # tokens that follow it, at most k
-    num = torch.where(best >= min_window, num, 0)
-    follow = (last_end[:, None] + 1 + steps).clamp_max(n - 1)  # [B, k]
-    drafts = torch.where(steps < num[:, None], tokens.gather(1, follow), FILLER_TOKEN)
-    return DraftProposal(drafts, num)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SEARCHES = [ngram_propose, ngram_propose_ref]
+Search = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _ngram_ref(seq: list[int], k: int, min_window: int, max_window: int) -> list[int]:
@@ -85,49 +37,83 @@ def _ngram_ref(seq: list[int], k: int, min_window: int, max_window: int) -> list
     return []
 
 
-def _proposed(proposal: DraftProposal) -> list[list[int]]:
-    num = proposal.num_tokens.tolist()
-    assert proposal.num_tokens_host in (None, num)
-    assert (proposal.tokens[torch.arange(proposal.num_steps) >= proposal.num_tokens[:, None]]
-            == FILLER_TOKEN).all()  # fmt: skip
-    return [row[:n] for row, n in zip(proposal.tokens.tolist(), num)]
+def _drafts(drafts: torch.Tensor, counts: torch.Tensor, k: int) -> list[list[int]]:
+    """Per request the proposed tokens, after checking the outputs' form and padding."""
+    assert drafts.shape == (counts.shape[0], k) and drafts.dtype == counts.dtype == torch.int64
+    pad = torch.arange(k, device=drafts.device) >= counts[:, None]
+    assert (drafts[pad] == FILLER_TOKEN).all()
+    return [row[:n] for row, n in zip(drafts.tolist(), counts.tolist())]
 
 
-@pytest.mark.parametrize("k, min_window, max_window", [(1, 1, 12), (3, 1, 3), (4, 2, 5), (2, 3, 3)])
-def test_ngram_matches_python_reference(k: int, min_window: int, max_window: int) -> None:
-    rng = random.Random(k * 100 + min_window * 10 + max_window)
+def _search(search: Search, seqs: list[list[int]], k: int, min_window: int, max_window: int,
+            history_len: int | None = None, seed: int = 0) -> list[list[int]]:  # fmt: skip
+    """``search`` over ``seqs`` laid into shuffled rows of a history table (with a spill
+    column, as ``SamplingSlots`` keeps it) whose entries past each length hold junk tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    width = history_len or max((len(s) for s in seqs), default=0) + 5
+    num_rows = len(seqs) + 2
+    table = torch.randint(0, 4, (num_rows, width + 1), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(num_rows, generator=gen)[: len(seqs)]
+    for row, seq in zip(rows.tolist(), seqs):
+        table[row, : len(seq)] = torch.tensor(seq, dtype=torch.int32)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    history = table.to(DEVICE)[:, :width]
+    return _drafts(*search(history, rows.to(DEVICE), lengths.to(DEVICE), k, min_window,
+                           max_window), k)  # fmt: skip
+
+
+def _random_seqs(rng: random.Random, count: int, max_len: int) -> list[list[int]]:
     seqs = []
-    for _ in range(40):
+    for _ in range(count):
         vocab = rng.choice([2, 3, 5, 50])  # small vocabularies repeat n-grams often
-        seq = [rng.randrange(vocab) for _ in range(rng.randrange(0, 30))]
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(0, max_len))]
         if seq and rng.random() < 0.5:  # splice in an earlier chunk: a long match
             a = rng.randrange(len(seq))
-            seq += seq[a : a + rng.randrange(1, 8)]
+            seq += seq[a : a + rng.randrange(1, 20)]
         seqs.append(seq)
-    proposer = NgramProposer(k, min_window, max_window)
-    proposal = proposer.propose(ProposeInput(seqs))
-    assert proposal.tokens.shape == (len(seqs), k) and proposal.probs is None
-    assert proposal.num_tokens_host == proposal.num_tokens.tolist()
-    assert _proposed(proposal) == [_ngram_ref(s, k, min_window, max_window) for s in seqs]
-    ref = ngram_propose(right_align(seqs, "cpu"), k, min_window, max_window)
-    assert torch.equal(proposal.tokens, ref.tokens)
-    assert torch.equal(proposal.num_tokens, ref.num_tokens)
+    return seqs
 
 
-def _propose(seq: list[int], k: int = 3, min_window: int = 1, max_window: int = 4) -> list[int]:
-    drafts = _proposed(NgramProposer(k, min_window, max_window).propose(ProposeInput([seq])))[0]
-    ref = _proposed(ngram_propose(right_align([seq], "cpu"), k, min_window, max_window))[0]
-    assert drafts == ref == _ngram_ref(seq, k, min_window, max_window)
-    return drafts
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("k, min_window, max_window", [
+    (1, 1, 12), (3, 1, 3), (4, 2, 5), (2, 3, 3), (5, 1, 1), (3, 4, 8), (2, 1, 20),
+])  # fmt: skip
+def test_search_matches_python_reference(
+    search: Search, k: int, min_window: int, max_window: int
+) -> None:
+    rng = random.Random(1000 * k + 10 * min_window + max_window)
+    seqs = _random_seqs(rng, 30, 40)
+    # Longer than a kernel block (256 ends): the match may lie blocks before the end.
+    seqs += [s + [rng.randrange(1000, 2000) for _ in range(rng.randrange(250, 700))] + s[:8]
+             for s in _random_seqs(rng, 4, 30)]  # fmt: skip
+    got = _search(search, seqs, k, min_window, max_window, seed=k)
+    assert got == [_ngram_ref(s, k, min_window, max_window) for s in seqs]
+    assert sum(map(len, got)) > 0
 
 
-def test_ngram_without_match_proposes_nothing() -> None:
+def _propose(seq: list[int], k: int = 3, min_window: int = 1, max_window: int = 4,
+             history_len: int | None = None) -> list[int]:  # fmt: skip
+    want = _ngram_ref(seq, k, min_window, max_window)
+    for search in SEARCHES:
+        assert _search(search, [seq], k, min_window, max_window, history_len) == [want], search
+    return want
+
+
+def test_search_without_match_proposes_nothing() -> None:
     assert _propose([1, 2, 3, 4, 5]) == []
-    assert _propose([]) == [] and _propose([7]) == []
+    assert _propose([]) == [] and _propose([7]) == [] and _propose([7, 8]) == []
     assert _propose([1, 2, 9, 1, 2], min_window=3) == []  # "1 2" matches, but is too short
+    assert _propose([1, 2, 9, 1, 2], min_window=2) == [9, 1, 2]
 
 
-def test_ngram_prefers_longest_match_then_latest_occurrence() -> None:
+def test_search_matches_at_the_very_start() -> None:
+    assert _propose([7, 7]) == [7]  # n = 2: the end e = 0
+    assert _propose([5, 1, 2, 3, 5]) == [1, 2, 3]
+    assert _propose([5, 6, 1, 2, 3, 4, 5, 6], min_window=2) == [1, 2, 3]
+
+
+def test_search_prefers_longest_match_then_latest_occurrence() -> None:
     # suffix "1 2": the 2-gram occurs at 0 (followed by 7) and at 5 (followed by 8); the 1-gram
     # "2" last occurs at 9 (followed by 4), but the longer match wins; of it, the latest.
     seq = [1, 2, 7, 7, 7, 1, 2, 8, 6, 2, 4, 1, 2]
@@ -135,85 +121,157 @@ def test_ngram_prefers_longest_match_then_latest_occurrence() -> None:
     assert _propose(seq, max_window=1) == [4, 1, 2]  # window capped at 1: latest "2"
     assert _propose([5, 6, 1, 2, 3, 9, 6, 1, 2, 3], max_window=3) == [9, 6, 1]
     assert _propose([5, 6, 1, 2, 3, 9, 6, 1, 2, 3], max_window=2) == [9, 6, 1]
+    # A capped match (4 of 5 tokens) near the end beats a longer one further back.
+    assert _propose([9, 1, 2, 3, 4, 5, 8, 6, 2, 3, 4, 5, 7, 1, 2, 3, 4, 5]) == [7, 1, 2]
 
 
-def test_ngram_proposes_fewer_near_the_end() -> None:
+def test_search_proposes_fewer_near_the_end_and_on_repeats() -> None:
     assert _propose([4, 4, 4], k=3) == [4]  # "4 4" last occurred at 0, one token follows it
     assert _propose([1, 2, 1, 2], k=4) == [1, 2]
+    assert _propose([4] * 30, k=3) == [4]  # every end matches: the latest capped one
+    assert _propose([1, 2] * 15 + [1], k=5, max_window=12) == [2, 1]
 
 
-def test_ngram_batches_ragged_requests_on_device_of_choice() -> None:
-    seqs = [torch.tensor([3, 1, 3]), [9], [5, 6, 5, 6, 5]]
-    proposal = NgramProposer(2, max_window=3).propose(ProposeInput(seqs))
-    assert _proposed(proposal) == [[1, 3], [], [6, 5]]
-    assert proposal.num_tokens.tolist() == [2, 0, 2]
+def test_search_reads_a_full_row_and_nothing_past_it() -> None:
+    # The spill column past a full row holds junk (0..3): a draft read past the end shows it.
+    assert _propose([6] * 10, k=4, history_len=10) == [6]
+    assert _propose([7, 8, 9, 7, 8], k=4, history_len=5) == [9, 7, 8]
 
 
-class _Req:
-    """Stands in for the engine's Request: the proposer keys its per-request index by it."""
+def test_search_checks_inputs() -> None:
+    history = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    for search in SEARCHES:
+        with pytest.raises(ValueError, match="min_window"):
+            search(history, slots, slots, 2, 0, 3)
+        with pytest.raises(ValueError, match="history must be"):
+            search(history.float(), slots, slots, 2, 1, 3)
+        with pytest.raises(ValueError, match="lengths must be"):
+            search(history, slots, slots[:0], 2, 1, 3)
 
-    def __init__(self, tokens: list[int]) -> None:
-        self.token_ids = tokens
+
+# The history in the slots ---------------------------------------------------------------------
+
+VOCAB, K = 6, 3
 
 
-def _grow(rng: random.Random, seq: list[int], vocab: int, k: int) -> None:
-    """Append what a step could: a few tokens (accepted drafts + one), now and then a copy of an
-    earlier chunk (a long match) or a long run (the bulk indexing path).
+def _request(rng: random.Random) -> _Req:
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+    outputs = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 4]))]  # 4: preempted
+    params = SamplingParams(temperature=rng.choice([0.0, 0.8]),
+                            presence_penalty=rng.choice([0.0, 0.5]))  # fmt: skip
+    return _Req(params, rng.randrange(2**63), prompt, outputs)
+
+
+def _commit(slots: SamplingSlots, reqs: list[_Req], rng: random.Random, n: int,
+            history_len: int) -> None:  # fmt: skip
+    """Emit 1..n random tokens per request (the rest -1, as the verify kernel writes); the host
+    keeps what fits the history (a request stops at its context length).
     """
-    r = rng.random()
-    if seq and r < 0.3:
-        a = rng.randrange(len(seq))
-        seq += seq[a : a + rng.randrange(1, k + 2)]
-    elif r < 0.33:
-        seq += [rng.randrange(vocab) for _ in range(rng.randrange(60, 140))]
-    else:
-        seq += [rng.randrange(vocab) for _ in range(rng.randrange(1, k + 2))]
+    counts = [rng.randint(1, n) for _ in reqs]
+    tokens = [[rng.randrange(VOCAB) if j < m else -1 for j in range(n)] for m in counts]
+    slots.commit(reqs, torch.tensor(tokens, device=DEVICE), torch.tensor(counts, device=DEVICE))
+    for req, row, m in zip(reqs, tokens, counts):
+        req.output_token_ids += row[: min(m, history_len - len(req.prompt_token_ids)
+                                          - len(req.output_token_ids))]  # fmt: skip
 
 
-@pytest.mark.parametrize("k, min_window, max_window", [
-    (1, 1, 12), (3, 1, 3), (4, 2, 5), (2, 3, 3), (5, 1, 1), (3, 4, 8),
-])  # fmt: skip
-def test_ngram_incremental_index_matches_full_scan(
-    k: int, min_window: int, max_window: int
-) -> None:
-    rng = random.Random(1000 * k + 10 * min_window + max_window)
-    proposer = NgramProposer(k, min_window, max_window)
-    reqs = [_Req([rng.randrange(v) for _ in range(rng.randrange(0, 150))])
-            for v in (2, 3, 4, 5, 8, 50)]  # fmt: skip
-    vocab = {id(r): v for r, v in zip(reqs, (2, 3, 4, 5, 8, 50))}
-    num_drafted = 0
-    for _ in range(60):
-        batch = [r for r in reqs if rng.random() < 0.8]  # not every request runs every step
-        proposal = proposer.propose(ProposeInput([r.token_ids for r in batch], batch))
-        ref = ngram_propose(right_align([r.token_ids for r in batch], "cpu"), k, min_window,
-                            max_window)  # fmt: skip
-        assert torch.equal(proposal.tokens, ref.tokens)
-        assert torch.equal(proposal.num_tokens, ref.num_tokens)
-        assert proposal.num_tokens_host == ref.num_tokens.tolist()
-        num_drafted += sum(proposal.num_tokens_host)
-        for r in batch:
-            _grow(rng, r.token_ids, vocab[id(r)], k)
-    assert num_drafted > 0
+def _check_history(slots: SamplingSlots, proposer: NgramProposer, reqs: list[_Req]) -> int:
+    """Each request's history row and length equal its host tokens, and the drafts equal the
+    Python search over them. Returns the drafted tokens.
+    """
+    seqs = [r.prompt_token_ids + r.output_token_ids for r in reqs]
+    assert slots.seq_lens(reqs).tolist() == [len(s) for s in seqs]
+    for req, seq in zip(reqs, seqs):
+        assert slots.token_history[slots.slot(req), : len(seq)].tolist() == seq
+    proposal = proposer.propose(ProposeInput(reqs))
+    got = _drafts(proposal.tokens, proposal.num_tokens, K)
+    assert got == [_ngram_ref(s, K, proposer.min_window, proposer.max_window) for s in seqs]
+    assert proposal.num_tokens_host == proposal.num_tokens.tolist()
+    return sum(map(len, got))
 
 
-def test_ngram_index_rebuilds_when_the_tokens_are_not_a_continuation() -> None:
-    proposer, req = NgramProposer(2, 1, 3), _Req([1, 2, 3, 1, 2])
-    assert _proposed(proposer.propose(ProposeInput([req.token_ids], [req]))) == [[3, 1]]
-    req.token_ids = [4, 5, 4]  # shorter: "1 2" must be forgotten
-    assert _proposed(proposer.propose(ProposeInput([req.token_ids], [req]))) == [[5, 4]]
-    req.token_ids = [7, 8, 9, 7]  # as long, last seen token changed
-    assert _proposed(proposer.propose(ProposeInput([req.token_ids], [req]))) == [[8, 9]]
-    req.token_ids = [7, 8, 9, 6, 5]  # longer, but not a continuation of [7, 8, 9, 7]
-    assert _proposed(proposer.propose(ProposeInput([req.token_ids], [req]))) == [[]]
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("triton", [False, True])
+def test_history_follows_commits_readmission_and_slot_reuse(seed: int, triton: bool) -> None:
+    rng, history_len = random.Random(seed), 40
+    slots = SamplingSlots(8, VOCAB, DEVICE, triton=triton, history_len=history_len)
+    proposer = NgramProposer(slots, K, min_window=1, max_window=3)
+    reqs = [_request(rng) for _ in range(6)]
+    for req in reqs:
+        slots.admit(req)
+    drafted = 0
+    for step in range(12):
+        drafted += _check_history(slots, proposer, reqs)
+        _commit(slots, reqs, rng, 1 if step % 3 == 0 else K + 1, history_len)  # plain / verify
+        full = [r for r in reqs if len(r.prompt_token_ids) + len(r.output_token_ids) + K + 1
+                > history_len]  # fmt: skip
+        for req in full:  # at its context length: finished
+            reqs.remove(req)
+            slots.free(req)
+        if step % 4 == 1:  # preempted, re-admitted with its outputs (a slot another may take)
+            req = reqs.pop(rng.randrange(len(reqs)))
+            slots.free(req)
+            reqs.insert(rng.randrange(len(reqs) + 1), req)
+        while len(reqs) < 6:
+            reqs.insert(rng.randrange(len(reqs) + 1), _request(rng))
+        for req in reqs:
+            slots.admit(req)
+    assert drafted > 0
 
 
-def test_ngram_index_goes_with_its_request() -> None:
-    proposer, req = NgramProposer(2), _Req([1, 2, 1])
-    proposer.propose(ProposeInput([req.token_ids], [req]))
-    assert len(proposer._indexes) == 1
-    del req
-    gc.collect()
-    assert len(proposer._indexes) == 0
+def test_history_commit_past_the_end_touches_no_other_row() -> None:
+    history_len = 8
+    slots = SamplingSlots(3, VOCAB, DEVICE, history_len=history_len)
+    proposer = NgramProposer(slots, K)
+    near_end = _Req(SamplingParams(), 0, [1, 2, 3, 1, 2], [3])  # 7 of 8 tokens
+    others = [_Req(SamplingParams(), 0, [5] * 8), _Req(SamplingParams(), 0, [4])]
+    for req in [others[0], near_end, others[1]]:  # near_end in the middle row
+        slots.admit(req)
+    tokens = torch.tensor([[1, 2, 3, 1]], device=DEVICE)  # the last three fall past the end
+    slots.commit([near_end], tokens, torch.tensor([4], device=DEVICE))
+    assert slots.token_history[slots.slot(near_end)].tolist() == [1, 2, 3, 1, 2, 3, 1, 2]
+    near_end.output_token_ids.append(1)
+    assert _check_history(slots, proposer, others) > 0  # the full row [5] * 8 drafts too
+    slots.free(near_end)
+    with pytest.raises(ValueError, match="does not fit the token history of 8"):
+        slots.admit(_Req(SamplingParams(), 0, [1] * 9))
+
+
+def test_proposer_needs_a_history() -> None:
+    with pytest.raises(ValueError, match="token history"):
+        NgramProposer(SamplingSlots(2, VOCAB, DEVICE), K)
+    with pytest.raises(ValueError, match="min_window"):
+        NgramProposer(SamplingSlots(2, VOCAB, DEVICE, history_len=4), K, 3, 2)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_history_equals_host_tokens_through_preemptions(smollm2_path, overlap) -> None:
+    from pcgspec import LLM
+
+    # 12 pages of 4 tokens: 3 requests growing to ~30 tokens with k = 3 verify slots do not fit.
+    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", page_size=4, max_total_tokens=48,
+              max_running_requests=3, speculative_algorithm="NGRAM", speculative_num_steps=K,
+              speculative_policy="always", disable_overlap_schedule=not overlap)  # fmt: skip
+    engine, tok = llm.engine, llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = ["a b c a b c a b", "1, 2, 3, 1, 2, 3,", PROMPTS[0], "x y x y x y x"]
+    reqs = [engine.add_request(tok.encode(p), params)[0] for p in prompts]
+    slots, checked = engine.slots, 0
+    for _ in range(300):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+        for req in (*engine.scheduler.running, *engine.scheduler.waiting):
+            if slots.slot(req) is None:
+                continue
+            n = len(req.token_ids)
+            assert slots.seq_lens([req]).tolist() == [req.num_tokens]  # pending ones included
+            assert slots.token_history[slots.slot(req), :n].tolist() == req.token_ids
+            checked += 1
+    assert all(len(r.output_token_ids) == 20 for r in reqs) and checked > 0
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.spec_stats()["accepted_draft_tokens"] > 0
 
 
 def test_speculative_config_defaults_and_normalization() -> None:
@@ -222,7 +280,8 @@ def test_speculative_config_defaults_and_normalization() -> None:
     assert cfg.speculative_num_draft_tokens == 4
     assert cfg.speculative_ngram_min_match_window_size == 1
     assert cfg.speculative_ngram_max_match_window_size == 12
-    assert NgramProposer.from_config(cfg).max_window == 12
+    slots = SamplingSlots(1, VOCAB, DEVICE, history_len=4)
+    assert NgramProposer.from_config(cfg, slots).max_window == 12
     nextn = SpeculativeConfig.from_kwargs(speculative_algorithm="NextN", speculative_num_steps=2)
     assert nextn.speculative_num_draft_tokens == 3 and nextn.draft_model_path("/m") == "/m"
     eagle = SpeculativeConfig("EAGLE3", speculative_draft_model_path="/d")

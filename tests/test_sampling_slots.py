@@ -192,7 +192,7 @@ def test_engine_slots_through_finishes_aborts_and_preemptions(smollm2_path) -> N
 @pytest.mark.gpu
 def test_rows_and_commit_never_sync_with_the_host() -> None:
     rng = random.Random(0)
-    slots = SamplingSlots(8, VOCAB, "cuda")
+    slots = SamplingSlots(8, VOCAB, "cuda", history_len=32)  # commit appends to the history
     reqs = [_request(rng) for _ in range(6)]
     for req in reqs:
         slots.admit(req)
@@ -206,5 +206,6 @@ def test_rows_and_commit_never_sync_with_the_host() -> None:
         slots.rows(reqs)
         slots.rows(reqs, drafts)
         slots.commit(reqs, tokens, num_emitted)
+        slots.seq_lens(reqs)
     finally:
         torch.cuda.set_sync_debug_mode("default")

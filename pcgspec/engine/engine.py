@@ -32,6 +32,7 @@ from pcgspec.sampling_params import SamplingParams
 from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
 from pcgspec.speculative.drafts import load_draft
 from pcgspec.speculative.model_proposer import ModelProposer
+from pcgspec.speculative.ngram import NgramProposer
 from pcgspec.speculative.worker import SpecWorker
 
 logger = logging.getLogger("pcgspec")
@@ -48,8 +49,11 @@ class Engine:
         self.pages = PagePool(self.runner.kv_cache.num_pages)
         budget = config.max_prefill_tokens
         chunk = config.resolved_chunked_prefill_size
+        spec = config.speculative_config
+        lookup = spec is not None and spec.algorithm == "NGRAM"  # searches the tokens so far
         self.slots = SamplingSlots(config.max_running_requests, self.runner.vocab_size,
-                                   self.runner.device)  # fmt: skip
+                                   self.runner.device, history_len=self.context_length if lookup
+                                   else None)  # fmt: skip
         self.prefix_cache = None if config.disable_radix_cache else RadixCache(
             self.pages, self.page_size, track_draft=draft is not None)
         self.scheduler = Scheduler(self.pages, self.page_size, config.max_running_requests,
@@ -61,7 +65,6 @@ class Engine:
         self.in_flight: list[LaunchedStep] = []  # overlap: launched, tokens not read yet
         self._last_decode: bool | None = None  # whether the last decode step speculated
         self._ids = itertools.count()
-        spec = config.speculative_config
         self.spec_worker = (
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
             if spec is not None else None
@@ -113,10 +116,14 @@ class Engine:
         triton = self.config.resolved_attention_backend == "triton"
         spec = self.config.speculative_config
         k = None if spec is None else spec.num_steps
+        ngram = None
+        if isinstance(proposer, NgramProposer):
+            ngram = (proposer.num_steps, proposer.min_window, proposer.max_window)
         return KernelWarmup(
             attention=tuple(AttentionShape.of(r.attn_backend) for r in runners if triton),
             split_kv_tokens=(1,) if k is None else (1, k + 1),
             verify=None if k is None else (k, self.runner.vocab_size),
+            ngram=ngram,
         )
 
     @property

@@ -12,8 +12,8 @@ cache) and loads all of them. Every launch writes no KV (slots -1) and no engine
 Per family: ``warm_extend`` (one launch per ``BLOCK_M`` that ``plan_extend`` can choose for the
 head config), ``warm_split_kv`` (KV store + split-KV decode and reduce per tokens per request),
 ``warm_pad_batch`` (with and without request starts), ``warm_sampling`` (build_sampling_params,
-advance_positions) and ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the
-speculative worker uses, and the accept kernel).
+advance_positions), ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the
+speculative worker uses, and the accept kernel) and ``warm_ngram`` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pcgspec.kernels.build_sampling_params import (
     build_sampling_params,
 )
 from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_extend
+from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 
@@ -68,12 +69,14 @@ class AttentionShape:
 class KernelWarmup:
     """What serving launches: the Triton attention of each model (the target's, a model
     drafter's), the tokens per request of its split-KV passes (decode 1; verify and a draft
-    catch-up k+1), and with speculation (k, vocab size) of verification.
+    catch-up k+1), with speculation (k, vocab size) of verification, and with prompt lookup
+    (k, min window, max window) of its search.
     """
 
     attention: tuple[AttentionShape, ...] = ()
     split_kv_tokens: tuple[int, ...] = (1,)
     verify: tuple[int, int] | None = None
+    ngram: tuple[int, int, int] | None = None
 
 
 def extend_lengths(shape: AttentionShape) -> list[int]:
@@ -189,6 +192,16 @@ def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
     return 2 * len(VERIFY_STRATEGIES)
 
 
+def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:
+    """The prompt-lookup search as ``NgramProposer`` calls it: an int32 token history whose
+    rows have a spill column (``SamplingSlots``), int64 slots and lengths.
+    """
+    s = _Scratch(device)
+    history = s.zeros(1, 3, dtype=torch.int32)[:, :2]
+    ngram_propose(history, s.zeros(1), s.full(2, 1), num_steps, min_window, max_window)
+    return 1
+
+
 def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
     """Every family ``warmup`` names; returns the number of kernel launches (variants)."""
     count = warm_pad_batch(device) + warm_sampling(device)
@@ -197,6 +210,8 @@ def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
         count += sum(warm_split_kv(shape, n, device) for n in sorted(set(warmup.split_kv_tokens)))
     if warmup.verify is not None:
         count += warm_verify(*warmup.verify, device)
+    if warmup.ngram is not None:
+        count += warm_ngram(*warmup.ngram, device)
     return count
 
 

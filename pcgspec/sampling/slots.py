@@ -8,6 +8,11 @@ device only: ``rows`` expands slots into a ``SamplingBatch`` (1 row per request,
 k drafts) and ``commit`` advances the counters and counts by what each request emitted and
 records its last token, which the next decode step reads as its input (``last_tokens``), so the
 host need not have read it back (the overlap schedule).
+
+With ``history_len`` the slots also keep each request's tokens (prompt + outputs) in
+``token_history``, for prompt lookup (NGRAM) to search on the device: admission writes the row
+whole and ``commit`` appends the emitted tokens at the request's length (prompt length + output
+position), which ``seq_lens`` reads back as a device tensor.
 """
 
 from __future__ import annotations
@@ -43,25 +48,37 @@ class SlotRequest(Protocol):
 
 class SamplingSlots:
     """``num_slots`` rows of sampling state. ``triton`` picks the Triton kernels over their torch
-    references (default: on CUDA).
+    references (default: on CUDA). ``history_len``: keep up to that many tokens per request in
+    ``token_history`` (None: no history).
     """
 
     def __init__(
         self, num_slots: int, vocab_size: int, device: torch.device | str,
-        triton: bool | None = None,
+        triton: bool | None = None, history_len: int | None = None,
     ) -> None:  # fmt: skip
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if history_len is not None and history_len < 1:
+            raise ValueError(f"history_len must be >= 1 or None, got {history_len}")
         self.num_slots, self.vocab_size = num_slots, vocab_size
         self.device = torch.device(device)
         self._floats = torch.zeros(len(FLOAT_FIELDS), num_slots, device=self.device)  # [6, S]
-        self._ints = torch.zeros(3, num_slots, dtype=torch.int64, device=self.device)  # [3, S]
+        # top_k, seed, position, prompt length
+        self._ints = torch.zeros(4, num_slots, dtype=torch.int64, device=self.device)  # [4, S]
         self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)  # [S]
         f = dict(zip(FLOAT_FIELDS, self._floats))
         self.table = SamplingTensors(f["temperature"], f["top_p"], self._ints[0], f["min_p"],
                                      self._ints[1], self._ints[2])  # fmt: skip
+        self._prompt_len = self._ints[3]
+        # NOTE: the column past the end takes the writes that fall outside a row (never read).
+        self._history: torch.Tensor | None = None  # [S, history_len + 1] int32
+        self.token_history: torch.Tensor | None = None  # [S, history_len] view of it
+        if history_len is not None:
+            self._history = torch.zeros(num_slots, history_len + 1, dtype=torch.int32,
+                                        device=self.device)  # fmt: skip
+            self.token_history = self._history[:, :history_len]
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
         self._slot_of: dict[SlotRequest, int] = {}
         self._values: list[dict[str, float | int]] = [{} for _ in range(num_slots)]
@@ -98,19 +115,23 @@ class SamplingSlots:
 
     def write(self, req: SlotRequest) -> None:
         """(Re)write the row of an admitted ``req`` from its host state: parameters, seed,
-        position = its output count, and the penalty state of its outputs so far.
+        position = its output count, prompt length, the penalty state of its outputs so far and
+        its tokens (with a history).
         """
         slot, p = self._slot_of[req], req.params
         values = self._values[slot] = row_values(p, self.vocab_size)
         outputs = req.output_token_ids
         floats = torch.tensor([values[name] for name in FLOAT_FIELDS], dtype=torch.float32)
-        ints = torch.tensor([values["top_k"], as_int64(req.seed), len(outputs)])
+        ints = torch.tensor([values["top_k"], as_int64(req.seed), len(outputs),
+                             len(req.prompt_token_ids)])  # fmt: skip
         self._floats[:, slot].copy_(self._upload(floats))
         self._ints[:, slot].copy_(self._upload(ints))
         if p.needs_penalties and self.output_counts is None:
             self._allocate_penalty_tables()
         if self.output_counts is not None:
             self._write_penalty_row(slot, req)
+        if self.token_history is not None:
+            self._write_history_row(slot, [*req.prompt_token_ids, *outputs])
 
     def _allocate_penalty_tables(self) -> None:
         shape = (self.num_slots, self.vocab_size)
@@ -132,6 +153,14 @@ class SamplingSlots:
         counts.index_put_((outputs,), torch.ones_like(outputs, dtype=torch.int32), accumulate=True)
         if p.repetition_penalty != 1.0:
             mask[self._index(req.prompt_token_ids)] = True
+
+    def _write_history_row(self, slot: int, tokens: list[int]) -> None:
+        assert self.token_history is not None
+        if len(tokens) > self.token_history.shape[1]:
+            raise ValueError(f"a request of {len(tokens)} tokens does not fit the token history "
+                             f"of {self.token_history.shape[1]}")  # fmt: skip
+        row = torch.tensor(tokens, dtype=torch.int32)
+        self.token_history[slot, : len(tokens)].copy_(self._upload(row))
 
     # the step -----------------------------------------------------------------------------
 
@@ -178,9 +207,12 @@ class SamplingSlots:
     ) -> None:
         """After sampling or verification: request b emitted ``tokens[b, :num_emitted[b]]``
         (``tokens`` [B, n], ``num_emitted`` [B] >= 1, device tensors). Advances each counter and
-        the output counts and records the last tokens on the device, with no host sync.
+        the output counts, records the last tokens and appends the emitted ones to the token
+        history on the device, with no host sync.
         """
         slots = self.slot_indices(reqs)
+        if self.token_history is not None:  # NOTE: before the advance: at the old lengths
+            self._append_history(slots, tokens)
         advance = advance_positions if self._triton else advance_positions_ref
         advance(self.table.position, num_emitted, slots)
         last = tokens.gather(1, (num_emitted.to(torch.int64) - 1)[:, None]).squeeze(1)
@@ -192,6 +224,27 @@ class SamplingSlots:
         columns = tokens.clamp(0, self.vocab_size - 1)  # NOTE: unemitted entries may hold -1
         self.output_counts.index_put_((slots[:, None].expand_as(tokens), columns),
                                       emitted.to(torch.int32), accumulate=True)  # fmt: skip
+
+    def _append_history(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """``token_history[slots[b], length_b + j] = tokens[b, j]`` for every j: the emitted
+        tokens extend the row, the others land past its new length and what falls past the end
+        of a row in the spill column, where nothing reads them.
+        """
+        assert self._history is not None
+        end = self._history.shape[1] - 1
+        steps = torch.arange(tokens.shape[1], device=self.device)
+        columns = (self._seq_lens(slots)[:, None] + steps).clamp_max(end)  # [B, n]
+        self._history.index_put_((slots[:, None].expand_as(columns), columns),
+                                 tokens.to(torch.int32))  # fmt: skip
+
+    def seq_lens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
+        """[B] int64 device tensor: each request's token count, prompt + outputs (as of the
+        device).
+        """
+        return self._seq_lens(self.slot_indices(reqs))
+
+    def _seq_lens(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._prompt_len.index_select(0, slots) + self.table.position.index_select(0, slots)
 
     def last_tokens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor: each request's last emitted token (as of the device)."""

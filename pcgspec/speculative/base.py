@@ -59,16 +59,15 @@ class DraftProposal:
 class ProposeInput:
     """What a proposer sees of the running batch."""
 
-    token_ids: Sequence[Sequence[int] | torch.Tensor]  # per request: prompt + output so far
-    requests: Sequence[Any] = ()  # the engine's Request objects (pages, ids), same order
+    requests: Sequence[Any]  # the engine's Request objects (tokens, pages), in batch order
 
 
 class Proposer(ABC):
     """Drafts ``num_steps`` (k) tokens per request; deterministic for a given input."""
 
     num_steps: int
-    # Proposing is cheap host work whose counts (``num_tokens_host``) say, before the step is
-    # chosen, which requests have drafts (prompt lookup): the policy then decides on them.
+    # Proposing is cheap, and its counts (``num_tokens_host``) say, before the step is chosen,
+    # which requests have drafts (prompt lookup): the policy then decides on them.
     proposes_first: bool = False
     # Whether the last ``propose`` first caught requests up over positions of plain steps or a
     # new prompt (model drafters): a step that switched to speculation, not a steady one.

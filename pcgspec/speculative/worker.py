@@ -70,7 +70,7 @@ class SpecWorker:
         self.slots = slots
         self.eos_token_ids = eos_token_ids
         self.proposer: Proposer = (
-            NgramProposer.from_config(config, runner.device) if draft is None
+            NgramProposer.from_config(config, slots) if draft is None
             else ModelProposer(draft, config.num_steps)
         )  # fmt: skip
         self.policy = SpecPolicy(config.speculative_policy, config.num_steps,
@@ -130,7 +130,7 @@ class SpecWorker:
     # propose -----------------------------------------------------------------------------
 
     def propose(self, reqs: Sequence[Request]) -> DraftProposal:
-        return self.proposer.propose(ProposeInput([r.token_ids for r in reqs], reqs))
+        return self.proposer.propose(ProposeInput(reqs))
 
     # verify ------------------------------------------------------------------------------
 
