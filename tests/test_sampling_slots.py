@@ -99,6 +99,29 @@ def test_rows_match_host_reference_through_commits_and_reuse(seed: int, triton: 
     _assert_same(slots.rows(reqs[::-1]), _reference(reqs[::-1]))
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_a_steady_batch_reuses_its_rows_until_a_slot_is_rewritten(triton: bool) -> None:
+    rng = random.Random(7)
+    slots = SamplingSlots(4, VOCAB, DEVICE, triton=triton)
+    reqs = [_request(rng) for _ in range(3)]
+    for req in reqs:
+        slots.admit(req)
+    k = 2
+    for step in range(4):
+        first = slots.rows(reqs)
+        _assert_same(slots.rows(reqs), _reference(reqs))
+        assert slots.rows(reqs).temperature.data_ptr() == first.temperature.data_ptr()  # reused
+        drafts = torch.randint(0, VOCAB, (len(reqs), k), device=DEVICE)
+        _assert_same(slots.rows(reqs, drafts), _reference(reqs, drafts))
+        _commit(slots, reqs, rng, k)  # the reused rows must re-read the advanced positions
+        if step == 1:  # the same request back in the same slot, with other parameters
+            slot = slots.slot(reqs[1])
+            slots.free(reqs[1])
+            reqs[1].params = SamplingParams(temperature=0.5, top_k=3, seed=1)
+            slots.admit(reqs[1])
+            assert slots.slot(reqs[1]) == slot
+
+
 def test_seeded_rows_do_not_depend_on_slot_or_batch() -> None:
     params = SamplingParams(temperature=0.8, seed=5)
     alone, other = _Req(params, 5, [1, 2]), _Req(SamplingParams(temperature=1.0), 9, [3])

@@ -18,6 +18,7 @@ position), which ``seq_lens`` reads back as a device tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -33,6 +34,18 @@ from pcgspec.sampling.batch import FLOAT_FIELDS, SamplingBatch, as_int64, host_f
 from pcgspec.sampling_params import SamplingParams
 
 _PENALTY_FIELDS = slice(3, 6)  # repetition, presence, frequency in FLOAT_FIELDS
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One ``rows`` expansion, kept for the next call with the same requests."""
+
+    key: tuple[tuple[int, ...], int]  # the requests' slots, the table's version
+    tensors: SamplingTensors  # [R]; .position is re-read in place on reuse
+    row_slots: torch.Tensor  # [R] the slot of each row
+    offsets: torch.Tensor | None  # [R] j of row j of its request (k+1 rows per request)
+    penalties: torch.Tensor  # [3, R] repetition, presence, frequency
+    flags: dict[str, bool | int | None]  # host_flags
 
 
 class SlotRequest(Protocol):
@@ -87,6 +100,8 @@ class SamplingSlots:
         self._tracked: torch.Tensor | None = None  # [S] bool: the slot's request has penalties
         self._triton = self.device.type == "cuda" if triton is None else triton
         self._cached_slots: tuple[tuple[int, ...], torch.Tensor] = ((), self._index([]))
+        self._version = 0  # bumped by every write: rows expanded before it are stale
+        self._rows: dict[int, _Rows] = {}  # the last rows per rows-per-request
 
     @property
     def num_free(self) -> int:
@@ -119,6 +134,7 @@ class SamplingSlots:
         its tokens (with a history).
         """
         slot, p = self._slot_of[req], req.params
+        self._version += 1
         values = self._values[slot] = row_values(p, self.vocab_size)
         outputs = req.output_token_ids
         floats = torch.tensor([values[name] for name in FLOAT_FIELDS], dtype=torch.float32)
@@ -169,29 +185,53 @@ class SamplingSlots:
     ) -> SamplingBatch:
         """One row per request, or with ``drafts`` [B, k] (device) k+1 rows per request: row j
         chooses output position ``position + j`` and its penalties count ``drafts[b, :j]`` too.
+        The same requests with the same rows per request as the last such call (every step of
+        a steady decode run) reuse its rows and only re-read the positions.
         """
         slots = self.slot_indices(reqs)
         per_request = 1 if drafts is None else drafts.shape[1] + 1
-        num_rows = len(reqs) * per_request
-        rows_per_request = torch.full_like(slots, per_request)
-        build = build_sampling_params if self._triton else build_sampling_params_ref
-        rows = build(self.table, rows_per_request, num_rows, req_slots=slots)
-        row_slots = slots[:, None].expand(-1, per_request).reshape(-1)  # [R]
-        penalties = self._floats[_PENALTY_FIELDS].index_select(1, row_slots)  # [3, R]
-        params = [r.params for r in reqs]
-        flags = host_flags(params, [self._values[self._slot_of[r]] for r in reqs], self.vocab_size)
+        rows = self._expanded(reqs, slots, per_request)
         counts = mask = None
-        if flags["needs_penalties"]:
-            counts = self.output_counts.index_select(0, row_slots)  # [R, V]
+        if rows.flags["needs_penalties"]:
+            counts = self.output_counts.index_select(0, rows.row_slots)  # [R, V]
             if drafts is not None:
                 self._add_drafts(counts, drafts, self._tracked[slots])
-            if any(p.repetition_penalty != 1.0 for p in params):
-                mask = self.prompt_mask.index_select(0, row_slots)
+            if any(r.params.repetition_penalty != 1.0 for r in reqs):
+                mask = self.prompt_mask.index_select(0, rows.row_slots)
+        t = rows.tensors
         return SamplingBatch(
-            rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed, rows.position,
-            *penalties, output_counts=counts, prompt_mask=mask, vocab_size=self.vocab_size,
-            **flags,
+            t.temperature, t.top_p, t.top_k, t.min_p, t.seed, t.position, *rows.penalties,
+            output_counts=counts, prompt_mask=mask, vocab_size=self.vocab_size, **rows.flags,
         )  # fmt: skip
+
+    def _expanded(
+        self, reqs: Sequence[SlotRequest], slots: torch.Tensor, per_request: int
+    ) -> _Rows:
+        """The rows of ``reqs`` (``slots``): the last ones of this ``per_request`` with their
+        positions re-read when the requests and the table are the same, else expanded anew.
+        """
+        key = (self._cached_slots[0], self._version)
+        rows = self._rows.get(per_request)
+        if rows is not None and rows.key == key:
+            position = rows.tensors.position
+            torch.index_select(self.table.position, 0, rows.row_slots, out=position)
+            if rows.offsets is not None:
+                position.add_(rows.offsets)
+            return rows
+        num_rows = len(reqs) * per_request
+        build = build_sampling_params if self._triton else build_sampling_params_ref
+        tensors = build(self.table, torch.full_like(slots, per_request), num_rows,
+                        req_slots=slots)  # fmt: skip
+        row_slots = slots[:, None].expand(-1, per_request).reshape(-1)  # [R]
+        offsets = None
+        if per_request > 1:
+            offsets = torch.arange(per_request, device=self.device).repeat(len(reqs))  # [R] j
+        values = [self._values[self._slot_of[r]] for r in reqs]
+        rows = _Rows(key, tensors, row_slots, offsets,
+                     self._floats[_PENALTY_FIELDS].index_select(1, row_slots),  # [3, R]
+                     host_flags([r.params for r in reqs], values, self.vocab_size))  # fmt: skip
+        self._rows[per_request] = rows
+        return rows
 
     @staticmethod
     def _add_drafts(counts: torch.Tensor, drafts: torch.Tensor, tracked: torch.Tensor) -> None:
