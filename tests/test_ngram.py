@@ -187,7 +187,6 @@ def _check_history(slots: SamplingSlots, proposer: NgramProposer, reqs: list[_Re
     proposal = proposer.propose(ProposeInput(reqs))
     got = _drafts(proposal.tokens, proposal.num_tokens, K)
     assert got == [_ngram_ref(s, K, proposer.min_window, proposer.max_window) for s in seqs]
-    assert proposal.num_tokens_host == proposal.num_tokens.tolist()
     return sum(map(len, got))
 
 

@@ -129,20 +129,19 @@ def test_always_speculates():
     assert all(p.choose([r]) for _ in range(10)) and p.plain_steps == 0
 
 
-def test_requests_that_rarely_find_drafts_gain_little_and_a_batch_without_any_takes_a_plain_step():
+def test_requests_that_rarely_find_drafts_gain_little():
     matched, unmatched = Req(), Req()
     p = measured(policy(), 2, 2.6, 1.0)
     for _ in range(30):
-        assert p.record_drafted([matched, unmatched], [True, False])
+        p.record_drafted(matched, True)
+        p.record_drafted(unmatched, False)
         p.record_accept(matched, 4.0)  # the average of steps with drafts
     assert p.expected_accept(matched) == pytest.approx(4.0, abs=0.01)
     assert p.expected_accept(unmatched) == pytest.approx(1.0, abs=0.01)  # no draft: no gain
     # 4 + 4 tokens for 2.6x the time of a plain step's 2 pays; 4 + 1 does not
     assert p.choose([matched, unmatched]) is False
     assert p.choose([matched, matched]) is True
-    plain = p.plain_steps
-    assert not p.record_drafted([matched], [False])  # chosen, but nothing to verify
-    assert p.plain_steps == plain + 1
+    p.record_drafted(matched, False)  # a step without a match lowers the expected gain
     assert 1.0 < p.expected_accept(matched) < 4.0
 
 

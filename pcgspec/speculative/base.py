@@ -27,7 +27,6 @@ class DraftProposal:
     tokens: torch.Tensor  # [B, k] int64
     num_tokens: torch.Tensor  # [B] int64 in 0..k
     probs: torch.Tensor | None = None  # [B, k, V] f32 draft distributions; None: deterministic
-    num_tokens_host: list[int] | None = None  # num_tokens on the host, when the proposer has it
 
     def __post_init__(self) -> None:
         tokens, num = self.tokens, self.num_tokens
@@ -41,9 +40,6 @@ class DraftProposal:
                                        or self.probs.shape[:2] != tokens.shape):  # fmt: skip
             raise ValueError(f"probs must be [{tokens.shape[0]}, {tokens.shape[1]}, V], got "
                              f"{list(self.probs.shape)}")  # fmt: skip
-        if self.num_tokens_host is not None and len(self.num_tokens_host) != tokens.shape[0]:
-            raise ValueError(f"num_tokens_host must have {tokens.shape[0]} counts, got "
-                             f"{len(self.num_tokens_host)}")  # fmt: skip
 
     @property
     def batch_size(self) -> int:
@@ -66,9 +62,6 @@ class Proposer(ABC):
     """Drafts ``num_steps`` (k) tokens per request; deterministic for a given input."""
 
     num_steps: int
-    # Proposing is cheap, and its counts (``num_tokens_host``) say, before the step is chosen,
-    # which requests have drafts (prompt lookup): the policy then decides on them.
-    proposes_first: bool = False
     # Whether the last ``propose`` first caught requests up over positions of plain steps or a
     # new prompt (model drafters): a step that switched to speculation, not a steady one.
     caught_up: bool = False

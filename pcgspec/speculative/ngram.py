@@ -4,8 +4,9 @@ earlier in the same sequence, and propose what followed its most recent earlier 
 The search runs on the device (``pcgspec.kernels.ngram_propose``, the Triton kernel on CUDA, its
 torch reference elsewhere) over the token history that the sampling slots keep for every
 running request (``SamplingSlots.token_history``, written at admission and appended to by every
-step's commit), so a step uploads nothing and keeps no per-request state here. The counts come
-back to the host (``num_tokens_host``): the policy decides on them before verifying.
+step's commit), so a step uploads nothing, copies nothing back and keeps no per-request state
+here. Which requests found a match reaches the host with the step's results (the counts ride in
+its one device-to-host copy), for the policy's match rates.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from pcgspec.speculative.config import SpeculativeConfig
 
 
 class NgramProposer(Proposer):
-    proposes_first = True
-
     def __init__(self, slots: SamplingSlots, num_steps: int, min_window: int = 1,
                  max_window: int = 12) -> None:  # fmt: skip
         if num_steps < 1:
@@ -39,11 +38,9 @@ class NgramProposer(Proposer):
                    config.speculative_ngram_max_match_window_size)  # fmt: skip
 
     def propose(self, batch: ProposeInput) -> DraftProposal:
-        """Drafts for ``batch.requests`` (which hold slots) on the slots' device; the counts also
-        on the host, through one small device-to-host copy.
-        """
+        """Drafts for ``batch.requests`` (which hold slots) on the slots' device."""
         reqs = batch.requests
         drafts, counts = self._search(self.history, self.slots.slot_indices(reqs),
                                       self.slots.seq_lens(reqs), self.num_steps, self.min_window,
                                       self.max_window)  # fmt: skip
-        return DraftProposal(drafts, counts, num_tokens_host=counts.tolist())
+        return DraftProposal(drafts, counts)

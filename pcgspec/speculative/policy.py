@@ -23,11 +23,12 @@ the plain steps' time (an untrained EAGLE3 head switches for 5-15 ms on SmolLM2:
 50-250 steps, not every 8).
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
-ones are still on the device, and only a speculative step waits for them). Prompt lookup
-(NGRAM) then proposes, and learns which requests found a match: a request's expected gain is
-``1 + match_rate * (accept - 1)``, with its running match rate and its accept-length average
-over steps with a match, and a batch where none matched takes a plain step after all (also
-under ``always``: there is nothing to verify).
+ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
+finds no match for some requests: a request's expected gain is ``1 + match_rate * (accept -
+1)``, with its running match rate and its accept-length average over steps with a match, both
+learned from the verify steps' results (which requests had drafts comes back with them). A
+step in which no request matched still verifies, for one token per request; the falling match
+rates then keep such batches on plain steps, but for the probes.
 """
 
 from __future__ import annotations
@@ -141,16 +142,10 @@ class SpecPolicy:
         self.plain_steps += 1
         return False
 
-    def record_drafted(self, requests: Sequence[object], drafted: Sequence[bool]) -> bool:
-        """After a chosen speculative step proposed (prompt lookup): which requests have drafts.
-        Returns whether any has; a batch without any takes a plain step (counted as chosen).
-        """
-        for request, has in zip(requests, drafted):
-            self._match.add(request, float(has))
-        if any(drafted):
-            return True
-        self.plain_steps += 1
-        return False
+    def record_drafted(self, request: object, drafted: bool) -> None:
+        """Whether ``request`` had drafts in a verify step (prompt lookup finds none for some;
+        a model drafter always has them): its match rate."""
+        self._match.add(request, float(drafted))
 
     def record_step(
         self,

@@ -10,16 +10,16 @@ The drafts stay on the device from propose to verify: the verify batch's ids and
 penalty counts take them there. The rows come from the requests' sampling slots
 (``SamplingSlots.rows``), whose position counters and output counts advance on the device after
 verification. The step copies to the host once, the accepted lengths and tokens that stop
-checks, streaming and page bookkeeping need.
+checks, streaming and page bookkeeping need (with the number of drafts each request had, for
+the policy's match rates).
 
 A plain decode step (the caller's) runs instead when the policy (``SpecPolicy``) says
 speculation does not pay, when a request wants logprobs (not computed for accepted drafts yet),
 when a request would pass the context length, or when the KV pool cannot hold k more slots per
-request; for prompt lookup also when no request found a match. The choice comes before the
-step's tokens are on the host (under the overlap schedule the last ones are still on the
-device), so the engine reads them only for a speculative step. Model drafters see every
-target pass through ``observe`` (the positions it computed and, for EAGLE3 / MTP, their hidden
-states).
+request. The choice comes before the step's tokens are on the host (under the overlap schedule
+the last ones are still on the device), so the engine reads them only for a speculative step.
+Model drafters see every target pass through ``observe`` (the positions it computed and, for
+EAGLE3 / MTP, their hidden states).
 """
 
 from __future__ import annotations
@@ -109,20 +109,13 @@ class SpecWorker:
         nothing ran, do a plain decode step.
         """
         reqs = batch.requests
-        proposal = drafted = None
-        if self.proposer.proposes_first:
-            proposal = self.propose(reqs)
-            drafted = [n > 0 for n in proposal.num_tokens_host]
-            if not self.policy.record_drafted(reqs, drafted):
-                return None
         k = self.num_steps
         if not self.scheduler.reserve(list(reqs), [len(r.token_ids) + k for r in reqs]):
             self.num_fallbacks += 1  # the KV pool cannot hold k more slots per request
             return None
-        if proposal is None:
-            proposal = self.propose(reqs)
+        proposal = self.propose(reqs)
         verified, hidden = self.verify(reqs, proposal)
-        committed = self.accept_and_commit(reqs, verified, hidden, drafted)
+        committed = self.accept_and_commit(reqs, verified, hidden, proposal.num_tokens)
         self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
         self.rollback(reqs)
         return ScheduledBatch(batch.mode, reqs, committed, [True] * len(reqs))
@@ -160,7 +153,7 @@ class SpecWorker:
                 target.view(len(reqs), k + 1, -1), drafts, strategy,
                 seed=sampling.seed.view(len(reqs), k + 1),
                 position=sampling.position.view(len(reqs), k + 1),
-                num_draft=proposal.num_tokens.to(device, non_blocking=True),
+                num_draft=proposal.num_tokens,
             )  # fmt: skip
         return verified, out.hidden_states
 
@@ -168,21 +161,22 @@ class SpecWorker:
 
     def accept_and_commit(
         self, reqs: Sequence[Request], out: VerifyOutput, hidden: torch.Tensor | None,
-        drafted: Sequence[bool] | None = None,
+        num_drafts: torch.Tensor,
     ) -> list[int]:  # fmt: skip
         """Append the accepted drafts and the next token, stopping at the first finish (EOS,
         stop token or string, max_tokens), and hand the proposer the verify rows whose K/V now
-        stand (the input token and the accepted drafts). ``drafted``: the requests that had
-        drafts, where known before the step (the policy averages their accept lengths only).
-        Returns the tokens committed per request.
+        stand (the input token and the accepted drafts). ``num_drafts`` [B]: the drafts each
+        request had (prompt lookup finds none for some; the policy averages the accept lengths
+        of steps with drafts). Returns the tokens committed per request.
         """
         committed, k1 = [], self.num_steps + 1
         # NOTE: the step's one device-to-host copy.
-        rows = torch.cat([out.accept_len[:, None], out.tokens], dim=1).tolist()
-        for b, (req, (accept_len, *tokens)) in enumerate(zip(reqs, rows)):
+        rows = torch.cat([out.accept_len[:, None], num_drafts[:, None], out.tokens], 1).tolist()
+        for b, (req, (accept_len, drafted, *tokens)) in enumerate(zip(reqs, rows)):
             req.spec.record(accept_len, self.num_steps)
             self.stats.record(accept_len, self.num_steps)
-            if drafted is None or drafted[b]:
+            self.policy.record_drafted(req, drafted > 0)
+            if drafted:
                 self.policy.record_accept(req, accept_len + 1)
             start, n = len(req.token_ids) - 1, 0
             for token in tokens[: accept_len + 1]:
