@@ -77,14 +77,21 @@ def _commit(slots: SamplingSlots, reqs: list[_Req], rng: random.Random, k: int) 
         req.output_token_ids += row[:m]
 
 
+def _admitted(
+    rng: random.Random, num_slots: int, num_reqs: int, triton: bool
+) -> tuple[SamplingSlots, list[_Req]]:
+    slots = SamplingSlots(num_slots, VOCAB, DEVICE, triton=triton)
+    reqs = [_request(rng) for _ in range(num_reqs)]
+    for req in reqs:
+        slots.admit(req)
+    return slots, reqs
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("triton", [False, True])
 def test_rows_match_host_reference_through_commits_and_reuse(seed: int, triton: bool) -> None:
     rng = random.Random(seed)
-    slots = SamplingSlots(10, VOCAB, DEVICE, triton=triton)
-    reqs = [_request(rng) for _ in range(7)]
-    for req in reqs:
-        slots.admit(req)
+    slots, reqs = _admitted(rng, 10, 7, triton)
     k = 3
     for step in range(5):
         _assert_same(slots.rows(reqs), _reference(reqs))
@@ -102,10 +109,7 @@ def test_rows_match_host_reference_through_commits_and_reuse(seed: int, triton: 
 @pytest.mark.parametrize("triton", [False, True])
 def test_a_steady_batch_reuses_its_rows_until_a_slot_is_rewritten(triton: bool) -> None:
     rng = random.Random(7)
-    slots = SamplingSlots(4, VOCAB, DEVICE, triton=triton)
-    reqs = [_request(rng) for _ in range(3)]
-    for req in reqs:
-        slots.admit(req)
+    slots, reqs = _admitted(rng, 4, 3, triton)
     k = 2
     for step in range(4):
         first = slots.rows(reqs)
