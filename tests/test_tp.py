@@ -202,3 +202,28 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_server_serves_tp2(llama_path, smollm2_path) -> None:
+    """`pcgspec serve --tp-size 2`: the engine process starts its worker (so it may not be a
+    daemon) and the greedy text equals TP=1's."""
+    from server_process import ServerProcess
+
+    prompt, params = PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(tokenizer=str(smollm2_path), dtype="float32", device="cpu", page_size=PAGE,
+              max_total_tokens=512, disable_piecewise_cuda_graph=True)
+    want = LLM(str(llama_path), **kw).generate({"prompt_token_ids": prompt}, params,
+                                               use_tqdm=False)[0].outputs[0].text  # fmt: skip
+    server = ServerProcess("--model-path", str(llama_path), "--tokenizer", str(smollm2_path),
+                           "--tp-size", "2", "--page-size", str(PAGE), "--max-total-tokens",
+                           "512", "--context-length", "128",
+                           "--disable-piecewise-cuda-graph")  # fmt: skip
+    try:
+        server.wait_healthy()
+        status, out = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 12,
+                                                      "temperature": 0, "ignore_eos": True})
+        assert status == 200, out
+        assert out["choices"][0]["text"] == want
+        assert server.terminate() == 0
+    finally:
+        server.close()

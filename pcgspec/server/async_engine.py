@@ -12,6 +12,7 @@ loop dies, every open request ends with ``EngineDeadError`` and ``alive`` turns 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -126,12 +127,16 @@ class AsyncEngine:
             context = multiprocessing.get_context("spawn")  # NOTE: a forked CUDA process breaks
             ours, theirs = context.Pipe()
             self._send = ours.send
+            # NOTE: not a daemon: daemonic processes may not start children (tensor-parallel
+            # workers). It leaves on "stop", when its pipe closes with this process, or at this
+            # process's exit (``_terminate``), which would otherwise wait for it.
             self._worker = context.Process(
-                target=run_engine_process, name="pcgspec-engine", daemon=True,
+                target=run_engine_process, name="pcgspec-engine",
                 args=(config, theirs, logging.getLogger().getEffectiveLevel()),
             )  # fmt: skip
         self._worker.start()
         if not self.in_process:
+            atexit.register(_terminate, self._worker)
             theirs.close()  # NOTE: the reader then sees EOF once the engine process is gone
             threading.Thread(target=self._read, args=(ours,), name="pcgspec-engine-reader",
                              daemon=True).start()  # fmt: skip
@@ -263,6 +268,13 @@ class AsyncEngine:
             _settle_future(future, error)
         self._flushes.clear()
         self._deliver([(request_id, error, True) for request_id in list(self.streams)])
+
+
+def _terminate(process: multiprocessing.process.BaseProcess) -> None:
+    """At exit: end an engine process still running (the server failed before stopping it)."""
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
 
 
 def _record(stream: RequestStream, deltas: Sequence[SeqDelta], now: float) -> None:
