@@ -302,6 +302,10 @@ def test_metrics_parse_and_move(server, client):
     assert moved("time_to_first_token_seconds_count") == 1
     assert moved("inter_token_latency_seconds_count") == 4
     assert moved("e2e_request_latency_seconds_count") == 1
+    assert moved("request_queue_time_seconds_count") == 1
+    assert moved("request_prefill_time_seconds_count") == 1
+    engine = moved("request_queue_time_seconds_sum") + moved("request_prefill_time_seconds_sum")
+    assert 0 < engine <= moved("time_to_first_token_seconds_sum")  # the engine's part of TTFT
     assert moved("piecewise_runs_total") >= 5
     assert 0 < after[f"pcgspec:piecewise_hit_ratio{label}"] <= 1
     for name in (
@@ -355,6 +359,8 @@ def test_bench_serving_smoke(server, tmp_path, monkeypatch):
     for name in ("ttft", "tpot", "itl", "e2e"):
         assert set(record[name]) == {"mean_ms", "p50_ms", "p90_ms", "p99_ms"}
     assert record["ttft"]["p50_ms"] > 0 and record["output_token_throughput"] > 0
+    queue, prefill = record["engine_queue_ms_mean"], record["engine_prefill_ms_mean"]
+    assert queue >= 0 and 0 < prefill and queue + prefill < record["ttft"]["mean_ms"]
 
 
 def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatch):

@@ -80,7 +80,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None  # why a step failed on this request (finish_reason "error")
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    first_token_time: float | None = None
+    scheduled_time: float | None = None  # its first prefill step was scheduled
+    first_token_time: float | None = None  # its first output token was read back
     finish_time: float | None = None
     num_preemptions: int = 0
     spec: SpecCounters = field(default_factory=SpecCounters)

@@ -21,6 +21,7 @@ not scheduled again.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -141,6 +142,8 @@ class Scheduler:
                 groups.add(req.group_id)
             if self.slots is not None:
                 self.slots.admit(req)
+            if req.scheduled_time is None:
+                req.scheduled_time = time.perf_counter()
             picked.append(req)
             sizes.append(n)
             budget -= n

@@ -15,6 +15,10 @@ class SeqDelta:
     logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None  # set on the last delta of the sequence only
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known once prefilled)
+    # Engine-side seconds, on the delta with the sequence's first token: from its arrival at
+    # the engine to its first prefill step, and from there to its first token read back.
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 class SeqTracker:
@@ -45,6 +49,11 @@ class SeqTracker:
         logprobs = req.logprobs[self._logprobs :]
         if end == self._text and not tokens and not logprobs and not req.finished:
             return None
+        queue_s = prefill_s = None
+        if (tokens and not self._tokens and req.scheduled_time is not None
+                and req.first_token_time is not None):  # fmt: skip
+            queue_s = req.scheduled_time - req.arrival_time
+            prefill_s = req.first_token_time - req.scheduled_time
         delta = SeqDelta(
             req.index,
             text[self._text : end],
@@ -52,6 +61,8 @@ class SeqTracker:
             tuple(logprobs),
             req.finish_reason if req.finished else None,
             req.num_cached_tokens,
+            queue_s,
+            prefill_s,
         )
         self._text = end
         self._tokens += len(tokens)

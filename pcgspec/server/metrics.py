@@ -97,6 +97,17 @@ class ServerMetrics:
             _ITL_BUCKETS,
         )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", _E2E_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds",
+            "Engine-side: a sequence's arrival at the engine to its first prefill step.",
+            _TTFT_BUCKETS,
+        )
+        self.prefill_time = hist(
+            "request_prefill_time_seconds",
+            "Engine-side: a sequence's first prefill step to its first token read back "
+            "(under the overlap schedule one step after the step that sampled it).",
+            _TTFT_BUCKETS,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", **kw
         ).labels(model_name)
@@ -126,6 +137,9 @@ class ServerMetrics:
         for d in deltas:
             if d.finish_reason is not None:
                 self.requests.labels(self.model_name, d.finish_reason).inc()
+            if d.queue_s is not None and d.prefill_s is not None:
+                self.queue_time.observe(d.queue_s)
+                self.prefill_time.observe(d.prefill_s)
         if final:
             self.e2e.observe(now - stream.arrival)
             self.prompt_tokens.inc(stream.num_prompt_tokens)
