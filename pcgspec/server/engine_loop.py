@@ -88,8 +88,7 @@ class ThreadChannel:
     def poll(self, timeout: float | None = 0.0) -> bool:
         if not self._next:
             try:
-                self._next.append(self.inbox.get(timeout=timeout) if timeout != 0
-                                  else self.inbox.get_nowait())  # fmt: skip
+                self._next.append(self.inbox.get(timeout=timeout))  # NOTE: 0 does not wait
             except queue.Empty:
                 return False
         return True
