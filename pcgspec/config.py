@@ -193,8 +193,7 @@ class EngineConfig:
     def use_overlap_schedule(self) -> bool:
         """Whether the host schedules and launches step N+1 while the device runs step N
         (engine/overlap.py): on CUDA unless disabled, off elsewhere unless
-        ``disable_overlap_schedule=False``. With speculation it overlaps the plain steps (a
-        speculative step runs synchronously).
+        ``disable_overlap_schedule=False``. Speculative steps overlap too (speculative/worker.py).
         """
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule

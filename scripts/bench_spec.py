@@ -72,7 +72,7 @@ PROMPT_SETS = {
              "If a train travels 60 km in 45 minutes, what is its average speed?"],
 }
 CHAT_SETS = {"chat"}
-PHASES = ("propose", "verify", "accept_and_commit")
+PHASES = ("propose", "verify")
 
 
 def _sync() -> None:

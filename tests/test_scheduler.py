@@ -29,7 +29,8 @@ def _step(sched: Scheduler):
         return None
     for req in batch.sampled_requests:
         req.append_token(7, frozenset())
-    sched.update(batch)
+    sched.launched(batch)
+    sched.retire(batch.requests)
     return batch
 
 

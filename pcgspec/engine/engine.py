@@ -33,7 +33,7 @@ from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
 from pcgspec.speculative.drafts import load_draft
 from pcgspec.speculative.model_proposer import ModelProposer
 from pcgspec.speculative.ngram import NgramProposer
-from pcgspec.speculative.worker import SpecWorker
+from pcgspec.speculative.worker import LaunchedSpecStep, SpecWorker
 
 logger = logging.getLogger("pcgspec")
 _SEED_MASK = (1 << 63) - 1
@@ -62,7 +62,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
         self._seeds = random.Random(config.random_seed)
         self.overlap = config.use_overlap_schedule
-        self.in_flight: list[LaunchedStep] = []  # overlap: launched, tokens not read yet
+        self.in_flight: list[LaunchedStep | LaunchedSpecStep] = []  # launched, not read yet
         self._last_decode: bool | None = None  # whether the last decode step speculated
         self._ids = itertools.count()
         self.spec_worker = (
@@ -211,49 +211,60 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule, run the model (a speculative step for decode batches when the policy
         chooses one), sample, commit. A request the step fails on finishes with "error" (see
-        isolation.py). Under the overlap schedule a plain step is launched and the previous
-        one's tokens are committed while it runs (overlap.py); a speculative step first reads
-        every launched step's tokens, then runs synchronously. Returns the requests whose tokens
-        were committed.
+        isolation.py). Under the overlap schedule the step is launched and the previous one's
+        tokens are committed while it runs (overlap.py), speculative steps included; a step
+        that needs the host to know tokens still on the device first reads every launched step
+        (``_waits_for_host``). Returns the requests whose tokens were committed.
         """
         start, batch = time.perf_counter(), self.scheduler.schedule()
-        speculate, took = self.spec_worker is not None and self.spec_worker.chooses(batch), []
-        if speculate:  # NOTE: verification reads every token on the host: commit them first
-            took, batch = self.drain(), batch.unfinished()  # type: ignore[union-attr]
-        running, self.in_flight, verified = self.in_flight, [], []
+        speculate = self.spec_worker is not None and self.spec_worker.chooses(batch)
+        took: list[Request] = []
+        if self._waits_for_host(batch, speculate):
+            took, batch = self.drain(), _drained(batch, speculate)  # type: ignore[arg-type]
+        running, self.in_flight = self.in_flight, []
         try:
             if batch is not None:
-                run = functools.partial(self._run, speculate=speculate, verified=verified)
+                run = functools.partial(self._run, speculate=speculate)
                 run_isolated(batch, run, self.scheduler.release)
         finally:
-            took += self._read(running) + verified
+            took += self._read(running)
             if not self.overlap:
                 took += self.drain()
         if self.spec_worker is not None:
-            self._time_step(batch, bool(verified), time.perf_counter() - start)
+            self._time_step(batch, speculate, time.perf_counter() - start)
         return took
+
+    def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
+        """Whether ``batch`` must wait for the host to read the steps in flight: a plain decode
+        step builds its positions from the host's token counts, which a speculative step in
+        flight leaves unknown; a speculative step needs the host's tokens only where its
+        drafter reads them after plain steps (``Proposer.reads_host_tokens``).
+        """
+        if batch is None or not self.in_flight or not batch.mode.is_decode():
+            return False
+        if speculate:
+            return self.spec_worker.proposer.reads_host_tokens and any(  # type: ignore[union-attr]
+                isinstance(s, LaunchedStep) for s in self.in_flight)  # fmt: skip
+        return any(isinstance(s, LaunchedSpecStep) for s in self.in_flight)
 
     def drain(self) -> list[Request]:
         """Commit the tokens of every launched step, launching none."""
         steps, self.in_flight = self.in_flight, []
         return self._read(steps)
 
-    def _read(self, steps: list[LaunchedStep]) -> list[Request]:
+    def _read(self, steps: list[LaunchedStep | LaunchedSpecStep]) -> list[Request]:
         """Commit the tokens of launched steps; release the requests they finished."""
         took = [req for step in steps for req in step.read(self.eos_token_ids)]
         self.scheduler.retire(took)
         return took
 
-    def _run(self, batch: ScheduledBatch, speculate: bool, verified: list[Request]) -> None:
-        """A speculative step where chosen and possible (its tokens committed here, its
-        requests added to ``verified``), else a launched plain step."""
-        committed = self.spec_worker.step(batch) if speculate else None  # type: ignore[union-attr]
-        if committed is None:
+    def _run(self, batch: ScheduledBatch, speculate: bool) -> None:
+        """Launch a speculative step where chosen, else a plain step."""
+        if speculate:
+            self.in_flight.append(self.spec_worker.launch(batch))  # type: ignore[union-attr]
+        else:
             self._forward_and_sample(batch)
             self.scheduler.launched(batch)
-        else:
-            self.scheduler.update(committed)
-            verified += batch.requests
 
     def _time_step(self, batch: ScheduledBatch | None, speculated: bool, seconds: float) -> None:
         """Tell the speculation policy what a decode step cost. A step is timed only after a
@@ -315,6 +326,16 @@ class Engine:
             return built
         ids = resolve_pending(built.input_ids, self.slots.last_tokens(batch.requests))
         return dataclasses.replace(built, input_ids=ids)
+
+
+def _drained(batch: ScheduledBatch, speculate: bool) -> ScheduledBatch | None:
+    """``batch`` once the steps in flight were read: without the requests they finished, and
+    for a plain step with which requests sample as of the lengths now known.
+    """
+    batch = batch.unfinished()
+    if batch is None or speculate:
+        return batch
+    return ScheduledBatch.of(batch.mode, batch.requests, batch.num_new_tokens)
 
 
 def _eos_token_ids(tokenizer: object, hf_config: object) -> frozenset[int]:

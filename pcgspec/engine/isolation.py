@@ -20,7 +20,7 @@ from pcgspec.engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger("pcgspec")
 
-RunBatch = Callable[[ScheduledBatch], None]  # compute, sample, commit and Scheduler.update
+RunBatch = Callable[[ScheduledBatch], None]  # compute, sample, commit (or launch)
 
 
 @dataclass(frozen=True)
@@ -66,5 +66,5 @@ def _run_or_split(batch: ScheduledBatch, run: RunBatch) -> list[RequestFailure]:
         return failures
 
 
-def _progress(req: Request) -> tuple[int, int]:
-    return len(req.token_ids), req.num_computed_tokens
+def _progress(req: Request) -> tuple[int, int, int]:
+    return len(req.token_ids), req.num_computed_tokens, req.num_pending_tokens

@@ -12,10 +12,11 @@ pages. The ``n`` sequences of one prompt prefill it once: the later ones wait fo
 one's prefill and then hit its pages.
 
 Under the overlap schedule (engine/overlap.py) a step is scheduled while the previous one runs:
-its requests' progress advances when it is launched (``launched``), and sampled tokens are
-counted as pending (``Request.num_pending_tokens``) until the host reads them and ``retire``
-releases the requests they finished. A request whose pending tokens reach its length limit is
-not scheduled again.
+a plain step's requests' progress advances when it is launched (``launched``; a speculative
+step's when it is read), and sampled tokens are counted as pending (``Request.num_pending_tokens``,
+k+1 for a speculative step: its worst case) until the host reads them and ``retire`` releases
+the requests they finished. A request whose pending tokens reach its length limit is not
+scheduled again, and a preempted one is not prefilled again before its pending tokens are read.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ class Scheduler:
         for req in self.waiting:
             if budget == 0 or len(self.running) + len(picked) >= self.max_running_requests:
                 break
-            if self._defer_sibling(req, groups):
-                continue
+            if self._defer_sibling(req, groups) or req.num_pending_tokens:
+                continue  # NOTE: a preempted request waits for its pending tokens to be read
             hit = self._take_prefix(req) if not req.pages else None
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             need = self._pages_needed(req, req.num_computed_tokens + n)
@@ -238,11 +239,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the step's tokens were appended: ``launched``, then ``retire``."""
-        self.launched(batch)
-        self.retire(batch.requests)
 
     def launched(self, batch: ScheduledBatch) -> None:
         """Once the step is launched (its sampled tokens appended or pending): advance

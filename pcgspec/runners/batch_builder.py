@@ -113,11 +113,54 @@ def upload(
 
 
 def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``[B]`` int64 KV slot of position ``positions[b]`` of request ``b`` (one per request),
-    looked up through its page-table row on the device (no host sync; graph-capturable).
+    """int64 KV slots of ``positions`` (``[B]``, or ``[B, n]``: several per request) of request
+    ``b``, looked up through its page-table row on the device (no host sync; graph-capturable).
     """
-    pages = page_table.gather(1, (positions // page_size)[:, None]).squeeze(1)
+    index = positions // page_size
+    pages = page_table.gather(1, index if positions.dim() == 2 else index[:, None])
+    pages = pages if positions.dim() == 2 else pages.squeeze(1)
     return pages.to(torch.int64) * page_size + positions % page_size
+
+
+def build_verify_batch(
+    last_tokens: torch.Tensor,
+    drafts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    pages: Sequence[Sequence[int]],
+    page_size: int,
+    seq_len_bounds: Sequence[int],
+    **extra: object,
+) -> ForwardBatch:
+    """A ``TARGET_VERIFY`` batch of ``[last token, drafts]`` per request, built on the device:
+    ``seq_lens`` [B] (device) are the requests' token counts before the step, so that the
+    host need not have read the tokens of a step still running (the overlap schedule). Only
+    the page table goes up; ``seq_len_bounds`` are host upper bounds of the lengths after the
+    pass (``seq_lens + k``), for sizing.
+    """
+    b, k1 = drafts.shape[0], drafts.shape[1] + 1
+    device = drafts.device
+    table, max_pages = padded_page_table(pages)
+    (page_table,) = upload(device, int32=(table,))
+    page_table = page_table.view(b, max_pages)
+    steps = torch.arange(k1, device=device)
+    positions = (seq_lens - 1)[:, None] + steps  # [B, k+1]
+    rows = torch.arange(b * k1, device=device)
+    return ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        input_ids=torch.cat([last_tokens[:, None], drafts], 1).view(-1),
+        positions=positions.view(-1),
+        out_cache_loc=page_slots(page_table, positions, page_size).view(-1),
+        seq_lens=(seq_lens + (k1 - 1)).to(torch.int32),
+        extend_lens=torch.full((b,), k1, dtype=torch.int32, device=device),
+        page_table=page_table,
+        page_size=page_size,
+        seq_lens_cpu=tuple(seq_len_bounds),
+        extend_lens_cpu=(k1,) * b,
+        logits_indices=rows,
+        extend_start=torch.arange(0, b * k1, k1, dtype=torch.int32, device=device),
+        spec_num_draft_tokens=k1,
+        **extra,  # type: ignore[arg-type]
+    )
 
 
 def without_kv_writes(batch: ForwardBatch) -> ForwardBatch:

@@ -56,6 +56,7 @@ class ProposeInput:
     """What a proposer sees of the running batch."""
 
     requests: Sequence[Any]  # the engine's Request objects (tokens, pages), in batch order
+    seq_lens: torch.Tensor  # [B] int64 on the device: their token counts as of the device
 
 
 class Proposer(ABC):
@@ -65,13 +66,29 @@ class Proposer(ABC):
     # Whether the last ``propose`` first caught requests up over positions of plain steps or a
     # new prompt (model drafters): a step that switched to speculation, not a steady one.
     caught_up: bool = False
+    # Whether drafting for a request whose last target pass was a plain step reads its tokens
+    # on the host (model drafters catch up over them): the engine then reads those steps first.
+    reads_host_tokens: bool = False
 
     @abstractmethod
     def propose(self, batch: ProposeInput) -> DraftProposal:
         """One ``DraftProposal`` for the batch's requests, in order."""
 
     def observe(self, request: Any, start: int, hidden: torch.Tensor | None) -> None:
-        """The target computed positions ``start ..`` of ``request`` (``hidden``: their captured
-        states, or None). Drafters that keep per-request state update it here.
+        """A plain target pass computed positions ``start ..`` of ``request`` (``hidden``: their
+        captured states, or None). Drafters that keep per-request state update it here.
+        """
+        return None
+
+    def verified(self, requests: Sequence[Any], out: Any, hidden: torch.Tensor | None) -> object:
+        """A verify pass was launched on ``requests`` (``out``: its ``VerifyOutput`` on the
+        device; ``hidden``: its captured states, ``[B * (k+1), Hh]``, or None). Returns what
+        the drafter keeps of it, handed back to ``read`` with the step's results.
+        """
+        return None
+
+    def read(self, request: Any, rows: object, row: int, start: int, num: int) -> None:
+        """The host read a verify step's results: ``request`` (row ``row`` of the step; ``rows``
+        is what ``verified`` returned) committed ``num`` tokens from position ``start``.
         """
         return None

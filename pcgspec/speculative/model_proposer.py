@@ -5,20 +5,24 @@ the target (EAGLE3, MTP) pairs the target's hidden state of position ``p`` with 
 position ``p``, so it runs one position behind: its last catch-up row ``p = n-2`` already
 predicts ``T[n]``, the first draft, for a request of ``n`` tokens.
 
-Lazy catch-up. The draft's K/V are valid for positions below ``DraftState.computed``. A propose
-step catches every request up from there, then drafts (``DraftRunner.propose``): a catch-up
-padded to k+1 rows per request (after a verify step a request is accept_len + 1 <= k+1 rows
-behind), greedy on each request's last row, then k-1 one-token passes, all one graph replay
-(``DraftGraphRunner``) where one is captured. A request further behind (a new prompt, or plain
-decode steps) first runs a DRAFT_EXTEND over all but its last k+1 rows (the draft's piecewise
-graphs where it has them, else eagerly). The draft steps
-write K/V at positions the next catch-up rewrites, so ``computed`` ends at the catch-up's end
-(once the target's next pass is observed: a step that fails after proposing runs again from the
-same state).
+Lazy catch-up. A propose step catches every request up over the positions the target computed
+since the draft last did, then drafts (``DraftRunner.propose``): a catch-up padded to k+1 rows
+per request (after a verify step a request is accept_len + 1 <= k+1 rows behind), greedy on
+each request's last row, then k-1 one-token passes, all one graph replay
+(``DraftGraphRunner``) where one is captured. The draft steps write K/V at positions the next
+catch-up rewrites.
 
-The target's hidden states reach the proposer through ``observe`` after every target pass that
-computed positions of a request (prefill chunks, plain decode steps, verify's accepted rows);
-they wait in ``DraftState.pending`` until the next catch-up consumes them.
+Two sources of catch-up rows. After a verify step a request catches up over that step's
+emitted tokens (and hidden rows), which stay on the device (``VerifiedRows``): the next
+speculative step builds the rows there, from the accepted counts and the lengths the device
+holds, before the host has read the step (the overlap schedule). Otherwise (a new prompt,
+plain decode steps, or a verify step the host read before the next speculative step) the host
+state ``DraftState`` says how far the draft's K/V are valid (``computed``) and holds the target
+hidden states of the positions after it (``pending``, from ``observe``); a request further than
+k+1 rows behind first runs a DRAFT_EXTEND over all but its last k+1 rows (the draft's piecewise
+graphs where it has them, else eagerly). The host reads those requests' tokens, so the engine
+reads the plain steps in flight first (``reads_host_tokens``). Reading a verify step turns its
+rows into host state for the requests the next step did not take them for.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pcgspec.runners.batch_builder import (
     SeqChunk,
     build_forward_batch,
     padded_page_table,
+    page_slots,
     upload,
 )
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
@@ -69,7 +74,20 @@ class DraftState:
         self.computed, self.pending, self.num_pending = computed, [], 0
 
 
+@dataclass(frozen=True)
+class VerifiedRows:
+    """A verify step's emitted tokens, on the device, kept for the next catch-up."""
+
+    tokens: torch.Tensor  # [B, k+1] int64: the step's emitted tokens, then -1
+    num: torch.Tensor  # [B] int64: how many (accepted drafts + 1)
+    hidden: torch.Tensor | None  # [B * (k+1), Hh] the verify pass's target states (a copy)
+    # the requests that catch up from these rows (row in the step), until read or taken
+    rows: weakref.WeakKeyDictionary[object, int]
+
+
 class ModelProposer(Proposer):
+    reads_host_tokens = True
+
     def __init__(self, runner: DraftRunner, num_steps: int) -> None:
         self.runner = runner
         self.num_steps = num_steps
@@ -78,23 +96,19 @@ class ModelProposer(Proposer):
         self.graphs: DraftGraphRunner | None = None  # the propose phase, captured (CUDA)
         # NOTE: keyed by the Request object: a finished or aborted request's state goes with it.
         self._states: weakref.WeakKeyDictionary[object, DraftState] = weakref.WeakKeyDictionary()
-        # Where a propose phase left each request's draft: applied when the target's next pass
-        # is observed, so a step that fails after proposing can run again from the same state.
-        self._proposed: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+        self._verified: VerifiedRows | None = None  # the newest verify step's rows
 
     # target passes ---------------------------------------------------------------------------
 
     def observe(self, request: object, start: int, hidden: torch.Tensor | None) -> None:
-        """The target computed positions ``start ..`` of ``request``; ``hidden`` are their
-        captured states (``[m, Hh]``; None when this draft does not read them). A pass from
-        position 0 (a prefill, also after preemption) starts the draft over.
+        """A plain target pass computed positions ``start ..`` of ``request``; ``hidden`` are
+        their captured states (``[m, Hh]``; None when this draft does not read them). A pass
+        from position 0 (a prefill, also after preemption) starts the draft over.
         """
+        self._forget_verified(request)
         state = self._states.get(request)
-        computed = self._proposed.pop(request, None)
         if state is None or start == 0:
             state = self._states[request] = DraftState()
-        elif computed is not None:
-            state.restart(computed)
         if not self.uses_target_hidden:
             return
         if hidden is None:
@@ -105,10 +119,47 @@ class ModelProposer(Proposer):
                                f"next pass starts at {start}")  # fmt: skip
         state.add(hidden)
 
+    def verified(self, requests: Sequence[object], out: object, hidden: torch.Tensor | None
+                 ) -> VerifiedRows:  # fmt: skip
+        """Keep the verify step's emitted tokens (and hidden rows) on the device: the next
+        speculative step catches its requests up from them.
+        """
+        if self.uses_target_hidden:
+            if hidden is None:
+                raise ValueError("this draft needs the target's hidden states of verify passes")
+            hidden = hidden.clone()  # NOTE: graph memory, rewritten by the next replay
+        rows: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary(
+            (r, b) for b, r in enumerate(requests))  # fmt: skip
+        self._verified = VerifiedRows(out.tokens, out.accept_len + 1, hidden, rows)
+        return self._verified
+
+    def read(self, request: object, rows: object, row: int, start: int, num: int) -> None:
+        """The host read verify rows ``rows`` (``VerifiedRows``): ``request`` (row ``row``)
+        committed ``num`` tokens from position ``start``. A step launched since took them for
+        its catch-up: the draft is valid up to the new length once it ran. Else they become
+        host state, for a catch-up through the host.
+        """
+        assert isinstance(rows, VerifiedRows)
+        newest = self._verified
+        if newest is not rows and newest is not None and request in newest.rows:
+            self._states[request] = DraftState(computed=start + num - self.lag)
+            return
+        rows.rows.pop(request, None)
+        state = self._states[request] = DraftState(computed=start - self.lag)
+        if rows.hidden is not None:
+            k1 = self.num_steps + 1
+            state.add(rows.hidden[row * k1 : row * k1 + num])
+
+    def _forget_verified(self, request: object) -> None:
+        if self._verified is not None:
+            self._verified.rows.pop(request, None)
+
     # prefix cache ----------------------------------------------------------------------------
 
     def draft_computed(self, request: object) -> int:
-        """Positions of ``request`` whose draft K/V are valid in its pages."""
+        """Positions of ``request`` whose draft K/V are valid in its pages (as far as the host
+        knows: a step in flight may have computed more).
+        """
         state = self._states.get(request)
         return 0 if state is None else state.computed
 
@@ -116,25 +167,27 @@ class ModelProposer(Proposer):
         """A prefix-cache hit: the cached pages of positions < ``num_tokens`` hold valid draft
         K/V (see ``engine/radix_cache.py``), so the draft starts there, like the target.
         """
+        self._forget_verified(request)
         self._states[request] = DraftState(computed=num_tokens)
-        self._proposed.pop(request, None)
 
     # propose ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, batch: ProposeInput) -> DraftProposal:
         reqs = batch.requests
-        states = [self._states.setdefault(r, DraftState()) for r in reqs]
-        self._check_pending(reqs, states)
-        self._catch_up_far_behind(reqs, states)
-        catch_up, hidden = self._catch_up_batch(reqs, states)
+        verified = self._verified
+        on_device = [verified is not None and r in verified.rows for r in reqs]
+        states = [None if d else self._states.setdefault(r, DraftState())
+                  for r, d in zip(reqs, on_device)]  # fmt: skip
+        host = [(r, s) for r, s in zip(reqs, states) if s is not None]
+        self._check_pending(host)
+        self._catch_up_far_behind(host)
+        catch_up, hidden = self._catch_up_batch(reqs, states, batch.seq_lens)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(catch_up):
             drafts = graphs.run(catch_up, hidden)
         else:
             drafts = self.runner.propose(catch_up, hidden, self.num_steps)
-        for req in reqs:
-            self._proposed[req] = len(req.token_ids) - self.lag  # the catch-up's end
         num = torch.full((len(reqs),), self.num_steps, dtype=torch.int64, device=drafts.device)
         return DraftProposal(drafts, num)
 
@@ -142,11 +195,11 @@ class ModelProposer(Proposer):
         """Catch-up rows of ``req``: positions ``computed .. len(tokens) - 1 - lag``."""
         return len(req.token_ids) - self.lag - state.computed
 
-    def _check_pending(self, reqs: Sequence[object], states: Sequence[DraftState]) -> None:
+    def _check_pending(self, host: Sequence[tuple[object, DraftState]]) -> None:
         """Every request is >= 1 row behind (its newest token is new to the draft), and a head
         fed by the target holds exactly one target hidden state per catch-up row.
         """
-        for req, state in zip(reqs, states):
+        for req, state in host:
             behind = self._behind(req, state)
             have = behind
             if self.uses_target_hidden:
@@ -155,13 +208,12 @@ class ModelProposer(Proposer):
                 raise RuntimeError(f"request {req.request_id}: {behind} draft rows to catch up, "
                                    f"{have} target hidden states")  # fmt: skip
 
-    def _catch_up_far_behind(self, reqs: Sequence[object], states: Sequence[DraftState]) -> None:
+    def _catch_up_far_behind(self, host: Sequence[tuple[object, DraftState]]) -> None:
         """One DRAFT_EXTEND (``DraftRunner.extend``) over all but the last k+1 catch-up rows of
         the requests more than k+1 rows behind, so that every request fits the padded catch-up.
         """
         k1 = self.num_steps + 1
-        far = [(r, s, self._behind(r, s) - k1) for r, s in zip(reqs, states)
-               if self._behind(r, s) > k1]  # fmt: skip
+        far = [(r, s, self._behind(r, s) - k1) for r, s in host if self._behind(r, s) > k1]
         self.caught_up = bool(far)
         if not far:
             return
@@ -177,49 +229,71 @@ class ModelProposer(Proposer):
             state.advance(n)
 
     def _catch_up_batch(
-        self, reqs: Sequence[object], states: Sequence[DraftState]
+        self, reqs: Sequence[object], states: Sequence[DraftState | None], seq_lens: torch.Tensor
     ) -> tuple[ForwardBatch, torch.Tensor | None]:
         """The padded catch-up: k+1 rows per request (``spec_num_draft_tokens``), the first
         ``behind`` real, the rest writing no KV; ``logits_indices`` = each request's last real
-        row. Returns it with the target hidden rows in the same layout (None: not read).
+        row. A request with host state (``states[b]``) takes its rows from the host; the others
+        from the newest verify step's rows, on the device, starting ``num`` tokens before their
+        length there (``seq_lens``). Returns it with the target hidden rows in the same layout
+        (None: not read).
         """
-        k1, page = self.num_steps + 1, self.runner.page_size
-        ids, positions, slots, last_rows, src_rows = [], [], [], [], []
-        have = 0
+        k1, page, device = self.num_steps + 1, self.runner.page_size, self.runner.device
+        ids, starts, nums, src, on_device, verified_rows, bounds = [], [], [], [], [], [], []
+        have = 0  # host hidden rows so far
         for b, (req, state) in enumerate(zip(reqs, states)):
+            if state is None:  # placeholders, replaced on the device
+                ids += [FILLER_TOKEN] * k1
+                starts.append(0)
+                nums.append(1)
+                src += [0] * k1
+                on_device.append(b)
+                verified_rows.append(self._verified.rows[req])
+                bounds.append(req.num_tokens + k1)  # NOTE: start <= the worst-case length
+                continue
             n, start = self._behind(req, state), state.computed
-            tokens = req.token_ids[start + self.lag : start + self.lag + n]
-            ids += [*tokens, *[FILLER_TOKEN] * (k1 - n)]
-            positions += range(start, start + k1)
-            slots += [req.pages[p // page] * page + p % page for p in range(start, start + n)]
-            slots += [-1] * (k1 - n)
-            last_rows.append(b * k1 + n - 1)
-            src_rows += [have + min(j, n - 1) for j in range(k1)]
+            ids += [*req.token_ids[start + self.lag : start + self.lag + n],
+                    *[FILLER_TOKEN] * (k1 - n)]  # fmt: skip
+            starts.append(start)
+            nums.append(n)
+            src += [have + min(j, n - 1) for j in range(k1)]
+            bounds.append(start + k1)
             have += n
-        seq_lens = tuple(s.computed + k1 for s in states)
         table, max_pages = padded_page_table([r.pages for r in reqs])
-        starts = range(0, len(reqs) * k1, k1)
-        input_ids, pos, locs, rows, src, lens, ext, first, pages = upload(
-            self.runner.device,
-            int64=(ids, positions, slots, last_rows, src_rows),
-            int32=(seq_lens, (k1,) * len(reqs), starts, table),
-        )
+        input_ids, start, num, src_rows, device_b, device_rows, pages = upload(
+            device, int64=(ids, starts, nums, src, on_device, verified_rows), int32=(table,))
+        b, steps = len(reqs), torch.arange(k1, device=device)
+        input_ids, src_rows = input_ids.view(b, k1), src_rows.view(b, k1)
+        if on_device:
+            v = self._verified
+            n = v.num.index_select(0, device_rows)
+            tokens = v.tokens.index_select(0, device_rows)
+            input_ids.index_copy_(0, device_b, torch.where(tokens < 0, FILLER_TOKEN, tokens))
+            start.index_copy_(0, device_b, seq_lens.index_select(0, device_b) - n - self.lag)
+            num.index_copy_(0, device_b, n)
+            rows = have + device_rows[:, None] * k1 + torch.minimum(steps, n[:, None] - 1)
+            src_rows.index_copy_(0, device_b, rows)
+        page_table = pages.view(b, max_pages)
+        positions = start[:, None] + steps  # [B, k+1]
+        valid = steps < num[:, None]
         batch = ForwardBatch(
             forward_mode=ForwardMode.DRAFT_EXTEND,
-            input_ids=input_ids,
-            positions=pos,
-            out_cache_loc=locs,
-            seq_lens=lens,
-            extend_lens=ext,
-            page_table=pages.view(len(reqs), max_pages),
+            input_ids=input_ids.view(-1),
+            positions=positions.view(-1),
+            out_cache_loc=torch.where(valid, page_slots(page_table, positions, page), -1).view(-1),
+            seq_lens=(start + k1).to(torch.int32),
+            extend_lens=torch.full((b,), k1, dtype=torch.int32, device=device),
+            page_table=page_table,
             page_size=page,
-            seq_lens_cpu=seq_lens,
-            extend_lens_cpu=(k1,) * len(reqs),
-            logits_indices=rows,
+            seq_lens_cpu=tuple(bounds),
+            extend_lens_cpu=(k1,) * b,
+            logits_indices=torch.arange(0, b * k1, k1, device=device) + num - 1,
             spec_num_draft_tokens=k1,
-            extend_start=first,
+            extend_start=torch.arange(0, b * k1, k1, dtype=torch.int32, device=device),
         )
         if not self.uses_target_hidden:
             return batch, None
-        pending = torch.cat([s.rows() for s in states])  # [sum(behind), Hh]
-        return batch, pending[src]
+        sources = [s.rows() for s in states if s is not None and s.num_pending]
+        if on_device:
+            sources.append(self._verified.hidden)
+        return batch, torch.cat(sources)[src_rows.view(-1)]

@@ -40,7 +40,6 @@ class NgramProposer(Proposer):
     def propose(self, batch: ProposeInput) -> DraftProposal:
         """Drafts for ``batch.requests`` (which hold slots) on the slots' device."""
         reqs = batch.requests
-        drafts, counts = self._search(self.history, self.slots.slot_indices(reqs),
-                                      self.slots.seq_lens(reqs), self.num_steps, self.min_window,
-                                      self.max_window)  # fmt: skip
+        drafts, counts = self._search(self.history, self.slots.slot_indices(reqs), batch.seq_lens,
+                                      self.num_steps, self.min_window, self.max_window)
         return DraftProposal(drafts, counts)

@@ -6,20 +6,31 @@ The target scores ``[last token, d_0 .. d_{k-1}]`` per request in one ``TARGET_V
 exactly the tokens that plain decoding would: greedy by argmax, seeded sampling by
 ``TARGET_MATCH`` (the target's own seeded draw must equal the deterministic draft).
 
-The drafts stay on the device from propose to verify: the verify batch's ids and its rows'
-penalty counts take them there. The rows come from the requests' sampling slots
-(``SamplingSlots.rows``), whose position counters and output counts advance on the device after
-verification. The step copies to the host once, the accepted lengths and tokens that stop
-checks, streaming and page bookkeeping need (with the number of drafts each request had, for
-the policy's match rates).
+The step runs on the device from what the device holds, so it is launched like a plain step
+under the overlap schedule (engine/overlap.py) and its results are read one step late:
+
+- the requests' lengths and last tokens come from their sampling slots (``seq_lens``,
+  ``last_tokens``), which every step's commit advances on the device, so the verify batch's
+  positions and KV slots are built there (``build_verify_batch``); only the page table, which
+  the host reserves for the worst case, goes up;
+- the drafts stay on the device from propose to verify, and the rows' penalty counts take them
+  in there (``SamplingSlots.rows``);
+- after verification ``SamplingSlots.commit`` advances the slots by the accepted tokens, and a
+  model drafter keeps the verified rows for the next step's catch-up (``Proposer.verified``);
+- one device-to-host copy starts (``LaunchedSpecStep``): the accepted lengths, the number of
+  drafts each request had and the tokens. Until it is read each request counts k+1 pending
+  tokens, the most the step can emit, so that the scheduler reserves pages and stops
+  scheduling at the length limit for the worst case; the read (``read``) appends what the step
+  emitted up to the first stop, advances the requests' progress and frees the pages past their
+  worst case.
 
 A plain decode step (the caller's) runs instead when the policy (``SpecPolicy``) says
 speculation does not pay, when a request wants logprobs (not computed for accepted drafts yet),
 when a request would pass the context length, or when the KV pool cannot hold k more slots per
-request. The choice comes before the step's tokens are on the host (under the overlap schedule
-the last ones are still on the device), so the engine reads them only for a speculative step.
-Model drafters see every target pass through ``observe`` (the positions it computed and, for
-EAGLE3 / MTP, their hidden states).
+request. The choice comes before the tokens of the steps in flight are on the host, from
+host state one step late. Model drafters see every target pass: plain ones through
+``observe`` (the positions it computed and, for EAGLE3 / MTP, their hidden states), verify
+passes through ``verified`` and ``read``.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pcgspec.engine.request import Request, SpecCounters
+from pcgspec.engine.request import Request, RequestStatus, SpecCounters
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyOutput,
@@ -37,14 +48,14 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.batch_builder import build_verify_batch
 from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import probs_from_logits, process_logits
 from pcgspec.sampling.slots import SamplingSlots
-from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
+from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.config import SpeculativeConfig
 from pcgspec.speculative.draft_runner import DraftRunner
 from pcgspec.speculative.model_proposer import ModelProposer
@@ -89,62 +100,59 @@ class SpecWorker:
             row += n
 
     def chooses(self, batch: ScheduledBatch | None) -> bool:
-        """Whether ``batch`` should take a speculative step: a decode batch the policy chooses
-        to speculate on, none of whose requests wants logprobs (not computed for accepted
-        drafts yet) or would pass its context length. Decided before the step's tokens are on
-        the host (prompt lookup's matches are not known yet).
+        """Whether ``batch`` takes a speculative step: a decode batch the policy chooses to
+        speculate on, none of whose requests wants logprobs (not computed for accepted drafts
+        yet) or would pass its context length, and whose pages can grow by k slots per request
+        past their pending tokens (reserved here, so that a chosen step always launches).
         """
         if batch is None or not batch.mode.is_decode():
             return False
-        k = self.num_steps
-        if any(r.params.logprobs is not None or r.num_tokens + k > r.max_len
-               for r in batch.requests):  # fmt: skip
+        reqs, k = batch.requests, self.num_steps
+        if any(r.params.logprobs is not None or r.num_tokens + k > r.max_len for r in reqs):
             self.num_fallbacks += 1
             return False
-        return self.policy.choose(batch.requests)
+        if not self.policy.choose(reqs):
+            return False
+        if not self.scheduler.reserve(list(reqs), [r.num_tokens + k for r in reqs]):
+            self.num_fallbacks += 1  # the KV pool cannot hold k more slots per request
+            return False
+        return True
 
-    def step(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """Run one speculative step on a batch whose tokens are all on the host; returns the
-        batch to hand to ``Scheduler.update`` (with the tokens committed per request), or None:
-        nothing ran, do a plain decode step.
+    def launch(self, batch: ScheduledBatch) -> LaunchedSpecStep:
+        """Launch one speculative step of a batch ``chooses`` accepted; its tokens reach the
+        requests when the returned step is read.
         """
         reqs = batch.requests
-        k = self.num_steps
-        if not self.scheduler.reserve(list(reqs), [len(r.token_ids) + k for r in reqs]):
-            self.num_fallbacks += 1  # the KV pool cannot hold k more slots per request
-            return None
-        proposal = self.propose(reqs)
-        verified, hidden = self.verify(reqs, proposal)
-        committed = self.accept_and_commit(reqs, verified, hidden, proposal.num_tokens)
+        seq_lens = self.slots.seq_lens(reqs)
+        proposal = self.propose(ProposeInput(reqs, seq_lens))
+        verified, hidden = self.verify(reqs, seq_lens, proposal)
         self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
-        self.rollback(reqs)
-        return ScheduledBatch(batch.mode, reqs, committed, [True] * len(reqs))
+        drafter_rows = self.proposer.verified(reqs, verified, hidden)
+        return LaunchedSpecStep.start(self, reqs, verified, proposal.num_tokens, drafter_rows)
 
     # propose -----------------------------------------------------------------------------
 
-    def propose(self, reqs: Sequence[Request]) -> DraftProposal:
-        return self.proposer.propose(ProposeInput(reqs))
+    def propose(self, batch: ProposeInput) -> DraftProposal:
+        return self.proposer.propose(batch)
 
     # verify ------------------------------------------------------------------------------
 
     def verify(
-        self, reqs: Sequence[Request], proposal: DraftProposal
+        self, reqs: Sequence[Request], seq_lens: torch.Tensor, proposal: DraftProposal
     ) -> tuple[VerifyOutput, torch.Tensor | None]:
-        """One TARGET_VERIFY pass over k+1 tokens per request, then the verify kernel. Also
-        returns the pass's captured hidden states (``[B * (k+1), Hh]``) when the drafter reads them.
+        """One TARGET_VERIFY pass over k+1 tokens per request (``seq_lens``: their token counts
+        on the device), then the verify kernel. Also returns the pass's captured hidden states
+        (``[B * (k+1), Hh]``) when the drafter reads them.
         """
         k, device = self.num_steps, self.runner.device
         drafts = proposal.tokens.to(device, non_blocking=True)  # [B, k]
-        chunks = [SeqChunk([r.token_ids[-1], *[FILLER_TOKEN] * k], len(r.token_ids) - 1, r.pages)
-                  for r in reqs]  # fmt: skip
         sampling = self.slots.rows(reqs, drafts)  # k+1 rows per request, drafts counted
-        batch = build_forward_batch(
-            ForwardMode.TARGET_VERIFY, chunks, self.runner.page_size, device,
-            logits_rows=range(len(reqs) * (k + 1)), sampling=sampling,
-            spec_num_draft_tokens=k + 1,
+        batch = build_verify_batch(
+            self.slots.last_tokens(reqs), drafts, seq_lens,
+            [r.pages for r in reqs], self.runner.page_size, [r.num_tokens + k for r in reqs],
+            sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )  # fmt: skip
-        batch.input_ids.view(len(reqs), k + 1)[:, 1:].copy_(drafts)
         out = self.runner.forward(batch)
         with torch.inference_mode():
             target, strategy = _target_rows(process_logits(out.logits, sampling), sampling)
@@ -157,46 +165,79 @@ class SpecWorker:
             )  # fmt: skip
         return verified, out.hidden_states
 
-    # accept + commit / rollback ----------------------------------------------------------
+    # read: accept + commit / rollback on the host ----------------------------------------
 
-    def accept_and_commit(
-        self, reqs: Sequence[Request], out: VerifyOutput, hidden: torch.Tensor | None,
-        num_drafts: torch.Tensor,
-    ) -> list[int]:  # fmt: skip
-        """Append the accepted drafts and the next token, stopping at the first finish (EOS,
-        stop token or string, max_tokens), and hand the proposer the verify rows whose K/V now
-        stand (the input token and the accepted drafts). ``num_drafts`` [B]: the drafts each
-        request had (prompt lookup finds none for some; the policy averages the accept lengths
-        of steps with drafts). Returns the tokens committed per request.
+    def read(self, step: LaunchedSpecStep, rows: list[list[int]]) -> list[Request]:
+        """The host side of a launched step whose results arrived (``rows``: per request the
+        accepted length, the drafts it had, then its k+1 tokens): append the accepted drafts
+        and the next token, stopping at the first finish (EOS, stop token or string,
+        max_tokens), advance the requests' progress, hand the drafter what it needs and keep
+        only the pages of the committed tokens and of the steps still in flight. A request
+        that finished meanwhile (its stop was read one step late, or it was aborted or
+        failed) drops its results. Returns the requests that took tokens.
         """
-        committed, k1 = [], self.num_steps + 1
-        # NOTE: the step's one device-to-host copy.
-        rows = torch.cat([out.accept_len[:, None], num_drafts[:, None], out.tokens], 1).tolist()
-        for b, (req, (accept_len, drafted, *tokens)) in enumerate(zip(reqs, rows)):
+        k1, took = self.num_steps + 1, []
+        for b, (req, (accept_len, drafted, *tokens)) in enumerate(zip(step.requests, rows)):
+            req.num_pending_tokens -= k1
+            if req.finished:
+                continue
             req.spec.record(accept_len, self.num_steps)
             self.stats.record(accept_len, self.num_steps)
             self.policy.record_drafted(req, drafted > 0)
             if drafted:
                 self.policy.record_accept(req, accept_len + 1)
-            start, n = len(req.token_ids) - 1, 0
+            start, n = len(req.token_ids), 0
+            preempted = req.status is RequestStatus.WAITING  # meanwhile: its KV is gone
             for token in tokens[: accept_len + 1]:
                 req.append_token(token, self.eos_token_ids)
                 n += 1
                 if req.finished:
                     break
-            committed.append(n)
-            if not req.finished:
-                rows = None if hidden is None else hidden[b * k1 : b * k1 + n]
-                self.proposer.observe(req, start, rows)
-        return committed
+            if not preempted:
+                req.num_computed_tokens += n  # the K/V of the input token and accepted drafts
+            if not (preempted or req.finished):
+                # NOTE: rejected slots are overwritten by later steps.
+                self.scheduler.trim(req, req.num_tokens)
+                self.proposer.read(req, step.drafter_rows, b, start, n)
+            took.append(req)
+        return took
 
-    def rollback(self, reqs: Sequence[Request]) -> None:
-        """Keep the pages of the committed tokens only. The KV of accepted drafts is valid;
-        rejected slots past the new length are overwritten by later steps. The newest token's
-        KV is written by the next step (``Scheduler.update`` sets ``num_computed_tokens``).
-        """
+
+class LaunchedSpecStep:
+    """A launched speculative step: its requests and its results on their way to the host
+    (``[B, 2 + k+1]``: accepted length, drafts had, tokens), like ``LaunchedStep``;
+    ``drafter_rows``: what the proposer kept of its verify pass (``Proposer.verified``).
+    """
+
+    def __init__(self, worker: SpecWorker, requests: list[Request], results: torch.Tensor,
+                 ready: torch.cuda.Event | None, drafter_rows: object) -> None:  # fmt: skip
+        self.worker, self.requests, self.results, self.ready = worker, requests, results, ready
+        self.drafter_rows = drafter_rows
+
+    @classmethod
+    def start(
+        cls, worker: SpecWorker, reqs: Sequence[Request], out: VerifyOutput,
+        num_drafts: torch.Tensor, drafter_rows: object,
+    ) -> LaunchedSpecStep:  # fmt: skip
+        # NOTE: the step's one device-to-host copy.
+        results = torch.cat([out.accept_len[:, None], num_drafts[:, None], out.tokens], 1)
+        results = results.to("cpu", non_blocking=True)
+        ready = None
+        if out.tokens.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
         for req in reqs:
-            self.scheduler.trim(req, len(req.token_ids))
+            req.num_pending_tokens += worker.num_steps + 1
+        return cls(worker, list(reqs), results, ready, drafter_rows)
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def read(self, eos_token_ids: frozenset[int]) -> list[Request]:
+        """Wait for the results and commit them (``SpecWorker.read``)."""
+        self.wait()
+        return self.worker.read(self, self.results.tolist())
 
 
 def _target_rows(
