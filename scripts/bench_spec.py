@@ -229,6 +229,7 @@ def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> l
                "graphs": _graph_counters(llm)}
         if name != "none":
             row.update(llm.engine.spec_stats())
+            row["policy_times"] = llm.engine.spec_worker.policy.step_times()
             row.update(_spec_step(llm, prompts, params))
             row["spec_step_vs_plain_step"] = row["spec_step_ms"] / rows[0]["decode_step_ms"]
         rows.append(row)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pcgspec.speculative.policy import MIN_PROBE_INTERVAL, PROBE_SHARE, SpecPolicy
+from pcgspec.speculative.policy import MIN_PROBE_INTERVAL, MIN_TIMED, PROBE_SHARE, SpecPolicy
 
 K = 4
 
@@ -30,11 +30,33 @@ def measured(p: SpecPolicy, batch: int, t_spec: float, t_plain: float) -> SpecPo
 
 def test_measures_both_kinds_of_step_first():
     p, reqs = policy(), [Req()]
-    assert p.choose(reqs)  # nothing measured: speculate
-    p.record_step(True, 1, 10.0)
-    assert not p.choose(reqs)  # then a plain step, to measure it
-    p.record_step(False, 1, 1.0)
-    assert p.plain_steps == 1 and p.speculative_steps == 1
+    for _ in range(MIN_TIMED):
+        assert p.choose(reqs)  # not measured: speculate
+        p.record_step(True, 1, 10.0)
+    for _ in range(MIN_TIMED):
+        assert not p.choose(reqs)  # then plain steps, to measure them
+        p.record_step(False, 1, 1.0)
+    assert p.plain_steps == MIN_TIMED and p.speculative_steps == MIN_TIMED
+    assert not p.choose(reqs)  # 10x the time for at most K + 1 tokens
+
+
+def test_one_slow_first_plain_step_does_not_keep_speculation_on():
+    """The first plain step of a bucket may pay one-time costs: alone it would make every
+    speculative step look cheap, and no plain step would be timed again.
+    """
+    p, reqs = policy(), [Req()]
+    for _ in range(MIN_TIMED):
+        p.record_step(True, 1, 1.5)
+    for _ in range(30):
+        p.record_accept(reqs[0], 2)  # 2 tokens for 1.5x the time of 1
+    p.record_step(False, 1, 8.0)
+    assert not p.choose(reqs)  # one plain time is no measurement: time more plain steps
+    for _ in range(MIN_TIMED - 1):
+        p.record_step(False, 1, 1.0)
+    assert p.choose(reqs)  # measured: speculation pays
+    for _ in range(30):
+        p.record_accept(reqs[0], 1)  # nothing accepted: 1 token for 1.5x the time
+    assert not p.choose(reqs)
 
 
 @pytest.mark.parametrize(("accept", "t_spec", "want"), [
@@ -149,10 +171,11 @@ def test_a_step_that_first_caught_up_is_counted_but_not_timed():
     p, reqs = policy(), [Req()]
     p.record_step(True, 1, 50.0, steady=False)  # the catch-up over a prompt
     assert p.choose(reqs)  # no speculative step timed yet: speculate again
-    p.record_step(True, 1, 2.0)
-    p.record_step(False, 1, 1.0)
+    for _ in range(MIN_TIMED):
+        p.record_step(True, 1, 2.0)
+        p.record_step(False, 1, 1.0)
     p.record_step(True, 1, 60.0, steady=False)  # a probe after plain steps
-    assert p.speculative_steps == 3 and p._time(True, 1) == 2.0
+    assert p.speculative_steps == 2 + MIN_TIMED and p._time(True, 1) == 2.0
 
 
 def test_probes_are_spaced_by_what_a_switch_costs():

@@ -8,7 +8,9 @@ average over all requests. It speculates when
 
     sum_b accept_b / t_spec  >  B / t_plain
 
-and takes a plain step otherwise. Until both times of a bucket are measured it tries each.
+and takes a plain step otherwise. Until both times of a bucket are measured (``MIN_TIMED`` steady
+steps each: the first steps of a kind may pay one-time costs, and a single inflated plain time
+would keep the policy speculating, never timing a plain step again) it tries each.
 A bucket that chose plain steps probes with one speculative step after a run of them, and
 doubles that run after every probe that does not win it back (a request that stops accepting
 stops drafting, at a probe cost that fades). ``always`` speculates every step.
@@ -42,6 +44,7 @@ from collections.abc import Sequence
 from pcgspec.compile.buckets import pad_to_bucket
 
 _WINDOW = 16  # step times kept per bucket and kind
+MIN_TIMED = 3  # steady steps of a kind before its time counts
 _EMA = 0.3  # weight of the newest verify step in a request's accept-length average
 _PRIOR_EMA = 0.05  # weight of one verify step in the average over all requests (at least)
 MIN_PROBE_INTERVAL = 8
@@ -96,7 +99,14 @@ class SpecPolicy:
 
     def _time(self, speculative: bool, bucket: int) -> float | None:
         times = self._times[(speculative, bucket)]
-        return statistics.median(times) if times else None
+        return statistics.median(times) if len(times) >= MIN_TIMED else None
+
+    def step_times(self) -> dict[int, dict[str, float | None]]:
+        """Per batch-size bucket the step times the policy decides by (ms; None: not measured
+        yet), for benchmarks and debugging."""
+        buckets = sorted({bucket for _, bucket in self._times})
+        return {b: {"spec_ms": _ms(self._time(True, b)), "plain_ms": _ms(self._time(False, b)),
+                    "switch_ms": _ms(self.switch_cost(b))} for b in buckets}  # fmt: skip
 
     def switch_cost(self, bucket: int) -> float:
         """Seconds a switch to a speculative step and back costs beyond the two steady steps."""
@@ -174,3 +184,7 @@ class SpecPolicy:
         drafts, when the proposer says so before verifying: then the average is of steps with
         drafts)."""
         self._accept.add(request, accept_length)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
