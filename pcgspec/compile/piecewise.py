@@ -80,6 +80,14 @@ class PiecewiseGraphs:
         self.tapes: dict[int, _Tape] = {}
         self.recording: _Tape | None = None  # the tape of the bucket being captured
         self._stream: torch.cuda.Stream | None = None
+        self._graphs: list[_CudaGraph | _EagerGraph] = []  # every captured piece graph
+
+    def reset(self) -> None:
+        """Free every captured graph; the pieces run eagerly from then on."""
+        for graph in self._graphs:
+            graph.reset()
+        self._graphs.clear()
+        self.tapes.clear()
 
     @property
     def captured(self) -> set[int]:
@@ -249,6 +257,7 @@ class PiecewisePiece(nn.Module):
         graph = _CudaGraph(self.graphs.pool) if on_cuda else _EagerGraph()
         out = graph.capture(self.fn, args)
         graph.replay()
+        self.graphs._graphs.append(graph)
         tape.calls.append((graph.replay, ()))
         tape.num_graphs += 1
         return out
@@ -271,6 +280,10 @@ class _CudaGraph:
     def replay(self) -> None:
         self._graph.replay()
 
+    def reset(self) -> None:
+        """Free the graph (also its captured collectives)."""
+        self._graph.reset()
+
 
 class _EagerGraph:
     """Stands in for a CUDA graph off CUDA: replay reruns ``fn`` on the captured arguments and
@@ -287,6 +300,9 @@ class _EagerGraph:
         for dst, src in zip(tree_leaves(self._out), tree_leaves(fresh), strict=True):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
+
+    def reset(self) -> None:
+        self._fn, self._args, self._out = None, (), None
 
 
 def _weak_alias(t: torch.Tensor) -> torch.Tensor:

@@ -142,10 +142,7 @@ class TPDriver:
         if self._stopping.is_set() or self.failure is not None:
             return
         self._fail(f"a worker exited ({', '.join(p.name for p in self.procs)})")
-        if self.groups.device.type == "cuda":
-            from torch.distributed.distributed_c10d import _abort_process_group
-
-            _abort_process_group()
+        self.groups.abort()
 
 
 def check_shardable(model_path: Path | RandomWeights | None, tp_size: int) -> None:

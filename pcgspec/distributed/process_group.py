@@ -76,5 +76,13 @@ class TPProcessGroups:
         return int(t.item())
 
     def destroy(self) -> None:
+        """Leave the groups (after the runner released its graphs: ``release_graphs``)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """CUDA: abort every communicator of this rank, so that a blocked NCCL call returns."""
+        if self.device.type == "cuda" and dist.is_initialized():
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()

@@ -44,6 +44,7 @@ def run_worker(config: EngineConfig, model_path: Path | RandomWeights | None,
     channel = BatchChannel(groups)
     while (batch := channel.recv()) is not None:
         runner.forward(batch)
+    runner.release_graphs()
     groups.destroy()
 
 

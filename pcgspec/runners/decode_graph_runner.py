@@ -294,6 +294,13 @@ class DecodeGraphRunner:
         t = batch.num_tokens
         return GraphOutput(*(None if out is None else out[:t] for out in self.outputs[bs]))
 
+    def reset(self) -> None:
+        """Free every graph; ``can_run`` refuses every batch from then on."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def stats(self) -> dict[str, int]:
         """Replays, padded requests replayed, and refusals by reason (``rejected_<reason>``)."""
         return {"graphs": len(self.graphs), **self.counters}

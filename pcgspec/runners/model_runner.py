@@ -223,7 +223,23 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the runner is collected)."""
         if self.tp_driver is not None:
+            self.release_graphs()
             self.tp_driver.shutdown()
+
+    def release_graphs(self) -> None:
+        """Free the piecewise, decode and verify graphs; passes run eagerly from then on. Under
+        tensor parallelism every rank does so before leaving its group: NCCL's teardown waits
+        forever on a live graph that captured its collectives (pytorch#115388; seen on two
+        H100s).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.piecewise is not None:
+            self.piecewise.graphs.reset()
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.reset()
+        self.piecewise = self.decode_graphs = self.verify_graphs = None
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         hidden, aux, logits = self._run_decoder(batch)
