@@ -410,3 +410,40 @@ def test_tiny_targets_greedy_equal_plain(smollm2_path, tmp_path, algorithm):
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert spec.engine.spec_stats()["verify_steps"] > 0
     assert_all_pages_free(spec)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts, llm, algorithm):
+    """Under the overlap schedule requests join, finish and are aborted while speculative steps
+    are in flight (an abort drops the results of its step in flight): the others' greedy
+    output equals plain decoding, and at the end every sampling slot and page is free.
+    """
+    draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
+    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
+               speculative_num_steps=K, speculative_policy="always", disable_overlap_schedule=False,
+               max_running_requests=4, **draft)  # fmt: skip
+    engine, tok = spec.engine, spec.get_tokenizer()
+    prompts = PROMPTS[:8]
+    params = [_greedy(12 + 4 * (i % 3)) for i in range(len(prompts))]
+    want = {p: w.token_ids for p, w in zip(prompts, llm.generate(prompts, params, use_tqdm=False))}
+    added, aborted, in_flight_aborts = {}, set(), 0
+    for step in range(400):
+        if step % 3 == 0 and len(added) < len(prompts):  # joins mid-run
+            i = len(added)
+            added[engine.add_request(tok.encode(prompts[i]), params[i], f"r{i}")[0]] = prompts[i]
+        running = [r for r in engine.scheduler.running if r.output_token_ids]
+        if step in (6, 11, 17) and running:
+            victim = running[-1]
+            in_flight_aborts += victim.num_pending_tokens > 0
+            aborted.update(engine.abort(victim.group_id))
+        if not engine.has_unfinished and len(added) == len(prompts):
+            break
+        engine.step()
+    assert len(aborted) == 3 and in_flight_aborts > 0
+    assert engine.spec_stats()["speculative_steps"] > 0
+    for req, prompt in added.items():
+        assert req.finished
+        if req not in aborted:
+            assert req.output_token_ids == want[prompt], req.request_id
+    assert not engine.in_flight and engine.slots.num_free == engine.slots.num_slots
+    assert_all_pages_free(spec)
