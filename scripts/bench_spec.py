@@ -7,8 +7,11 @@ speculative and of its plain steps apart), the median wall time of a speculative
 pass in which every step speculates (``spec_step_ms``, against the plain engine's step), and
 the split of a speculative step into draft (propose), verify and host (everything else: batch
 building, commit, stop checks, scheduling) from another such pass that synchronizes around
-each phase (which slows it: ``synced_step_ms``). Prompts ask the model to repeat text
-("repeat": where prompt lookup helps) or open questions ("general"). Medians; writes JSON.
+each phase (which slows it: ``synced_step_ms``), and from the first pass, unsynchronized,
+the host's time per step launching it, waiting for the step in flight and reading it
+(``launch_ms``, ``wait_ms``, ``read_ms``: a wait near 0 means the host is the floor). Prompts
+ask the model to repeat text ("repeat": where prompt lookup helps) or open questions
+("general"). Medians; writes JSON.
 
 Drafts: EAGLE3 runs the shipped head of the default model (``--eagle3-draft`` names another);
 ``EAGLE3:untrained`` and NEXTN (and EAGLE3 on another target) run untrained heads written in
@@ -83,12 +86,16 @@ def _sync() -> None:
 class StepTimes:
     """While open: the wall time of every decode step of ``engine``; with ``phases``, also of
     each speculative phase, synchronized before and after (which slows the step: a separate
-    pass). Patches the engine's instance attributes and removes the patches on exit.
+    pass); with ``parts``, unsynchronized, the host's time in each speculative step's launch,
+    waiting for its results (``wait``: the device was behind) and reading them (``read``,
+    without the wait). Patches the engine's instance attributes (and ``LaunchedSpecStep``'s
+    methods) and removes the patches on exit.
     """
 
-    def __init__(self, engine, phases: bool = False) -> None:
-        self.engine, self.phases = engine, phases
+    def __init__(self, engine, phases: bool = False, parts: bool = False) -> None:
+        self.engine, self.phases, self.parts = engine, phases, parts
         self.times: dict[str, list[float]] = defaultdict(list)
+        self._saved: tuple[Callable, Callable] | None = None
 
     def __enter__(self) -> StepTimes:
         from pcgspec.runners.forward_batch import ForwardMode
@@ -124,13 +131,46 @@ class StepTimes:
             for name in PHASES:
                 setattr(engine.spec_worker, name, self._timed(name, getattr(engine.spec_worker,
                                                                               name)))
+        if self.parts:
+            self._time_parts()
         return self
+
+    def _time_parts(self) -> None:
+        from pcgspec.speculative.worker import LaunchedSpecStep
+
+        worker, times = self.engine.spec_worker, self.times
+        launch, (wait, read) = worker.launch, (LaunchedSpecStep.wait, LaunchedSpecStep.read)
+        self._saved = (wait, read)
+
+        def timed(name: str, fn: Callable) -> Callable:
+            def run(*args):
+                start = time.perf_counter()
+                out = fn(*args)
+                times[name].append(time.perf_counter() - start)
+                return out
+
+            return run
+
+        def timed_read(step, eos):
+            waited = len(times["wait"])
+            out = timed("read", read)(step, eos)
+            times["read"][-1] -= sum(times["wait"][waited:])  # the host's part only
+            return out
+
+        worker.launch = timed("launch", launch)
+        LaunchedSpecStep.wait, LaunchedSpecStep.read = timed("wait", wait), timed_read
 
     def __exit__(self, *exc: object) -> None:
         del self.engine.scheduler.schedule, self.engine.step  # the class's methods again
         if self.phases:
             for name in PHASES:
                 delattr(self.engine.spec_worker, name)
+        if self._saved is not None:
+            from pcgspec.speculative.worker import LaunchedSpecStep
+
+            del self.engine.spec_worker.launch
+            LaunchedSpecStep.wait, LaunchedSpecStep.read = self._saved
+            self._saved = None
 
     def _timed(self, name: str, fn: Callable) -> Callable:
         def run(*args):
@@ -179,11 +219,12 @@ def _time_generate(engines: dict, prompts: list[str], params, repeats: int) -> d
 
 def _always(llm, prompts: list[str], params, phases: bool) -> StepTimes:
     """Step times of a pass in which every decode step speculates; ``phases``: also the time
-    of each phase, synchronized around it (which slows the step)."""
+    of each phase, synchronized around it (which slows the step), else the host's parts of
+    each step (``StepTimes(parts=True)``)."""
     policy = llm.engine.spec_worker.policy
     mode, policy.mode = policy.mode, "always"
     try:
-        with StepTimes(llm.engine, phases=phases) as times:
+        with StepTimes(llm.engine, phases=phases, parts=not phases) as times:
             llm.generate(prompts, params, use_tqdm=False)
     finally:
         policy.mode = mode
@@ -194,12 +235,15 @@ def _spec_step(llm, prompts: list[str], params) -> dict[str, float | None]:
     """Median ms of a speculative step as it runs (no phase syncs), and its split into draft,
     verify and host from a separate pass that synchronizes around each phase.
     """
-    step = _always(llm, prompts, params, phases=False).median_ms("spec_step")
+    overlapped = _always(llm, prompts, params, phases=False)
     split = _always(llm, prompts, params, phases=True)
     synced, draft, verify = (split.median_ms(n) for n in ("step", "propose", "verify"))
     host = None if None in (synced, draft, verify) else synced - draft - verify
-    return {"spec_step_ms": step, "synced_step_ms": synced, "draft_ms": draft,
-            "verify_ms": verify, "host_ms": host}
+    return {"spec_step_ms": overlapped.median_ms("spec_step"), "synced_step_ms": synced,
+            "draft_ms": draft, "verify_ms": verify, "host_ms": host,
+            # unsynchronized, per step: the host launching it, waiting for the previous one's
+            # results (0: the device is ahead, the host is the floor) and reading them
+            **{f"{part}_ms": overlapped.median_ms(part) for part in ("launch", "wait", "read")}}
 
 
 def _graph_counters(llm) -> dict:

@@ -119,7 +119,11 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path):
             assert ngram[key] > 0, key
         assert math.isclose(ngram["host_ms"],
                             ngram["synced_step_ms"] - ngram["draft_ms"] - ngram["verify_ms"])
+        assert ngram["launch_ms"] > 0 and ngram["wait_ms"] >= 0 and ngram["read_ms"] > 0
         assert ngram["speculative_steps"] + ngram["policy_plain_steps"] > 0
+    from pcgspec.speculative.worker import LaunchedSpecStep  # the patches are gone
+
+    assert LaunchedSpecStep.read.__qualname__ == "LaunchedSpecStep.read"
 
 
 def test_random_weights_folder_serves_with_the_tokenizer(tmp_path, smollm2_path):
