@@ -12,6 +12,12 @@ is not scheduled again. Its pages are freed once its last token is read: a step 
 on them was launched before any step that reuses them, and the device runs steps in launch
 order.
 
+A speculative step is launched and read the same way (``LaunchedSpecStep`` in
+speculative/worker.py): its verify batch is built from the lengths and last tokens the sampling
+slots hold on the device, and until it is read each of its requests counts k+1 pending tokens,
+the most it can emit. A plain decode step builds its positions from host lengths, so it first
+reads a speculative step in flight (``Engine._waits_for_host``).
+
 Synchronous stepping is the same path with the read right after the launch.
 """
 
