@@ -133,14 +133,18 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
     assert_all_pages_free(spec)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
 def test_model_drafter_hits_pages_with_its_draft_kv(smollm2_path, drafts, plain, hf_model,  # noqa: F811
-                                                    algorithm):  # fmt: skip
+                                                    algorithm, overlap):  # fmt: skip
     """A model drafter hits only pages whose draft K/V its writer computed; the draft then
     starts at the hit (STANDALONE: its own tokens; EAGLE3: one position behind, fed by the
-    target's hidden states of the new positions only)."""
+    target's hidden states of the new positions only). Under the overlap schedule a writer
+    finishes with a speculative step in flight on its pages, which writes past what is cached.
+    """
     spec = _llm(smollm2_path, speculative_algorithm=algorithm, speculative_num_steps=3,
-                speculative_draft_model_path=drafts[algorithm], speculative_policy="always")
+                speculative_draft_model_path=drafts[algorithm], speculative_policy="always",
+                disable_overlap_schedule=not overlap)  # fmt: skip
     prompts = [_ids(spec, SYSTEM + q) for q in QUESTIONS[:3]]
     want = _gen(plain, prompts, 10)
     got = _gen(spec, prompts[:1], 10) + _gen(spec, prompts[1:], 10)
