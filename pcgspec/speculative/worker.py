@@ -90,7 +90,7 @@ class SpecWorker:
         self.num_fallbacks = 0  # plain steps for logprobs, the context length or KV space
 
     def observe(self, batch: ScheduledBatch, out: ForwardOutput) -> None:
-        """A plain target pass ran ``batch`` (before ``Scheduler.update``): tell the proposer
+        """A plain target pass ran ``batch`` (before ``Scheduler.launched``): tell the proposer
         which positions of each request it computed, with their hidden rows when captured.
         """
         hidden, row = out.hidden_states, 0
