@@ -15,9 +15,10 @@ A bucket that chose plain steps probes with one speculative step after a run of 
 doubles that run after every probe that does not win it back (a request that stops accepting
 stops drafting, at a probe cost that fades). ``always`` speculates every step.
 
-A switch costs more than either kind of step: a speculative step first waits for the plain
-steps in flight (and a model drafter catches up over their positions), and the plain step after
-it starts from an idle device. Such steps are not timed as steps (``record_step(steady=False)``),
+A switch costs more than either kind of step: a plain step first waits for the speculative
+step in flight (its positions come from host lengths), and a model drafter's speculative step
+waits for the plain steps in flight and catches up over their positions. Such steps are not
+timed as steps (``record_step(steady=False)``),
 or the catch-up after every run of plain steps would make speculation look dearer than it is
 and keep the policy off it. Their excess over a steady step is the switch cost, and the run of
 plain steps before a probe is at least long enough that probes cost under ``PROBE_SHARE`` of
