@@ -113,12 +113,10 @@ def upload(
 
 
 def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """int64 KV slots of ``positions`` (``[B]``, or ``[B, n]``: several per request) of request
-    ``b``, looked up through its page-table row on the device (no host sync; graph-capturable).
+    """``[B, n]`` int64 KV slots of positions ``positions[b, :]`` of request ``b``, looked up
+    through its page-table row on the device (no host sync; graph-capturable).
     """
-    index = positions // page_size
-    pages = page_table.gather(1, index if positions.dim() == 2 else index[:, None])
-    pages = pages if positions.dim() == 2 else pages.squeeze(1)
+    pages = page_table.gather(1, positions // page_size)
     return pages.to(torch.int64) * page_size + positions % page_size
 
 
@@ -137,26 +135,52 @@ def build_verify_batch(
     the page table goes up; ``seq_len_bounds`` are host upper bounds of the lengths after the
     pass (``seq_lens + k``), for sizing.
     """
-    b, k1 = drafts.shape[0], drafts.shape[1] + 1
-    device = drafts.device
     table, max_pages = padded_page_table(pages)
-    (page_table,) = upload(device, int32=(table,))
-    page_table = page_table.view(b, max_pages)
+    (page_table,) = upload(drafts.device, int32=(table,))
+    input_ids = torch.cat([last_tokens[:, None], drafts], 1)  # [B, k+1]
+    return build_padded_batch(ForwardMode.TARGET_VERIFY, input_ids, seq_lens - 1,
+                              page_table.view(len(drafts), max_pages), page_size,
+                              seq_len_bounds, **extra)  # fmt: skip
+
+
+def build_padded_batch(
+    mode: ForwardMode,
+    input_ids: torch.Tensor,
+    starts: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    seq_len_bounds: Sequence[int],
+    num_valid: torch.Tensor | None = None,
+    logits_indices: torch.Tensor | None = None,
+    **extra: object,
+) -> ForwardBatch:
+    """k+1 rows per request at positions ``starts[b] ..`` (``input_ids`` [B, k+1], ``starts``
+    [B], ``page_table`` [B, P], device tensors), built on the device: a verify pass, or a draft
+    catch-up padded to k+1 rows whose rows from ``num_valid[b]`` on write no KV.
+    ``logits_indices``: every row by default. ``seq_len_bounds``: host upper bounds of
+    ``starts + k+1``, for sizing.
+    """
+    b, k1 = input_ids.shape
+    device = input_ids.device
     steps = torch.arange(k1, device=device)
-    positions = (seq_lens - 1)[:, None] + steps  # [B, k+1]
-    rows = torch.arange(b * k1, device=device)
+    positions = starts[:, None] + steps  # [B, k+1]
+    slots = page_slots(page_table, positions, page_size)
+    if num_valid is not None:
+        slots = torch.where(steps < num_valid[:, None], slots, -1)
+    if logits_indices is None:
+        logits_indices = torch.arange(b * k1, device=device)
     return ForwardBatch(
-        forward_mode=ForwardMode.TARGET_VERIFY,
-        input_ids=torch.cat([last_tokens[:, None], drafts], 1).view(-1),
+        forward_mode=mode,
+        input_ids=input_ids.reshape(-1),
         positions=positions.view(-1),
-        out_cache_loc=page_slots(page_table, positions, page_size).view(-1),
-        seq_lens=(seq_lens + (k1 - 1)).to(torch.int32),
+        out_cache_loc=slots.view(-1),
+        seq_lens=(starts + k1).to(torch.int32),
         extend_lens=torch.full((b,), k1, dtype=torch.int32, device=device),
         page_table=page_table,
         page_size=page_size,
         seq_lens_cpu=tuple(seq_len_bounds),
         extend_lens_cpu=(k1,) * b,
-        logits_indices=rows,
+        logits_indices=logits_indices,
         extend_start=torch.arange(0, b * k1, k1, dtype=torch.int32, device=device),
         spec_num_draft_tokens=k1,
         **extra,  # type: ignore[arg-type]

@@ -166,7 +166,8 @@ class DraftRunner:
             forward_mode=ForwardMode.DECODE,
             input_ids=tokens,
             positions=positions,
-            out_cache_loc=torch.where(valid, page_slots(table, positions, self.page_size), -1),
+            out_cache_loc=torch.where(
+                valid, page_slots(table, positions[:, None], self.page_size).squeeze(1), -1),
             seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
             extend_lens=torch.ones(bs, dtype=torch.int32, device=tokens.device),
             page_table=table,

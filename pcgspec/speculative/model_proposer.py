@@ -36,8 +36,8 @@ import torch
 from pcgspec.runners.batch_builder import (
     SeqChunk,
     build_forward_batch,
+    build_padded_batch,
     padded_page_table,
-    page_slots,
     upload,
 )
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
@@ -262,7 +262,7 @@ class ModelProposer(Proposer):
         table, max_pages = padded_page_table([r.pages for r in reqs])
         input_ids, start, num, src_rows, device_b, device_rows, pages = upload(
             device, int64=(ids, starts, nums, src, on_device, verified_rows), int32=(table,))
-        b, steps = len(reqs), torch.arange(k1, device=device)
+        b = len(reqs)
         input_ids, src_rows = input_ids.view(b, k1), src_rows.view(b, k1)
         if on_device:
             v = self._verified
@@ -271,26 +271,13 @@ class ModelProposer(Proposer):
             input_ids.index_copy_(0, device_b, torch.where(tokens < 0, FILLER_TOKEN, tokens))
             start.index_copy_(0, device_b, seq_lens.index_select(0, device_b) - n - self.lag)
             num.index_copy_(0, device_b, n)
+            steps = torch.arange(k1, device=device)
             rows = have + device_rows[:, None] * k1 + torch.minimum(steps, n[:, None] - 1)
             src_rows.index_copy_(0, device_b, rows)
-        page_table = pages.view(b, max_pages)
-        positions = start[:, None] + steps  # [B, k+1]
-        valid = steps < num[:, None]
-        batch = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND,
-            input_ids=input_ids.view(-1),
-            positions=positions.view(-1),
-            out_cache_loc=torch.where(valid, page_slots(page_table, positions, page), -1).view(-1),
-            seq_lens=(start + k1).to(torch.int32),
-            extend_lens=torch.full((b,), k1, dtype=torch.int32, device=device),
-            page_table=page_table,
-            page_size=page,
-            seq_lens_cpu=tuple(bounds),
-            extend_lens_cpu=(k1,) * b,
-            logits_indices=torch.arange(0, b * k1, k1, device=device) + num - 1,
-            spec_num_draft_tokens=k1,
-            extend_start=torch.arange(0, b * k1, k1, dtype=torch.int32, device=device),
-        )
+        batch = build_padded_batch(
+            ForwardMode.DRAFT_EXTEND, input_ids, start, pages.view(b, max_pages), page, bounds,
+            num_valid=num, logits_indices=torch.arange(0, b * k1, k1, device=device) + num - 1,
+        )  # fmt: skip
         if not self.uses_target_hidden:
             return batch, None
         sources = [s.rows() for s in states if s is not None and s.num_pending]
