@@ -19,6 +19,7 @@ from pcgspec.kernels.attention import decode_attention, decode_workspace, store_
 from pcgspec.kernels.extend_attention import extend_attention, plan_extend
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
+from pcgspec.kernels.padded_rows import padded_rows
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.kernels.warmup import (
     AttentionShape,
@@ -180,19 +181,24 @@ def _serve_like(shape: AttentionShape) -> None:
         ngram_propose(slots.token_history, slots.slot_indices(batch_reqs),
                       slots.seq_lens(batch_reqs), *NGRAM)  # fmt: skip
         slots.rows(batch_reqs)
+    for b in (1, 2, 3, 5):  # verify passes and draft catch-ups (build_padded_batch)
+        starts = torch.arange(b, dtype=torch.int64) * 3
+        table = torch.arange(b * (b + 1), dtype=torch.int32).view(b, b + 1)
+        padded_rows(starts, table, page, K + 1)
+        padded_rows(starts, table, page, K + 1, num_valid=torch.ones(b, dtype=torch.int64))
 
 
 def test_warmup_covers_every_serving_specialization(record) -> None:
     warmed = record()
     warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB),
                           ngram=NGRAM)  # fmt: skip
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 2 + 3 + 3 + 3 + 2 * 2 + 1
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 2 + 3 + 3 + 3 + 2 * 2 + 2 + 1
     served = record()
     _serve_like(TINY)
     assert set(served) == set(warmed) == {
         "_pad_batch_kernel", "_build_kernel", "_advance_kernel", "_extend_kernel",
         "_store_kv_kernel", "_split_kv_kernel", "_split_kv_reduce_kernel",
-        "_verify_rows_kernel", "_accept_kernel", "_ngram_kernel",
+        "_verify_rows_kernel", "_accept_kernel", "_ngram_kernel", "_padded_rows_kernel",
     }  # fmt: skip
     for name, keys in served.items():
         missing = keys - warmed[name]
@@ -202,6 +208,7 @@ def test_warmup_covers_every_serving_specialization(record) -> None:
         "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 1, "_extend_kernel": 3,
         "_store_kv_kernel": 1, "_split_kv_kernel": 2, "_split_kv_reduce_kernel": 1,
         "_verify_rows_kernel": 2, "_accept_kernel": 1, "_ngram_kernel": 1,
+        "_padded_rows_kernel": 2,
     }  # fmt: skip
 
 

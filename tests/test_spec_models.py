@@ -224,6 +224,7 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
         engine, proposer = spec.engine, spec.engine.spec_worker.proposer
         drafted[overlap], from_device[overlap] = defaultdict(list), 0
         propose, catch_up = proposer.propose, proposer._catch_up_batch
+        steady = proposer._catch_up_from_verified
 
         def recorded(batch, propose=propose, seen=drafted[overlap]):
             proposal = propose(batch)
@@ -231,11 +232,16 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
                 seen[req.request_id].append(row)
             return proposal
 
-        def counted(reqs, states, seq_lens, catch_up=catch_up, overlap=overlap):
-            from_device[overlap] += sum(s is None for s in states)
-            return catch_up(reqs, states, seq_lens)
+        def counted(batch, states, catch_up=catch_up, overlap=overlap):
+            from_device[overlap] += sum(s is None for s in states)  # some requests
+            return catch_up(batch, states)
+
+        def counted_steady(batch, steady=steady, overlap=overlap):
+            from_device[overlap] += len(batch.requests)  # every request
+            return steady(batch)
 
         proposer.propose, proposer._catch_up_batch = recorded, counted
+        proposer._catch_up_from_verified = counted_steady
         got = spec.generate(prompts, params, use_tqdm=False)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
         assert [g.text for g in got] == [w.text for w in want]

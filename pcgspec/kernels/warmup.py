@@ -13,7 +13,8 @@ Per family: ``warm_extend`` (one launch per ``BLOCK_M`` that ``plan_extend`` can
 head config), ``warm_split_kv`` (KV store + split-KV decode and reduce per tokens per request),
 ``warm_pad_batch`` (with and without request starts), ``warm_sampling`` (build_sampling_params,
 advance_positions), ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the
-speculative worker uses, and the accept kernel) and ``warm_ngram`` (prompt lookup).
+speculative worker uses, the accept kernel, and the padded rows of verify passes and draft
+catch-ups) and ``warm_ngram`` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pcgspec.kernels.build_sampling_params import (
 from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_extend
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
+from pcgspec.kernels.padded_rows import padded_rows
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 
 if TYPE_CHECKING:
@@ -180,7 +182,7 @@ def warm_sampling(device: torch.device) -> int:
 
 def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
     """Verification of ``num_steps`` drafts over ``vocab_size`` float32 rows, under each
-    strategy the speculative worker uses, as it calls it.
+    strategy the speculative worker uses, as it calls it; the padded rows of its passes.
     """
     s = _Scratch(device)
     k1 = num_steps + 1
@@ -189,7 +191,10 @@ def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
             s.zeros(1, k1, vocab_size, dtype=torch.float32), s.zeros(1, num_steps), strategy,
             seed=s.zeros(1, k1), position=s.zeros(1, k1), num_draft=s.full(num_steps, 1),
         )  # fmt: skip
-    return 2 * len(VERIFY_STRATEGIES)
+    table = s.zeros(1, 1, dtype=torch.int32)
+    padded_rows(s.zeros(1), table, 1, k1)  # a verify pass
+    padded_rows(s.zeros(1), table, 1, k1, num_valid=s.full(1, 1))  # a draft catch-up
+    return 2 * len(VERIFY_STRATEGIES) + 2
 
 
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pcgspec.kernels.padded_rows import padded_rows, padded_rows_ref
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 
@@ -120,27 +121,33 @@ def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int
     return pages.to(torch.int64) * page_size + positions % page_size
 
 
+def device_page_table(pages: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+    """The requests' pages as a ``[B, max_pages]`` int32 device table (``padded_page_table``),
+    one upload.
+    """
+    table, max_pages = padded_page_table(pages)
+    (flat,) = upload(device, int32=(table,))
+    return flat.view(len(pages), max_pages)
+
+
 def build_verify_batch(
     last_tokens: torch.Tensor,
     drafts: torch.Tensor,
     seq_lens: torch.Tensor,
-    pages: Sequence[Sequence[int]],
+    page_table: torch.Tensor,
     page_size: int,
     seq_len_bounds: Sequence[int],
     **extra: object,
 ) -> ForwardBatch:
     """A ``TARGET_VERIFY`` batch of ``[last token, drafts]`` per request, built on the device:
     ``seq_lens`` [B] (device) are the requests' token counts before the step, so that the
-    host need not have read the tokens of a step still running (the overlap schedule). Only
-    the page table goes up; ``seq_len_bounds`` are host upper bounds of the lengths after the
-    pass (``seq_lens + k``), for sizing.
+    host need not have read the tokens of a step still running (the overlap schedule);
+    ``page_table`` [B, P] (device) holds their pages. ``seq_len_bounds`` are host upper bounds
+    of the lengths after the pass (``seq_lens + k``), for sizing.
     """
-    table, max_pages = padded_page_table(pages)
-    (page_table,) = upload(drafts.device, int32=(table,))
     input_ids = torch.cat([last_tokens[:, None], drafts], 1)  # [B, k+1]
-    return build_padded_batch(ForwardMode.TARGET_VERIFY, input_ids, seq_lens - 1,
-                              page_table.view(len(drafts), max_pages), page_size,
-                              seq_len_bounds, **extra)  # fmt: skip
+    return build_padded_batch(ForwardMode.TARGET_VERIFY, input_ids, seq_lens - 1, page_table,
+                              page_size, seq_len_bounds, **extra)  # fmt: skip
 
 
 def build_padded_batch(
@@ -151,37 +158,31 @@ def build_padded_batch(
     page_size: int,
     seq_len_bounds: Sequence[int],
     num_valid: torch.Tensor | None = None,
-    logits_indices: torch.Tensor | None = None,
     **extra: object,
 ) -> ForwardBatch:
     """k+1 rows per request at positions ``starts[b] ..`` (``input_ids`` [B, k+1], ``starts``
-    [B], ``page_table`` [B, P], device tensors), built on the device: a verify pass, or a draft
-    catch-up padded to k+1 rows whose rows from ``num_valid[b]`` on write no KV.
-    ``logits_indices``: every row by default. ``seq_len_bounds``: host upper bounds of
+    [B], ``page_table`` [B, P], device tensors), built on the device in one launch
+    (``padded_rows``): a verify pass, whose logits are every row's, or with ``num_valid`` a
+    draft catch-up padded to k+1 rows, whose rows from ``num_valid[b]`` on write no KV and
+    whose logits are each request's last valid row's. ``seq_len_bounds``: host upper bounds of
     ``starts + k+1``, for sizing.
     """
     b, k1 = input_ids.shape
-    device = input_ids.device
-    steps = torch.arange(k1, device=device)
-    positions = starts[:, None] + steps  # [B, k+1]
-    slots = page_slots(page_table, positions, page_size)
-    if num_valid is not None:
-        slots = torch.where(steps < num_valid[:, None], slots, -1)
-    if logits_indices is None:
-        logits_indices = torch.arange(b * k1, device=device)
+    build = padded_rows if input_ids.is_cuda else padded_rows_ref
+    rows = build(starts, page_table, page_size, k1, num_valid)
     return ForwardBatch(
         forward_mode=mode,
         input_ids=input_ids.reshape(-1),
-        positions=positions.view(-1),
-        out_cache_loc=slots.view(-1),
-        seq_lens=(starts + k1).to(torch.int32),
-        extend_lens=torch.full((b,), k1, dtype=torch.int32, device=device),
+        positions=rows.positions,
+        out_cache_loc=rows.out_cache_loc,
+        seq_lens=rows.seq_lens,
+        extend_lens=rows.extend_lens,
         page_table=page_table,
         page_size=page_size,
         seq_lens_cpu=tuple(seq_len_bounds),
         extend_lens_cpu=(k1,) * b,
-        logits_indices=logits_indices,
-        extend_start=torch.arange(0, b * k1, k1, dtype=torch.int32, device=device),
+        logits_indices=rows.all_rows if num_valid is None else rows.last_rows,
+        extend_start=rows.extend_start,
         spec_num_draft_tokens=k1,
         **extra,  # type: ignore[arg-type]
     )

@@ -57,6 +57,9 @@ class ProposeInput:
 
     requests: Sequence[Any]  # the engine's Request objects (tokens, pages), in batch order
     seq_lens: torch.Tensor  # [B] int64 on the device: their token counts as of the device
+    # [B, P] int32 on the device: their pages, reserved for the step (``device_page_table``);
+    # None where the proposer writes no KV (prompt lookup)
+    page_table: torch.Tensor | None = None
 
 
 class Proposer(ABC):

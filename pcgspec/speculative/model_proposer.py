@@ -15,7 +15,11 @@ catch-up rewrites.
 Two sources of catch-up rows. After a verify step a request catches up over that step's
 emitted tokens (and hidden rows), which stay on the device (``VerifiedRows``): the next
 speculative step builds the rows there, from the accepted counts and the lengths the device
-holds, before the host has read the step (the overlap schedule). Otherwise (a new prompt,
+holds, before the host has read the step (the overlap schedule). When the step drafts for
+the same requests in the same order (the steady state), the verify step's k+1 rows per request
+are the catch-up's as they are, with no host list and no gather (``_catch_up_from_verified``);
+rows past a request's emitted tokens hold its rejected drafts, write no KV and are read by
+nothing. Otherwise (a new prompt,
 plain decode steps, or a verify step the host read before the next speculative step) the host
 state ``DraftState`` says how far the draft's K/V are valid (``computed``) and holds the target
 hidden states of the positions after it (``pending``, from ``observe``); a request further than
@@ -37,7 +41,6 @@ from pcgspec.runners.batch_builder import (
     SeqChunk,
     build_forward_batch,
     build_padded_batch,
-    padded_page_table,
     upload,
 )
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
@@ -174,6 +177,8 @@ class ModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposeInput) -> DraftProposal:
+        if batch.page_table is None:
+            raise ValueError("a model drafter writes its KV through the batch's page table")
         reqs = batch.requests
         verified = self._verified
         on_device = [verified is not None and r in verified.rows for r in reqs]
@@ -182,7 +187,10 @@ class ModelProposer(Proposer):
         host = [(r, s) for r, s in zip(reqs, states) if s is not None]
         self._check_pending(host)
         self._catch_up_far_behind(host)
-        catch_up, hidden = self._catch_up_batch(reqs, states, batch.seq_lens)
+        if self._steady(reqs, on_device):
+            catch_up, hidden = self._catch_up_from_verified(batch)
+        else:
+            catch_up, hidden = self._catch_up_batch(batch, states)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(catch_up):
             drafts = graphs.run(catch_up, hidden)
@@ -228,16 +236,40 @@ class ModelProposer(Proposer):
         for _, state, n in far:
             state.advance(n)
 
+    def _steady(self, reqs: Sequence[object], on_device: Sequence[bool]) -> bool:
+        """Whether ``reqs`` are the newest verify step's requests in its order (the steady
+        state of speculative steps): then its rows are the catch-up's as they are.
+        """
+        verified = self._verified
+        return (verified is not None and all(on_device) and len(reqs) == len(verified.num)
+                and all(verified.rows[r] == b for b, r in enumerate(reqs)))  # fmt: skip
+
+    def _catch_up_from_verified(
+        self, batch: ProposeInput
+    ) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """``_catch_up_batch`` of the steady state: row ``j`` of request ``b`` is row ``j`` of
+        the verify step's, its emitted tokens with their hidden states; rows from ``num[b]`` on
+        (its rejected drafts) write no KV and are read by nothing.
+        """
+        v, k1 = self._verified, self.num_steps + 1
+        catch_up = build_padded_batch(
+            ForwardMode.DRAFT_EXTEND, torch.where(v.tokens < 0, FILLER_TOKEN, v.tokens),
+            batch.seq_lens - v.num - self.lag, batch.page_table, self.runner.page_size,
+            [r.num_tokens + k1 for r in batch.requests], num_valid=v.num,
+        )  # fmt: skip
+        return catch_up, v.hidden
+
     def _catch_up_batch(
-        self, reqs: Sequence[object], states: Sequence[DraftState | None], seq_lens: torch.Tensor
+        self, batch: ProposeInput, states: Sequence[DraftState | None]
     ) -> tuple[ForwardBatch, torch.Tensor | None]:
         """The padded catch-up: k+1 rows per request (``spec_num_draft_tokens``), the first
         ``behind`` real, the rest writing no KV; ``logits_indices`` = each request's last real
         row. A request with host state (``states[b]``) takes its rows from the host; the others
         from the newest verify step's rows, on the device, starting ``num`` tokens before their
-        length there (``seq_lens``). Returns it with the target hidden rows in the same layout
-        (None: not read).
+        length there (``batch.seq_lens``). Returns it with the target hidden rows in the same
+        layout (None: not read).
         """
+        reqs, seq_lens = batch.requests, batch.seq_lens
         k1, page, device = self.num_steps + 1, self.runner.page_size, self.runner.device
         ids, starts, nums, src, on_device, verified_rows, bounds = [], [], [], [], [], [], []
         have = 0  # host hidden rows so far
@@ -259,9 +291,8 @@ class ModelProposer(Proposer):
             src += [have + min(j, n - 1) for j in range(k1)]
             bounds.append(start + k1)
             have += n
-        table, max_pages = padded_page_table([r.pages for r in reqs])
-        input_ids, start, num, src_rows, device_b, device_rows, pages = upload(
-            device, int64=(ids, starts, nums, src, on_device, verified_rows), int32=(table,))
+        input_ids, start, num, src_rows, device_b, device_rows = upload(
+            device, int64=(ids, starts, nums, src, on_device, verified_rows))
         b = len(reqs)
         input_ids, src_rows = input_ids.view(b, k1), src_rows.view(b, k1)
         if on_device:
@@ -274,13 +305,11 @@ class ModelProposer(Proposer):
             steps = torch.arange(k1, device=device)
             rows = have + device_rows[:, None] * k1 + torch.minimum(steps, n[:, None] - 1)
             src_rows.index_copy_(0, device_b, rows)
-        batch = build_padded_batch(
-            ForwardMode.DRAFT_EXTEND, input_ids, start, pages.view(b, max_pages), page, bounds,
-            num_valid=num, logits_indices=torch.arange(0, b * k1, k1, device=device) + num - 1,
-        )  # fmt: skip
+        catch_up = build_padded_batch(ForwardMode.DRAFT_EXTEND, input_ids, start,
+                                      batch.page_table, page, bounds, num_valid=num)
         if not self.uses_target_hidden:
-            return batch, None
+            return catch_up, None
         sources = [s.rows() for s in states if s is not None and s.num_pending]
         if on_device:
             sources.append(self._verified.hidden)
-        return batch, torch.cat(sources)[src_rows.view(-1)]
+        return catch_up, torch.cat(sources)[src_rows.view(-1)]

@@ -12,7 +12,8 @@ under the overlap schedule (engine/overlap.py) and its results are read one step
 - the requests' lengths and last tokens come from their sampling slots (``seq_lens``,
   ``last_tokens``), which every step's commit advances on the device, so the verify batch's
   positions and KV slots are built there (``build_verify_batch``); only the page table, which
-  the host reserves for the worst case, goes up;
+  the host reserves for the worst case, goes up, once for the draft's passes and the verify
+  pass;
 - the drafts stay on the device from propose to verify, and the rows' penalty counts take them
   in there (``SamplingSlots.rows``);
 - after verification ``SamplingSlots.commit`` advances the slots by the accepted tokens, and a
@@ -48,7 +49,7 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
-from pcgspec.runners.batch_builder import build_verify_batch
+from pcgspec.runners.batch_builder import build_verify_batch, device_page_table
 from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
@@ -124,8 +125,9 @@ class SpecWorker:
         """
         reqs = batch.requests
         seq_lens = self.slots.seq_lens(reqs)
-        proposal = self.propose(ProposeInput(reqs, seq_lens))
-        verified, hidden = self.verify(reqs, seq_lens, proposal)
+        page_table = device_page_table([r.pages for r in reqs], self.runner.device)
+        proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
+        verified, hidden = self.verify(reqs, seq_lens, page_table, proposal)
         self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
         drafter_rows = self.proposer.verified(reqs, verified, hidden)
         return LaunchedSpecStep.start(self, reqs, verified, proposal.num_tokens, drafter_rows)
@@ -138,18 +140,19 @@ class SpecWorker:
     # verify ------------------------------------------------------------------------------
 
     def verify(
-        self, reqs: Sequence[Request], seq_lens: torch.Tensor, proposal: DraftProposal
-    ) -> tuple[VerifyOutput, torch.Tensor | None]:
-        """One TARGET_VERIFY pass over k+1 tokens per request (``seq_lens``: their token counts
-        on the device), then the verify kernel. Also returns the pass's captured hidden states
-        (``[B * (k+1), Hh]``) when the drafter reads them.
+        self, reqs: Sequence[Request], seq_lens: torch.Tensor, page_table: torch.Tensor,
+        proposal: DraftProposal,
+    ) -> tuple[VerifyOutput, torch.Tensor | None]:  # fmt: skip
+        """One TARGET_VERIFY pass over k+1 tokens per request (``seq_lens``, ``page_table``:
+        their token counts and pages on the device), then the verify kernel. Also returns the
+        pass's captured hidden states (``[B * (k+1), Hh]``) when the drafter reads them.
         """
         k, device = self.num_steps, self.runner.device
         drafts = proposal.tokens.to(device, non_blocking=True)  # [B, k]
         sampling = self.slots.rows(reqs, drafts)  # k+1 rows per request, drafts counted
         batch = build_verify_batch(
-            self.slots.last_tokens(reqs), drafts, seq_lens,
-            [r.pages for r in reqs], self.runner.page_size, [r.num_tokens + k for r in reqs],
+            self.slots.last_tokens(reqs), drafts, seq_lens, page_table, self.runner.page_size,
+            [r.num_tokens + k for r in reqs],
             sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )  # fmt: skip
