@@ -126,6 +126,26 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path):
     assert LaunchedSpecStep.read.__qualname__ == "LaunchedSpecStep.read"
 
 
+def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
+    profile = _load_script("profile_spec_step")
+    out = tmp_path / "profile.json"
+    result = profile.main(["--shape", "tiny", "--methods", "NGRAM", "--batch-sizes", "1,2",
+                           "--max-tokens", "8", "--repeats", "1", "--out", str(out),
+                           "--cprofile", str(tmp_path / "cprofile")])  # fmt: skip
+    written = json.loads(out.read_text())
+    assert written["rows"] == json.loads(json.dumps(result["rows"]))
+    rows = {(r["engine"], r["batch"]): r for r in written["rows"]}
+    assert sorted(rows) == [("NGRAM", 1), ("NGRAM", 2), ("none", 1), ("none", 2)]
+    for (engine, batch), row in rows.items():
+        assert row["decode_steps"] > 0 and row["step_ms_median"] > 0
+        plain = rows[("none", batch)]["step_ms_median"]
+        assert math.isclose(row["step_vs_plain_step"], row["step_ms_median"] / plain)
+        assert row["gpu_busy_ms_per_step"] is None and row["kernel_launches"] is None  # CPU
+        assert (row["spec"].get("verify_steps", 0) > 0) == (engine == "NGRAM")
+    assert sorted(p.name for p in (tmp_path / "cprofile").iterdir()) == [
+        "NGRAM_1.prof", "NGRAM_2.prof", "none_1.prof", "none_2.prof"]
+
+
 def test_random_weights_folder_serves_with_the_tokenizer(tmp_path, smollm2_path):
     """bench_serving's --random-weights folder: written once, then reused; the shape with the
     default tokenizer's files and vocabulary; our greedy tokens equal transformers' on it."""

@@ -1,0 +1,192 @@
+"""Where a speculative decode step's time goes, side by side with plain decoding in one run.
+
+Per engine and batch size: the decode step's wall time (median over the decode steps of
+--repeats generations, overlap schedule as configured), and over one more generation under
+torch.profiler, per engine step: the GPU's busy time (the union of kernel intervals; the
+generation's prefill is in it), the kernels the GPU ran, and the kernel launches, copies and
+graph launches the host made. A step whose wall time is well above its busy time is
+host-bound. With --cprofile DIR, cProfile of one generation per engine and batch size.
+
+Random weights of a named shape (default smollm2-135m, with the default model's tokenizer) or
+--model. Every speculative engine runs --speculative-policy always; EAGLE3 runs an untrained
+head (draft vocabulary --eagle3-draft-vocab) and STANDALONE drafts with the target itself.
+
+    python scripts/profile_spec_step.py --methods EAGLE3,NGRAM --batch-sizes 1,16 \\
+        --out bench/results/profile_spec_step_h100.json
+    python scripts/profile_spec_step.py --shape tiny --methods NGRAM --batch-sizes 1 \\
+        --max-tokens 8 --repeats 1                                     # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_spec import PROMPT_SETS, StepTimes  # noqa: E402
+
+from pcgspec import LLM, SamplingParams  # noqa: E402
+
+HOST_CALLS = {"cudaLaunchKernel": "kernel_launches", "cudaMemcpyAsync": "copies",
+              "cudaGraphLaunch": "graph_launches"}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-135m", help="random weights of this shape")
+    p.add_argument("--model", default=None, help="an HF folder instead of random weights")
+    p.add_argument("--methods", default="EAGLE3,NGRAM,STANDALONE")
+    p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--eagle3-draft-vocab", type=int, default=16384)
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile reports")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def _model(args: argparse.Namespace) -> tuple[str, dict]:
+    """The target folder and the engine keywords every engine shares."""
+    from pcgspec.models.default_model import default_model_path
+    from pcgspec.models.draft_checkpoint import write_random_checkpoint
+
+    base = {"log_level": "warning", "max_total_tokens": 1 << 16,
+            "disable_overlap_schedule": args.disable_overlap_schedule}  # fmt: skip
+    if args.model is not None:
+        return args.model, base
+    tokenizer = str(default_model_path())
+    folder = tempfile.mkdtemp(prefix=f"pcgspec-{args.shape}-")
+    return str(write_random_checkpoint(args.shape, folder, tokenizer)), {**base,
+                                                                        "tokenizer": tokenizer}
+
+
+def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
+    if method == "none":
+        return {}
+    from pcgspec.models.eagle3 import write_eagle3_checkpoint
+    from pcgspec.models.loader import load_config
+
+    kw = {"speculative_algorithm": method, "speculative_num_steps": args.num_steps,
+          "speculative_policy": "always"}  # fmt: skip
+    if method == "EAGLE3":
+        head = write_eagle3_checkpoint(Path(tempfile.mkdtemp()) / "eagle3", load_config(model),
+                                       seed=0, draft_vocab_size=args.eagle3_draft_vocab)
+        kw["speculative_draft_model_path"] = str(head)
+    elif method == "STANDALONE":
+        kw["speculative_draft_model_path"] = model
+    elif method != "NGRAM":
+        raise ValueError(f"--methods: {method!r} is not one of EAGLE3, NGRAM, STANDALONE")
+    return kw
+
+
+def _busy_ms(events: list) -> float:
+    """The union of the CUDA kernel intervals, in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    total, current = 0.0, None
+    for start, end in spans:
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    if current is not None:
+        total += current[1] - current[0]
+    return total / 1e3
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> dict:
+    prompts = (PROMPT_SETS["repeat"] * batch)[:batch]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine = llm.engine
+    for _ in range(2):
+        llm.generate(prompts, params, use_tqdm=False)
+    with StepTimes(engine) as times:
+        for _ in range(args.repeats):
+            llm.generate(prompts, params, use_tqdm=False)
+    steps, step = [], engine.step
+
+    def counted():
+        steps.append(time.perf_counter())
+        return step()
+
+    engine.step = counted
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            _sync()
+    finally:
+        del engine.step
+    events, n = prof.events(), len(steps)
+    host = collections.Counter(e.name for e in events if e.name in HOST_CALLS)
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    row = {
+        "engine": name, "batch": batch, "decode_steps": len(times.times["step"]),
+        "step_ms_median": times.median_ms("step"),
+        "gpu_busy_ms_per_step": _busy_ms(events) / n if on_cuda else None,
+        "gpu_kernels_per_step": kernels / n if on_cuda else None,
+        **{label: host[call] / n if on_cuda else None for call, label in HOST_CALLS.items()},
+        "spec": engine.spec_stats(),
+    }  # fmt: skip
+    if args.cprofile is not None:
+        args.cprofile.mkdir(parents=True, exist_ok=True)
+        profiler = cProfile.Profile()
+        profiler.runcall(llm.generate, prompts, params, use_tqdm=False)
+        _sync()
+        profiler.dump_stats(str(args.cprofile / f"{name}_{batch}.prof"))
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    model, base = _model(args)
+    methods = ["none", *[m for m in args.methods.split(",") if m]]
+    rows = []
+    for method in methods:
+        llm = LLM(model, **base, **_engine_kwargs(method, model, args))
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            row = profile_batch(llm, method, batch, args)
+            plain = next(r for r in rows + [row] if r["engine"] == "none" and r["batch"] == batch)
+            row["step_vs_plain_step"] = row["step_ms_median"] / plain["step_ms_median"]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "spec"}), flush=True)
+        llm.shutdown()
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "command": " ".join(sys.argv),
+        "model": args.model or f"{args.shape} (random weights)", "num_steps": args.num_steps,
+        "rows": rows,
+    }  # fmt: skip
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
