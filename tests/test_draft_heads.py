@@ -16,6 +16,7 @@ from torch import nn
 
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.attention.torch_backend import TorchAttentionBackend
+from pcgspec.compile.backend import CompiledDecoder, PiecewiseBackend
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.models.draft_head import DraftHead
 from pcgspec.models.eagle3 import load_eagle3_head, write_eagle3_checkpoint
@@ -259,6 +260,37 @@ def test_eagle3_forward_matches_reference(tmp_path, target, own_embed) -> None:
         return ref_eagle3(t, t["embed_tokens.weight"] if own_embed else embed, ids, pos, hidden)
 
     check_forward(head, reference, target, project=lambda aux: aux @ t["fc.weight"].T)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_eagle3_compiled_head_matches_reference(tmp_path, target, compiler) -> None:
+    """The head past its fc compiled into pieces around attention (as the draft runner does
+    where the target runs piecewise): one trace serves the prefill and the one-token steps."""
+    path = write_eagle3_checkpoint(tmp_path, shape_config("tiny"), 0, 100)
+    head = load_eagle3_head(path, target, torch.float32, CPU)
+    head.compiled_decoder = CompiledDecoder(head.decode, PiecewiseBackend(compiler))
+    t = load_file(path / "model.safetensors")
+    check_forward(head, lambda embed, ids, pos, hidden: ref_eagle3(t, embed, ids, pos, hidden),
+                  target, project=lambda aux: aux @ t["fc.weight"].T)  # fmt: skip
+    backend = head.compiled_decoder.backend
+    assert backend.num_traces == 1 and len(backend.split.compute_pieces) == 2
+
+
+def test_draft_runner_compiles_an_eagle3_head_where_the_target_runs_piecewise(tmp_path, target):
+    from pcgspec.config import EngineConfig
+    from pcgspec.speculative.draft_runner import DraftRunner
+
+    path = write_eagle3_checkpoint(tmp_path, shape_config("tiny"), 0, 100)
+    for piecewise, compiled in ((False, False), (True, True)):
+        head = load_eagle3_head(path, target, torch.float32, CPU)
+        config = EngineConfig(device="cpu", disable_piecewise_cuda_graph=not piecewise)
+        assert config.use_piecewise is piecewise  # NOTE: the tests set PCGSPEC_CPU_PIECEWISE=1
+        runner = DraftRunner(head, 8, PAGE_SIZE, config)
+        assert (head.compiled_decoder is not None) is compiled
+        if compiled:  # traced at construction, on tokens that wrote no KV
+            assert head.compiled_decoder.backend.num_traces == 1
+        cache = runner.kv_cache  # NOTE: padded tokens may land in the scratch slot past the end
+        assert not any(t[: cache.num_slots].any() for t in (*cache.k, *cache.v))
 
 
 # --- NEXTN / MTP ----------------------------------------------------------------------------

@@ -124,15 +124,24 @@ class PiecewiseBackend:
                 os.environ[_INDUCTOR_CACHE_ENV] = previous
 
 
+# NOTE: every engine adds a Dynamo cache entry to the traced function's code object, and with
+# the guards dropped all of them count against recompile_limit (8), so a process could build
+# only 8 engines per architecture. A trace is never a recompile here: lift the limit for it.
+_TRACE_LIMITS = {"recompile_limit": 1 << 20, "accumulated_recompile_limit": 1 << 20}
+
+
 class CompiledDecoder:
-    """A decoder stack compiled through a ``PiecewiseBackend``. Dim 0 of every tensor argument
-    is the token dimension. The first call (at least 2 tokens) traces; no call ever re-traces.
+    """A decoder stack (a module or a function, e.g. a draft head's ``decode``) compiled through
+    a ``PiecewiseBackend``. Dim 0 of every tensor argument is the token dimension. The first
+    call (at least 2 tokens) traces; no call ever re-traces.
 
     NOTE: with the guards dropped, module state read by ``forward`` (e.g. the aux hidden layer
     ids) is baked in at the trace: set it before the first call.
     """
 
-    def __init__(self, module: nn.Module, backend: PiecewiseBackend | None = None) -> None:
+    def __init__(
+        self, module: nn.Module | Callable[..., object], backend: PiecewiseBackend | None = None
+    ) -> None:
         self.module = module
         self.backend = backend if backend is not None else PiecewiseBackend()
         self._compiled = torch.compile(
@@ -177,7 +186,8 @@ class CompiledDecoder:
             raise ValueError("trace the decoder with at least 2 tokens (1 would be specialized)")
         for t in tensors:
             torch._dynamo.mark_dynamic(t, 0)
-        out = self._compiled(*args, **kwargs)
+        with torch._dynamo.config.patch(_TRACE_LIMITS):
+            out = self._compiled(*args, **kwargs)
         self._signature = signature
         return out
 

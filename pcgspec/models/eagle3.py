@@ -38,7 +38,7 @@ from pcgspec.models.llama import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from transformers import PretrainedConfig
 
@@ -104,6 +104,8 @@ class Eagle3Head(DraftHead):
             "draft_to_target", torch.arange(self.draft_vocab_size), persistent=False
         )  # [draft_vocab] target id of each draft id
         self.identity_vocab = True  # draft ids are target ids: no scatter in compute_logits
+        # ``decode`` compiled into pieces around its attention (set by the draft runner)
+        self.compiled_decoder: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def target_aux_layers(self, target_num_layers: int) -> tuple[int, ...] | None:
         if not self.use_aux_hidden_state:
@@ -120,10 +122,18 @@ class Eagle3Head(DraftHead):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        embed = self.shared.embed_tokens if self.embed_tokens is None else self.embed_tokens
-        embeds = embed(input_ids)  # [T, H]
         if hidden.shape[-1] != self.hidden_size:
             hidden = self.fc(hidden)  # [T, 3 * H_target] -> [T, H]
+        return (self.compiled_decoder or self.decode)(input_ids, positions, hidden)
+
+    def decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` past the fc: ``hidden`` [T, H]. What ``compiled_decoder`` compiles (one
+        signature: the catch-up's wide target states go through the fc first).
+        """
+        embed = self.shared.embed_tokens if self.embed_tokens is None else self.embed_tokens
+        embeds = embed(input_ids)  # [T, H]
         cos, sin = self.rotary_emb(positions)
         h = self.midlayer(embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype))
         return self.norm(h), h

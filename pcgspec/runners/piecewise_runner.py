@@ -48,10 +48,6 @@ FALLBACKS = (
     "fallback_too_many_tokens",
     "fallback_empty",
 )
-# NOTE: every engine adds a Dynamo cache entry to the decoder's code object, and with the
-# guards dropped all of them count against recompile_limit (8), so a process could build
-# only 8 engines per architecture. A trace is never a recompile here: lift the limit for it.
-_TRACE_LIMITS = {"recompile_limit": 1 << 20, "accumulated_recompile_limit": 1 << 20}
 
 
 class PiecewiseRunner:
@@ -101,8 +97,7 @@ class PiecewiseRunner:
         # NOTE: the first call's size is the hint inductor tunes its kernels for: the largest
         # bucket when graphs are captured; a small (cheap) one when the pieces just run.
         size = self.max_tokens if self.use_graphs else self.buckets[0]
-        with torch._dynamo.config.patch(_TRACE_LIMITS):
-            self._forward(self._dummy_batch(max(2, size)))
+        self._forward(self._dummy_batch(max(2, size)))
         traced = time.perf_counter()
         if self.use_graphs:
             self.graphs.capture(self.buckets, lambda b: self._forward(self._dummy_batch(b)))

@@ -19,10 +19,17 @@ from torch import nn
 
 from pcgspec.attention import ATTENTION_BACKENDS
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
+from pcgspec.compile.backend import CompiledDecoder, PiecewiseBackend
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
 from pcgspec.distributed.group import SINGLE
-from pcgspec.runners.batch_builder import page_slots
+from pcgspec.models.eagle3 import Eagle3Head
+from pcgspec.runners.batch_builder import (
+    SeqChunk,
+    build_forward_batch,
+    page_slots,
+    without_kv_writes,
+)
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -71,9 +78,11 @@ def kv_spec(draft: nn.Module) -> KVCacheSpec:
 class DraftRunner:
     """Runs ``draft`` over a ``ForwardBatch`` against the draft KV cache.
 
-    A STANDALONE draft (a whole decoder stack) gets its own piecewise runner where the target
-    has one (``config.use_piecewise``): long catch-ups (a new prompt) replay its graphs, and
-    every other pass, the captured propose phase included, runs its compiled pieces.
+    Where the target runs piecewise (``config.use_piecewise``) the draft's layers are compiled
+    too, into pieces around attention, which every pass runs (the captured propose phase
+    included): a STANDALONE draft (a whole decoder stack) gets its own piecewise runner, whose
+    graphs long catch-ups (a new prompt) replay; an EAGLE3 head compiles its layer past the fc
+    (``Eagle3Head.decode``), traced here once.
     """
 
     extend_capture_hidden_mode = CaptureHiddenMode.NULL  # what a piecewise runner captures
@@ -98,6 +107,19 @@ class DraftRunner:
             self.piecewise = PiecewiseRunner(self)
             self.piecewise.capture()
             draft.compiled_decoder = self.piecewise.decoder
+        elif isinstance(draft, Eagle3Head) and config.use_piecewise:
+            backend = PiecewiseBackend(config.resolved_piecewise_compiler)
+            draft.compiled_decoder = CompiledDecoder(draft.decode, backend)
+            self._trace()
+
+    @torch.inference_mode()
+    def _trace(self) -> None:
+        """One pass over two dummy tokens that writes no KV: the compiled head traces there."""
+        chunk = SeqChunk([0, 0], 0, [0], sample=False)
+        batch = without_kv_writes(build_forward_batch(ForwardMode.DRAFT_EXTEND, [chunk],
+                                                      self.page_size, self.device))  # fmt: skip
+        width = getattr(self.draft, "target_hidden_size", self.draft.hidden_size)
+        self.forward(batch, torch.zeros(2, width, dtype=self.draft.dtype, device=self.device))
 
     @property
     def uses_target_hidden(self) -> bool:
