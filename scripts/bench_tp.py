@@ -9,6 +9,8 @@
   whole    at TP=N, piecewise vs the same step compiled whole (fullgraph, one CUDA graph), at
            --whole-tokens lengths; every rank runs the step itself (SPMD, no broadcast)
                                                                target: piecewise <= 1.25x whole
+  decode_spmd  (diagnostic) the decode step of TP=N with every rank running it itself: against
+           ``decode``, what rank 0's per-step broadcast costs; against TP=1, the collectives
 Timing is bench_ttft's: warm-up, then CUDA events around each step on rank 0, median and p90
 (perf_counter on CPU, for smoke runs only). Caches: inductor's live under PCGSPEC_CACHE_DIR (one
 per rank at TP>1), Triton's under TRITON_CACHE_DIR; point both at empty folders for cold starts.
@@ -114,8 +116,10 @@ def engine_part(args: argparse.Namespace, tp: int, results: mp.Queue) -> None:
 
 def spmd_part(args: argparse.Namespace, rendezvous: Rendezvous, rank: int,
               results: mp.Queue) -> None:  # fmt: skip
-    """Every rank: piecewise and whole-graph steps at each length, in the same order."""
-    config = engine_config(args, args.tp_size, max(args.whole_tokens), False)
+    """Every rank: piecewise and whole-graph steps at each length, then the decode step, in
+    the same order.
+    """
+    config = engine_config(args, args.tp_size, max(args.whole_tokens), True)
     groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
     runner = ModelRunner(config, RandomWeights(args.shape, args.seed), tp_groups=groups)
     device, page = runner.device, runner.page_size
@@ -127,8 +131,12 @@ def spmd_part(args: argparse.Namespace, rendezvous: Rendezvous, rank: int,
         whole = time_bound(runner, prompt[:n], args)
         rows.append({"tokens": n, "piecewise": piecewise.summary(), "whole": whole.summary(),
                      "piecewise_over_whole": piecewise.median_ms / whole.median_ms})
+    decode = decode_batch(1, args.context, runner)
+    decode = time_steps(lambda b: runner.forward(b).logits, lambda: decode, device, args.warmup,
+                        args.repeats)  # fmt: skip
     if rank == 0:
-        results.put({"tp": args.tp_size, "whole_vs_piecewise": rows})
+        results.put({"tp": args.tp_size, "whole_vs_piecewise": rows,
+                     "decode_bs1_spmd": decode.summary()})  # fmt: skip
     groups.destroy()
 
 
@@ -182,16 +190,25 @@ def main(argv: list[str] | None = None) -> dict:
         "piecewise_over_whole": max(r["piecewise_over_whole"]
                                     for r in whole["whole_vs_piecewise"]),
     }
+    diagnostics = {  # where the decode step's time goes: the broadcast, the collectives
+        "decode_spmd": whole["decode_bs1_spmd"]["median_ms"] / single["decode_bs1"]["median_ms"],
+        "decode_over_spmd": split["decode_bs1"]["median_ms"]
+        / whole["decode_bs1_spmd"]["median_ms"],
+    }
     result = {
         "date": datetime.now(timezone.utc).isoformat(), "device": single["device"],
         "torch": torch.__version__, "command": args.command, "model": args.shape,
         "dtype": args.dtype, "tp_size": args.tp_size, "context": args.context,
         "prefill_tokens": args.prefill_tokens, "runs": [single, split], **whole,
-        "ratios": ratios, "targets": TARGETS,
+        "ratios": ratios, "diagnostics": diagnostics, "targets": TARGETS,
         "met": {k: ratios[k] <= TARGETS[k] for k in TARGETS},
     }
     for key, ratio in ratios.items():
         print(f"{key:>22}: {ratio:6.3f} (target <= {TARGETS[key]})")
+    print(f"{'decode_spmd':>22}: {diagnostics['decode_spmd']:6.3f} (TP={args.tp_size} decode "
+          f"without the broadcast, over TP=1)")
+    print(f"{'decode_over_spmd':>22}: {diagnostics['decode_over_spmd']:6.3f} (the engine's "
+          f"TP={args.tp_size} decode over the SPMD one)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -146,6 +146,27 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
         "NGRAM_1.prof", "NGRAM_2.prof", "none_1.prof", "none_2.prof"]
 
 
+def test_bench_tp_writes_json(tmp_path, monkeypatch):
+    """TP=1 and TP=2 engines, then the SPMD part (whole vs piecewise, decode without the
+    broadcast), each in fresh processes over gloo; ratios and diagnostics from their medians."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # its imports, here and in the spawned ranks
+    bench = _load_script("bench_tp")
+    out = tmp_path / "tp.json"
+    result = bench.main(["--device", "cpu", "--shape", "tiny", "--prefill-tokens", "64",
+                         "--whole-tokens", "16,32", "--context", "64", "--warmup", "1",
+                         "--repeats", "2", "--out", str(out)])  # fmt: skip
+    written = json.loads(out.read_text())
+    assert written["ratios"] == pytest.approx(result["ratios"])
+    single, split = written["runs"]
+    assert (single["tp"], split["tp"]) == (1, 2)
+    assert [r["tokens"] for r in written["whole_vs_piecewise"]] == [16, 32]
+    spmd = written["decode_bs1_spmd"]["median_ms"]
+    assert spmd > 0 and written["diagnostics"] == pytest.approx({
+        "decode_spmd": spmd / single["decode_bs1"]["median_ms"],
+        "decode_over_spmd": split["decode_bs1"]["median_ms"] / spmd})  # fmt: skip
+    assert set(written["met"]) == set(written["targets"]) == set(written["ratios"])
+
+
 def test_random_weights_folder_serves_with_the_tokenizer(tmp_path, smollm2_path):
     """bench_serving's --random-weights folder: written once, then reused; the shape with the
     default tokenizer's files and vocabulary; our greedy tokens equal transformers' on it."""
