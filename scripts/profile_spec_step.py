@@ -3,9 +3,10 @@
 Per engine and batch size: the decode step's wall time (median over the decode steps of
 --repeats generations, overlap schedule as configured), and over one more generation under
 torch.profiler, per engine step: the GPU's busy time (the union of kernel intervals; the
-generation's prefill is in it), the kernels the GPU ran, and the kernel launches, copies and
-graph launches the host made. A step whose wall time is well above its busy time is
-host-bound. With --cprofile DIR, cProfile of one generation per engine and batch size.
+generation's prefill is in it), the activities the GPU ran (kernels, copies, memsets), and the
+kernel launches (ATen's and Triton's), copies and graph launches the host made. A step whose
+wall time is well above its busy time is host-bound. With --cprofile DIR, cProfile of one
+generation per engine and batch size.
 
 Random weights of a named shape (default smollm2-135m, with the default model's tokenizer) or
 --model. Every speculative engine runs --speculative-policy always; EAGLE3 runs an untrained
@@ -36,8 +37,10 @@ from bench_spec import PROMPT_SETS, StepTimes  # noqa: E402
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
 
-HOST_CALLS = {"cudaLaunchKernel": "kernel_launches", "cudaMemcpyAsync": "copies",
-              "cudaGraphLaunch": "graph_launches"}  # fmt: skip
+# the host's CUDA calls by kind, by name prefix: kernel launches through the runtime (ATen) and
+# through the driver (Triton, inductor), copies, graph launches
+HOST_CALLS = {("cudaLaunchKernel", "cuLaunchKernel"): "kernel_launches",
+              ("cudaMemcpy",): "copies", ("cudaGraphLaunch",): "graph_launches"}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -139,14 +142,15 @@ def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> 
     finally:
         del engine.step
     events, n = prof.events(), len(steps)
-    host = collections.Counter(e.name for e in events if e.name in HOST_CALLS)
+    host = collections.Counter(label for e in events for prefixes, label in HOST_CALLS.items()
+                               if e.name.startswith(prefixes))  # fmt: skip
     kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
     row = {
         "engine": name, "batch": batch, "decode_steps": len(times.times["step"]),
         "step_ms_median": times.median_ms("step"),
         "gpu_busy_ms_per_step": _busy_ms(events) / n if on_cuda else None,
-        "gpu_kernels_per_step": kernels / n if on_cuda else None,
-        **{label: host[call] / n if on_cuda else None for call, label in HOST_CALLS.items()},
+        "gpu_activities_per_step": kernels / n if on_cuda else None,  # kernels, copies, sets
+        **{label: host[label] / n if on_cuda else None for label in HOST_CALLS.values()},
         "spec": engine.spec_stats(),
     }  # fmt: skip
     if args.cprofile is not None:

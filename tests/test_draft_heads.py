@@ -281,11 +281,12 @@ def test_draft_runner_compiles_an_eagle3_head_where_the_target_runs_piecewise(tm
     from pcgspec.speculative.draft_runner import DraftRunner
 
     path = write_eagle3_checkpoint(tmp_path, shape_config("tiny"), 0, 100)
-    for piecewise, compiled in ((False, False), (True, True)):
+    for piecewise, page_size in ((False, PAGE_SIZE), (True, PAGE_SIZE), (True, 1)):
+        compiled = piecewise
         head = load_eagle3_head(path, target, torch.float32, CPU)
         config = EngineConfig(device="cpu", disable_piecewise_cuda_graph=not piecewise)
         assert config.use_piecewise is piecewise  # NOTE: the tests set PCGSPEC_CPU_PIECEWISE=1
-        runner = DraftRunner(head, 8, PAGE_SIZE, config)
+        runner = DraftRunner(head, 8, page_size, config)
         assert (head.compiled_decoder is not None) is compiled
         if compiled:  # traced at construction, on tokens that wrote no KV
             assert head.compiled_decoder.backend.num_traces == 1

@@ -60,3 +60,14 @@ def test_padded_rows_rejects_bad_inputs() -> None:
         padded_rows(starts, table, 4, 5, starts[:1].clone())
     with pytest.raises(ValueError, match="page_table must be"):
         padded_rows(starts, table[:1], 4, 5)
+    with pytest.raises(ValueError, match="int32"):
+        padded_rows(starts, table.long(), 4, 5)
+
+
+def test_padded_rows_past_the_page_table_write_no_kv() -> None:
+    """A row whose page is past its table row (never with the host's reservations) gets slot
+    -1, not a slot in some other request's page."""
+    table = torch.tensor([[7, 9]], dtype=torch.int32, device=DEVICE)  # 2 pages of 4: positions < 8
+    rows = padded_rows(torch.tensor([5], device=DEVICE), table, 4, 5)
+    assert rows.positions.tolist() == [5, 6, 7, 8, 9]
+    assert rows.out_cache_loc.tolist() == [9 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, -1, -1]

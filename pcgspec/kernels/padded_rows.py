@@ -52,6 +52,7 @@ def _padded_rows_kernel(
     page = tl.load(PageTable + b * table_stride + page_index,
                    mask=in_row & (page_index < num_pages), other=0)  # fmt: skip
     loc = page.to(tl.int64) * page_size + pos % page_size
+    loc = tl.where(page_index < num_pages, loc, -1)  # past the table: no page, no KV write
     num = K1
     if HAS_VALID:
         num = tl.load(NumValid + b).to(tl.int64)
@@ -76,8 +77,9 @@ def _check(starts: torch.Tensor, page_table: torch.Tensor, num_valid: torch.Tens
         raise ValueError("starts and num_valid must be contiguous [B] int64")
     if num_valid is not None and num_valid.shape != starts.shape:
         raise ValueError(f"num_valid has {len(num_valid)} requests, starts {len(starts)}")
-    if page_table.dim() != 2 or page_table.shape[0] != len(starts) or page_table.stride(1) != 1:
-        raise ValueError(f"page_table must be [{len(starts)}, P] with unit column stride")
+    if (page_table.dim() != 2 or page_table.shape[0] != len(starts)
+            or page_table.stride(1) != 1 or page_table.dtype != torch.int32):  # fmt: skip
+        raise ValueError(f"page_table must be [{len(starts)}, P] int32 with unit column stride")
 
 
 def _allocate(b: int, k1: int, device: torch.device) -> PaddedRows:

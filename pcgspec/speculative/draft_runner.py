@@ -115,7 +115,7 @@ class DraftRunner:
     @torch.inference_mode()
     def _trace(self) -> None:
         """One pass over two dummy tokens that writes no KV: the compiled head traces there."""
-        chunk = SeqChunk([0, 0], 0, [0], sample=False)
+        chunk = SeqChunk([0, 0], 0, [0, 0], sample=False)  # NOTE: two pages: page_size may be 1
         batch = without_kv_writes(build_forward_batch(ForwardMode.DRAFT_EXTEND, [chunk],
                                                       self.page_size, self.device))  # fmt: skip
         width = getattr(self.draft, "target_hidden_size", self.draft.hidden_size)

@@ -257,7 +257,7 @@ class ModelProposer(Proposer):
             batch.seq_lens - v.num - self.lag, batch.page_table, self.runner.page_size,
             [r.num_tokens + k1 for r in batch.requests], num_valid=v.num,
         )  # fmt: skip
-        return catch_up, v.hidden
+        return catch_up, v.hidden if self.uses_target_hidden else None
 
     def _catch_up_batch(
         self, batch: ProposeInput, states: Sequence[DraftState | None]
