@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spec import PROMPT_SETS, StepTimes  # noqa: E402
+from bench_spec import PROMPT_SETS, StepTimes, _sync  # noqa: E402
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
 
@@ -108,11 +108,6 @@ def _busy_ms(events: list) -> float:
     if current is not None:
         total += current[1] - current[0]
     return total / 1e3
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> dict:

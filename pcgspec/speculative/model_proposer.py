@@ -81,7 +81,7 @@ class DraftState:
 class VerifiedRows:
     """A verify step's emitted tokens, on the device, kept for the next catch-up."""
 
-    tokens: torch.Tensor  # [B, k+1] int64: the step's emitted tokens, then -1
+    tokens: torch.Tensor  # [B, k+1] int64: the step's emitted tokens, then FILLER_TOKEN
     num: torch.Tensor  # [B] int64: how many (accepted drafts + 1)
     hidden: torch.Tensor | None  # [B * (k+1), Hh] the verify pass's target states (a copy)
     # the requests that catch up from these rows (row in the step), until read or taken
@@ -133,7 +133,8 @@ class ModelProposer(Proposer):
             hidden = hidden.clone()  # NOTE: graph memory, rewritten by the next replay
         rows: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary(
             (r, b) for b, r in enumerate(requests))  # fmt: skip
-        self._verified = VerifiedRows(out.tokens, out.accept_len + 1, hidden, rows)
+        tokens = torch.where(out.tokens < 0, FILLER_TOKEN, out.tokens)  # catch-up input ids
+        self._verified = VerifiedRows(tokens, out.accept_len + 1, hidden, rows)
         return self._verified
 
     def read(self, request: object, rows: object, row: int, start: int, num: int) -> None:
@@ -253,7 +254,7 @@ class ModelProposer(Proposer):
         """
         v, k1 = self._verified, self.num_steps + 1
         catch_up = build_padded_batch(
-            ForwardMode.DRAFT_EXTEND, torch.where(v.tokens < 0, FILLER_TOKEN, v.tokens),
+            ForwardMode.DRAFT_EXTEND, v.tokens,
             batch.seq_lens - v.num - self.lag, batch.page_table, self.runner.page_size,
             [r.num_tokens + k1 for r in batch.requests], num_valid=v.num,
         )  # fmt: skip
@@ -298,8 +299,7 @@ class ModelProposer(Proposer):
         if on_device:
             v = self._verified
             n = v.num.index_select(0, device_rows)
-            tokens = v.tokens.index_select(0, device_rows)
-            input_ids.index_copy_(0, device_b, torch.where(tokens < 0, FILLER_TOKEN, tokens))
+            input_ids.index_copy_(0, device_b, v.tokens.index_select(0, device_rows))
             start.index_copy_(0, device_b, seq_lens.index_select(0, device_b) - n - self.lag)
             num.index_copy_(0, device_b, n)
             steps = torch.arange(k1, device=device)
