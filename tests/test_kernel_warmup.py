@@ -19,7 +19,7 @@ from pcgspec.kernels.attention import decode_attention, decode_workspace, store_
 from pcgspec.kernels.extend_attention import extend_attention, plan_extend
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
-from pcgspec.kernels.padded_rows import padded_rows
+from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.kernels.warmup import (
     AttentionShape,
@@ -171,7 +171,8 @@ def _serve_like(shape: AttentionShape) -> None:
         b = len(batch_reqs)
         rows = slots.rows(batch_reqs, torch.zeros(b, K, dtype=torch.int64))  # k+1 rows each
         ones = torch.ones(b, dtype=torch.int64)
-        slots.commit(batch_reqs, torch.zeros(b, 1, dtype=torch.int64), ones)
+        slots.commit(batch_reqs, torch.zeros(b, 1, dtype=torch.int64), ones)  # a decode step
+        slots.commit(batch_reqs, torch.zeros(b, K + 1, dtype=torch.int64), ones)  # a verify step
         for strategy in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH):
             verify_draft_tokens(
                 torch.rand(b, K + 1, VOCAB), torch.randint(0, VOCAB, (b, K)), strategy,
@@ -184,7 +185,15 @@ def _serve_like(shape: AttentionShape) -> None:
     for b in (1, 2, 3, 5):  # verify passes and draft catch-ups (build_padded_batch)
         starts = torch.arange(b, dtype=torch.int64) * 3
         table = torch.arange(b * (b + 1), dtype=torch.int32).view(b, b + 1)
-        padded_rows(starts, table, page, K + 1)
+        tokens = VerifyTokens(torch.zeros(4, dtype=torch.int64), torch.arange(b) % 4,
+                              torch.zeros(b, K, dtype=torch.int64))  # fmt: skip
+        padded_rows(starts + 1, table, page, K + 1, start_offset=-1, tokens=tokens)  # verify
+        bucket = b + 1  # a verify graph's bucket, built in place
+        rows = GraphRows(*(torch.zeros(bucket * (K + 1), dtype=torch.int64) for _ in range(3)),
+                         torch.zeros(bucket, dtype=torch.int32),
+                         torch.full((bucket,), K + 1, dtype=torch.int32),
+                         torch.arange(bucket * (K + 1)))  # fmt: skip
+        padded_rows_into(rows, starts + 1, table, page, K + 1, start_offset=-1, tokens=tokens)
         padded_rows(starts, table, page, K + 1, num_valid=torch.ones(b, dtype=torch.int64))
 
 
@@ -192,7 +201,7 @@ def test_warmup_covers_every_serving_specialization(record) -> None:
     warmed = record()
     warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB),
                           ngram=NGRAM)  # fmt: skip
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 2 + 3 + 3 + 3 + 2 * 2 + 2 + 1
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + 3 + 3 + 3 + 2 * 2 + 3 + 1
     served = record()
     _serve_like(TINY)
     assert set(served) == set(warmed) == {
@@ -205,10 +214,10 @@ def test_warmup_covers_every_serving_specialization(record) -> None:
         assert not missing, f"{name}: {len(missing)} not warmed, e.g. {missing.pop()}"
     # One compiled kernel per family member (the sizes and index alignments are runtime values).
     assert {n: len(k) for n, k in warmed.items()} == {
-        "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 1, "_extend_kernel": 3,
+        "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 2, "_extend_kernel": 3,
         "_store_kv_kernel": 1, "_split_kv_kernel": 2, "_split_kv_reduce_kernel": 1,
         "_verify_rows_kernel": 2, "_accept_kernel": 1, "_ngram_kernel": 1,
-        "_padded_rows_kernel": 2,
+        "_padded_rows_kernel": 3,
     }  # fmt: skip
 
 

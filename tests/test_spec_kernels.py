@@ -98,6 +98,66 @@ def test_advance_positions_in_place() -> None:
     assert torch.equal(positions[2:], before[2:])
 
 
+
+@pytest.mark.parametrize("num_tokens, with_history", [(1, False), (1, True), (5, False),
+                                                      (5, True)])
+def test_advance_positions_records_the_emitted_tokens(num_tokens: int, with_history: bool
+                                                      ) -> None:  # fmt: skip
+    """The commit's one launch: counters, last tokens and token history, == the torch
+    reference; a padding request (-1) and a request that emitted nothing record no token, and a
+    row that runs past the history's end spills into its last column only.
+    """
+    gen = torch.Generator().manual_seed(num_tokens * 2 + with_history)
+    n, length = 9, 12
+    slots = torch.tensor([4, -1, 0, 7, 2], **I64)
+    emitted = torch.tensor([num_tokens, 1, 0, 1, num_tokens], **I64)
+    tokens = _int64(5 * num_tokens, gen, 0, 500).view(5, num_tokens)
+    prompt_len = _int64(n, gen, 0, 6)
+    prompt_len[2] = length - 1  # request 4 runs past the end of its row
+    state = dict(
+        positions=_int64(n, gen, 0, 6), last_token=_int64(n, gen, 0, 500),
+        history=torch.randint(0, 500, (n, length + 1), generator=gen,
+                              dtype=torch.int32).to(DEVICE),
+    )  # fmt: skip
+    if not with_history:
+        del state["history"]
+    got = {k: v.clone() for k, v in state.items()}
+    want = {k: v.clone() for k, v in state.items()}
+    extra = dict(prompt_len=prompt_len) if with_history else {}
+    for fn, out in ((advance_positions, got), (advance_positions_ref, want)):
+        fn(out["positions"], emitted, slots, tokens=tokens, last_token=out["last_token"],
+           history=out.get("history"), **extra)  # fmt: skip
+    before = state["positions"]
+    assert torch.equal(got["positions"], want["positions"])
+    assert got["positions"].tolist() == [int(before[i]) + {4: num_tokens, 7: 1, 2: num_tokens}
+                                         .get(i, 0) for i in range(n)]  # fmt: skip
+    assert torch.equal(got["last_token"], want["last_token"])
+    expect_last = state["last_token"].clone()
+    expect_last[[4, 7, 2]] = tokens[[0, 3, 4], [num_tokens - 1, 0, num_tokens - 1]]
+    assert torch.equal(got["last_token"], expect_last)  # slot 0 emitted nothing: unchanged
+    if with_history:
+        assert torch.equal(got["history"][:, :length], want["history"][:, :length])
+        start = int(prompt_len[4] + before[4])
+        assert got["history"][4, start : start + num_tokens].tolist() == tokens[0].tolist()
+        untouched = [i for i in range(n) if i not in (4, 7, 2, 0)]
+        assert torch.equal(got["history"][untouched], state["history"][untouched])
+
+
+def test_advance_positions_rejects_mismatched_tables() -> None:
+    positions, emitted = torch.zeros(4, **I64), torch.ones(2, **I64)
+    slots, tokens = torch.tensor([0, 1], **I64), torch.zeros(2, 3, **I64)
+    with pytest.raises(ValueError, match="tokens and last_token"):
+        advance_positions(positions, emitted, slots, tokens=tokens)
+    with pytest.raises(ValueError, match="history and prompt_len"):
+        advance_positions(positions, emitted, slots, tokens=tokens, last_token=positions.clone(),
+                          history=torch.zeros(4, 5, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="tokens must be"):
+        advance_positions(positions, emitted, slots, tokens=torch.zeros(3, 3, **I64),
+                          last_token=positions.clone())
+    with pytest.raises(ValueError, match="history must be"):
+        advance_positions(positions, emitted, slots, tokens=tokens, last_token=positions.clone(),
+                          history=torch.zeros(4, 5, **I64), prompt_len=positions.clone())
+
 def _probs(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random distributions with about a third of the entries exactly zero."""
     p = torch.rand(shape, generator=gen)

@@ -23,7 +23,13 @@ from test_decode_graphs import (
     tiny_runner,
 )
 
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.kernels.padded_rows import VerifyTokens
+from pcgspec.runners.batch_builder import (
+    SeqChunk,
+    build_forward_batch,
+    build_verify_batch,
+    device_page_table,
+)
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.model_runner import ModelRunner
@@ -97,6 +103,45 @@ def test_model_runner_routes_verify_batches(tiny_path) -> None:  # noqa: F811
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert runner.verify_graphs.stats() == {"graphs": 5, "replays": 1, "padded_rows": 1}
 
+
+
+@torch.inference_mode()
+def test_a_verify_batch_built_in_place_replays_like_eager(tiny_path) -> None:  # noqa: F811
+    """``build_verify_batch`` into the bucket's static rows (``rows_for``): the same rows as
+    the host-built batch, the padding request of bucket 4 writes no KV, the replay copies only
+    the page table and equals an eager pass; ``rows_for`` declines what no graph serves.
+    """
+    runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=True)
+    graphs, reqs, device = verify_graphs(runner), Requests(runner), runner.device
+    rows = [4, 2, 9]
+    lens = [reqs.lens[r] for r in rows]  # the last token's position: its K/V is not cached yet
+    last = torch.tensor([reqs.ids[r][n] for r, n in zip(rows, lens)], device=device)
+    drafts = torch.tensor([reqs.ids[r][n + 1 : n + K1] for r, n in zip(rows, lens)],
+                          device=device)  # fmt: skip
+    tokens = VerifyTokens(last.flip(0), torch.arange(2, -1, -1, device=device), drafts)
+    seq_lens = torch.tensor(lens, device=device) + 1
+    table = device_page_table([reqs.pages[r] for r in rows], device)
+    bounds = [n + K1 for n in lens]
+    host = verify_batch(reqs, rows)
+    built = build_verify_batch(tokens, seq_lens, table, PAGE_SIZE, bounds)
+    graph_rows = graphs.rows_for(len(rows), table.shape[1], max(bounds))
+    in_place = build_verify_batch(tokens, seq_lens, table, PAGE_SIZE, bounds, graph_rows)
+    assert in_place.input_ids.data_ptr() == graphs.buffers.input_ids.data_ptr()
+    for name in ("input_ids", "positions", "out_cache_loc"):
+        assert torch.equal(getattr(in_place, name), getattr(host, name)), name
+        assert torch.equal(getattr(built, name), getattr(host, name)), name
+    assert torch.equal(in_place.seq_lens, host.seq_lens)
+    assert torch.equal(in_place.logits_indices, host.logits_indices)
+    kv = runner.kv_cache
+    before = kv_snapshot(kv)
+    assert graphs.can_run(in_place)
+    hidden = graphs.replay(in_place).hidden.clone()
+    assert graphs.stats()["padded_rows"] == 1  # bucket 4
+    assert_only_slots_written(kv, before, in_place.out_cache_loc)
+    torch.testing.assert_close(hidden, runner.run_eager(built)[0], atol=1e-5, rtol=1e-5)
+    assert graphs.rows_for(MAX_BS + 1, table.shape[1], max(bounds)) is None
+    assert graphs.rows_for(3, graphs.max_pages + 1, max(bounds)) is None
+    assert graphs.rows_for(3, table.shape[1], graphs.max_seq_len + 1) is None
 
 def test_verify_can_run_refusals(tiny_path) -> None:  # noqa: F811
     runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=True)

@@ -9,8 +9,10 @@ so a seeded request samples the same tokens with or without speculation.
 One step is two launches, both sized from host ints only (no host sync, graph-capturable):
 ``build_sampling_params`` before sampling reads the counter and expands the rows;
 ``advance_positions`` after sampling/verification adds what each request emitted (1 for a
-decode, accept_len + 1 for a verify, 0 for a prefill chunk that samples nothing). The split
-exists because a verify step's advance is only known after verification.
+decode, accept_len + 1 for a verify, 0 for a prefill chunk that samples nothing) and, in the
+same launch, records the emitted tokens: each request's last one (the next decode step's input)
+and, for prompt lookup, its token history. The split exists because a verify step's advance is
+only known after verification.
 """
 
 from __future__ import annotations
@@ -111,11 +113,17 @@ def _build_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["num_requests"], do_not_specialize_on_alignment=["Pos", "Slots", "Emitted"]
+    do_not_specialize=["num_requests", "num_tokens", "token_stride", "history_stride",
+                       "history_end"],
+    do_not_specialize_on_alignment=["Pos", "Slots", "Emitted", "Tokens", "LastToken", "History",
+                                    "PromptLen"],
 )
 def _advance_kernel(
-    Pos, Slots, Emitted, num_requests, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr
-):
+    Pos, Slots, Emitted, Tokens, LastToken, History, PromptLen,
+    num_requests, num_tokens, token_stride, history_stride, history_end,
+    HAS_SLOTS: tl.constexpr, HAS_TOKENS: tl.constexpr, HAS_HISTORY: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = b < num_requests
     slot = b.to(tl.int64)
@@ -124,6 +132,18 @@ def _advance_kernel(
         mask = mask & (slot >= 0)
     emitted = tl.load(Emitted + b, mask=mask, other=0).to(tl.int64)
     pos = tl.load(Pos + slot, mask=mask, other=0)
+    if HAS_TOKENS:
+        j = tl.arange(0, BLOCK_T)
+        in_row = mask[:, None] & (j[None, :] < num_tokens)
+        tokens = tl.load(Tokens + b.to(tl.int64)[:, None] * token_stride + j[None, :],
+                         mask=in_row, other=0)  # fmt: skip
+        last = tl.sum(tl.where(j[None, :] == emitted[:, None] - 1, tokens, 0), axis=1)
+        tl.store(LastToken + slot, last, mask=mask & (emitted > 0))
+        if HAS_HISTORY:  # NOTE: at the old length; past a row's end into its spill column
+            length = tl.load(PromptLen + slot, mask=mask, other=0) + pos
+            column = tl.minimum(length[:, None] + j[None, :], history_end)
+            tl.store(History + slot[:, None] * history_stride + column, tokens.to(tl.int32),
+                     mask=in_row)  # fmt: skip
     tl.store(Pos + slot, pos + emitted, mask=mask)
 
 
@@ -246,21 +266,72 @@ def advance_positions(
     positions: torch.Tensor,  # [N] int64 counter, updated in place
     num_emitted: torch.Tensor,  # [B] tokens request b emitted this step
     req_slots: torch.Tensor | None = None,  # [B] unique entries of `positions`; < 0 = padding
+    *,
+    tokens: torch.Tensor | None = None,  # [B, n] int64: request b emitted tokens[b, :num_emitted]
+    last_token: torch.Tensor | None = None,  # [N] int64, with tokens: each entry's last token
+    history: torch.Tensor | None = None,  # [N, L + 1] int32 token rows, the last column a spill
+    prompt_len: torch.Tensor | None = None,  # [N] int64, with history: each entry's prompt
 ) -> None:
-    """``positions[req_slots[b]] += num_emitted[b]`` on the device, no host sync."""
+    """``positions[req_slots[b]] += num_emitted[b]`` on the device, no host sync. With
+    ``tokens`` the same launch records each request's last emitted token in ``last_token``
+    (none for a request that emitted nothing) and, with ``history``, writes ``tokens[b, j]`` at
+    column ``prompt_len + position + j`` (the old position) of its row for every ``j``: the
+    emitted tokens extend the row, the others land past its new length, and columns past ``L``
+    fall into the spill column, which nothing reads.
+    """
     _require(positions.dim() == 1 and positions.dtype == torch.int64, "positions must be [N] int64")
     _require(positions.is_contiguous(), "positions must be contiguous")
     num_requests = num_emitted.shape[0] if num_emitted.dim() == 1 else -1
-    _check_index("num_emitted", num_emitted, num_requests, positions.device)
-    _check_index("req_slots", req_slots, num_requests, positions.device)
+    device = positions.device
+    _check_index("num_emitted", num_emitted, num_requests, device)
+    _check_index("req_slots", req_slots, num_requests, device)
     if req_slots is None:
         _require(num_requests <= positions.shape[0], "num_emitted is longer than positions")
+    _check_commit(positions, num_requests, tokens, last_token, history, prompt_len)
     if num_requests == 0:
         return
-    has_slots = req_slots is not None
-    _ADVANCE((triton.cdiv(num_requests, _ADVANCE_BLOCK), 1, 1),
-             (positions, req_slots if has_slots else num_emitted, num_emitted), (num_requests,),
-             {"HAS_SLOTS": has_slots, "BLOCK": _ADVANCE_BLOCK}, key=has_slots)  # fmt: skip
+    has_slots, has_tokens = req_slots is not None, tokens is not None
+    has_history = history is not None
+    dummy = positions  # stands in for absent pointers; never read
+    tensors = (positions, req_slots if has_slots else num_emitted, num_emitted,
+               tokens if has_tokens else dummy, last_token if has_tokens else dummy,
+               history if has_history else dummy, prompt_len if has_history else dummy)  # fmt: skip
+    num_tokens = tokens.shape[1] if has_tokens else 1
+    scalars = (num_requests, num_tokens, tokens.stride(0) if has_tokens else 0,
+               history.stride(0) if has_history else 0,
+               history.shape[1] - 1 if has_history else 0)  # fmt: skip
+    constants = {"HAS_SLOTS": has_slots, "HAS_TOKENS": has_tokens, "HAS_HISTORY": has_history,
+                 "BLOCK": _ADVANCE_BLOCK, "BLOCK_T": triton.next_power_of_2(num_tokens)}
+    _ADVANCE((triton.cdiv(num_requests, _ADVANCE_BLOCK), 1, 1), tensors, scalars, constants,
+             key=tuple(constants.values()))  # fmt: skip
+
+
+def _check_commit(
+    positions: torch.Tensor, num_requests: int, tokens: torch.Tensor | None,
+    last_token: torch.Tensor | None, history: torch.Tensor | None,
+    prompt_len: torch.Tensor | None,
+) -> None:  # fmt: skip
+    device, n = positions.device, positions.shape[0]
+    _require((tokens is None) == (last_token is None), "tokens and last_token go together")
+    _require((history is None) == (prompt_len is None), "history and prompt_len go together")
+    _require(history is None or tokens is not None, "history needs tokens")
+    if tokens is None:
+        return
+    ok = (tokens.dim() == 2 and tokens.shape[0] == num_requests and tokens.dtype == torch.int64
+          and (tokens.stride(1) == 1 or tokens.shape[1] == 1) and tokens.device == device)
+    _require(ok, f"tokens must be [{num_requests}, n] int64 on {device} with unit column stride, "
+             f"got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}")  # fmt: skip
+    ok = (last_token.shape == (n,) and last_token.dtype == torch.int64
+          and last_token.device == device)  # fmt: skip
+    _require(ok and last_token.is_contiguous(), f"last_token must be contiguous [{n}] int64")
+    if history is None:
+        return
+    ok = (history.dim() == 2 and history.shape[0] == n and history.shape[1] >= 2
+          and history.dtype == torch.int32 and history.stride(1) == 1 and history.device == device)
+    _require(ok, f"history must be [{n}, L + 1] int32 with unit column stride")
+    ok = prompt_len.shape == (n,) and prompt_len.dtype == torch.int64
+    _require(ok and prompt_len.is_contiguous() and prompt_len.device == device,
+             f"prompt_len must be contiguous [{n}] int64")  # fmt: skip
 
 
 def _slots(req_slots: torch.Tensor | None, num_requests: int) -> list[int]:
@@ -293,8 +364,29 @@ def build_sampling_params_ref(
 
 
 def advance_positions_ref(
-    positions: torch.Tensor, num_emitted: torch.Tensor, req_slots: torch.Tensor | None = None
+    positions: torch.Tensor,
+    num_emitted: torch.Tensor,
+    req_slots: torch.Tensor | None = None,
+    *,
+    tokens: torch.Tensor | None = None,
+    last_token: torch.Tensor | None = None,
+    history: torch.Tensor | None = None,
+    prompt_len: torch.Tensor | None = None,
 ) -> None:
-    for b, slot in enumerate(_slots(req_slots, len(num_emitted))):
-        if slot >= 0:
-            positions[slot] += num_emitted[b]
+    num_requests = len(num_emitted)
+    _check_commit(positions, num_requests, tokens, last_token, history, prompt_len)
+    device = positions.device
+    slots = (torch.arange(num_requests, device=device) if req_slots is None
+             else req_slots.to(torch.int64))  # fmt: skip
+    valid = slots >= 0
+    slots, emitted = slots[valid], num_emitted[valid].to(torch.int64)
+    if tokens is not None:
+        rows = tokens[valid]
+        if history is not None:
+            steps = torch.arange(rows.shape[1], device=device)
+            start = prompt_len[slots] + positions[slots]  # NOTE: before the advance
+            columns = (start[:, None] + steps).clamp_max(history.shape[1] - 1)
+            history[slots[:, None].expand_as(columns), columns] = rows.to(torch.int32)
+        some = emitted > 0
+        last_token[slots[some]] = rows[some].gather(1, (emitted[some] - 1)[:, None]).squeeze(1)
+    positions.index_add_(0, slots, emitted)

@@ -58,8 +58,8 @@ class VerifyOutput:
 
     @classmethod
     def empty(cls, b: int, k: int, device: torch.device) -> VerifyOutput:
-        return cls(torch.empty(b, dtype=torch.int64, device=device),
-                   torch.empty(b, k + 1, dtype=torch.int64, device=device))  # fmt: skip
+        buffer = torch.empty(b * (k + 2), dtype=torch.int64, device=device)  # one allocation
+        return cls(buffer[:b], buffer[b:].view(b, k + 1))
 
 
 @triton.jit

@@ -13,8 +13,8 @@ Per family: ``warm_extend`` (one launch per ``BLOCK_M`` that ``plan_extend`` can
 head config), ``warm_split_kv`` (KV store + split-KV decode and reduce per tokens per request),
 ``warm_pad_batch`` (with and without request starts), ``warm_sampling`` (build_sampling_params,
 advance_positions), ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the
-speculative worker uses, the accept kernel, and the padded rows of verify passes and draft
-catch-ups) and ``warm_ngram`` (prompt lookup).
+speculative worker uses, the accept kernel, and the padded rows of verify passes, in place
+for a verify graph or not, and of draft catch-ups) and ``warm_ngram`` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pcgspec.kernels.build_sampling_params import (
 from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_extend
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
-from pcgspec.kernels.padded_rows import padded_rows
+from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 
 if TYPE_CHECKING:
@@ -170,14 +170,23 @@ def warm_pad_batch(device: torch.device) -> int:
     return 2
 
 
-def warm_sampling(device: torch.device) -> int:
-    """``build_sampling_params`` and ``advance_positions`` as ``SamplingSlots`` calls them."""
+def warm_sampling(device: torch.device, num_steps: int | None = None,
+                  history: bool = False) -> int:  # fmt: skip
+    """``build_sampling_params`` and ``advance_positions`` as ``SamplingSlots`` calls them: the
+    commit of a decode step's one token per request and, with speculation, of a verify step's
+    k+1, into a token history where prompt lookup keeps one.
+    """
     s = _Scratch(device)
     table = SamplingTensors(*(t.zero_() for t in SamplingTensors.empty(1, device).tensors()))
     slots = s.zeros(1)
     build_sampling_params(table, torch.ones_like(slots), 1, req_slots=slots)
-    advance_positions(s.zeros(1), s.zeros(1), slots)
-    return 2
+    rows = (1,) if num_steps is None else (1, num_steps + 1)
+    for n in rows:
+        advance_positions(s.zeros(1), s.zeros(1), slots, tokens=s.zeros(1, n),
+                          last_token=s.zeros(1),
+                          history=s.zeros(1, 2, dtype=torch.int32) if history else None,
+                          prompt_len=s.zeros(1) if history else None)  # fmt: skip
+    return 1 + len(rows)
 
 
 def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
@@ -192,9 +201,13 @@ def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
             seed=s.zeros(1, k1), position=s.zeros(1, k1), num_draft=s.full(num_steps, 1),
         )  # fmt: skip
     table = s.zeros(1, 1, dtype=torch.int32)
-    padded_rows(s.zeros(1), table, 1, k1)  # a verify pass
+    tokens = VerifyTokens(s.zeros(1), s.zeros(1), s.zeros(1, num_steps))
+    padded_rows(s.full(1, 1), table, 1, k1, start_offset=-1, tokens=tokens)  # a verify pass
+    rows = GraphRows(s.zeros(k1), s.zeros(k1), s.full(-1, k1), s.zeros(1, dtype=torch.int32),
+                     s.full(k1, 1, dtype=torch.int32), s.zeros(k1))  # fmt: skip
+    padded_rows_into(rows, s.full(1, 1), table, 1, k1, start_offset=-1, tokens=tokens)  # graph
     padded_rows(s.zeros(1), table, 1, k1, num_valid=s.full(1, 1))  # a draft catch-up
-    return 2 * len(VERIFY_STRATEGIES) + 2
+    return 2 * len(VERIFY_STRATEGIES) + 3
 
 
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:
@@ -209,7 +222,8 @@ def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.d
 
 def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
     """Every family ``warmup`` names; returns the number of kernel launches (variants)."""
-    count = warm_pad_batch(device) + warm_sampling(device)
+    k = None if warmup.verify is None else warmup.verify[0]
+    count = warm_pad_batch(device) + warm_sampling(device, k, history=warmup.ngram is not None)
     for shape in _unique(warmup.attention):
         count += warm_extend(shape, device)
         count += sum(warm_split_kv(shape, n, device) for n in sorted(set(warmup.split_kv_tokens)))

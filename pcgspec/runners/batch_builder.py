@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pcgspec.kernels.padded_rows import padded_rows, padded_rows_ref
+from pcgspec.kernels.padded_rows import (
+    GraphRows,
+    VerifyTokens,
+    padded_rows,
+    padded_rows_into,
+    padded_rows_into_ref,
+    padded_rows_ref,
+)
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 
@@ -104,11 +111,12 @@ def upload(
             flat.extend(column)
             flat.extend([0] * (-len(column) % per_16_bytes))
     pinned = torch.device(device).type == "cuda"
-    packed = torch.tensor(flat, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+    dtype = torch.int64 if int64 else torch.int32  # NOTE: int32 alone needs no conversion
+    packed = torch.tensor(flat, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
     out = [packed[start : start + n] for start, n in spans[: len(int64)]]
     if int32:
         wide = spans[len(int64)][0]
-        narrow = packed[wide:].to(torch.int32)
+        narrow = packed[wide:].to(torch.int32)  # a no-op without int64 columns
         out += [narrow[start - wide : start - wide + n] for start, n in spans[len(int64) :]]
     return out
 
@@ -131,23 +139,40 @@ def device_page_table(pages: Sequence[Sequence[int]], device: torch.device | str
 
 
 def build_verify_batch(
-    last_tokens: torch.Tensor,
-    drafts: torch.Tensor,
+    tokens: VerifyTokens,
     seq_lens: torch.Tensor,
     page_table: torch.Tensor,
     page_size: int,
     seq_len_bounds: Sequence[int],
+    graph_rows: GraphRows | None = None,
     **extra: object,
 ) -> ForwardBatch:
-    """A ``TARGET_VERIFY`` batch of ``[last token, drafts]`` per request, built on the device:
-    ``seq_lens`` [B] (device) are the requests' token counts before the step, so that the
-    host need not have read the tokens of a step still running (the overlap schedule);
-    ``page_table`` [B, P] (device) holds their pages. ``seq_len_bounds`` are host upper bounds
-    of the lengths after the pass (``seq_lens + k``), for sizing.
+    """A ``TARGET_VERIFY`` batch of ``[last token, drafts]`` per request (``tokens``), built on
+    the device in one launch: ``seq_lens`` [B] (device) are the requests' token counts before
+    the step, so that the host need not have read the tokens of a step still running (the
+    overlap schedule); ``page_table`` [B, P] (device) holds their pages. ``seq_len_bounds`` are
+    host upper bounds of the lengths after the pass (``seq_lens + k``), for sizing. With
+    ``graph_rows`` (``DecodeGraphRunner.rows_for``) the rows are written into the verify
+    graph's static buffers, whose views the batch then holds.
     """
-    input_ids = torch.cat([last_tokens[:, None], drafts], 1)  # [B, k+1]
-    return build_padded_batch(ForwardMode.TARGET_VERIFY, input_ids, seq_lens - 1, page_table,
-                              page_size, seq_len_bounds, **extra)  # fmt: skip
+    b, k1 = tokens.drafts.shape[0], tokens.drafts.shape[1] + 1
+    common = dict(forward_mode=ForwardMode.TARGET_VERIFY, page_table=page_table,
+                  page_size=page_size, seq_lens_cpu=tuple(seq_len_bounds),
+                  extend_lens_cpu=(k1,) * b, spec_num_draft_tokens=k1)  # fmt: skip
+    if graph_rows is not None:
+        into = padded_rows_into if seq_lens.is_cuda else padded_rows_into_ref
+        into(graph_rows, seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
+        n, g = b * k1, graph_rows
+        return ForwardBatch(input_ids=g.input_ids[:n], positions=g.positions[:n],
+                            out_cache_loc=g.out_cache_loc[:n], seq_lens=g.seq_lens[:b],
+                            extend_lens=g.extend_lens[:b], logits_indices=g.all_rows[:n],
+                            **common, **extra)  # type: ignore[arg-type]  # fmt: skip
+    build = padded_rows if seq_lens.is_cuda else padded_rows_ref
+    rows = build(seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
+    return ForwardBatch(input_ids=rows.input_ids, positions=rows.positions,
+                        out_cache_loc=rows.out_cache_loc, seq_lens=rows.seq_lens,
+                        extend_lens=rows.extend_lens, logits_indices=rows.all_rows,
+                        extend_start=rows.extend_start, **common, **extra)  # type: ignore[arg-type]  # fmt: skip
 
 
 def build_padded_batch(

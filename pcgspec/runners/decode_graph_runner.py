@@ -42,6 +42,7 @@ from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
 from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
+from pcgspec.kernels.padded_rows import GraphRows
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -137,9 +138,20 @@ class StaticBuffers:
             **{"logits_indices": self.rows[: bs * n], **fields},  # type: ignore[arg-type]
         )
 
+    def bucket_rows(self, bs: int) -> GraphRows:
+        """Bucket ``bs``'s rows, for a pass built in place (``padded_rows_into``)."""
+        n = bs * self.tokens_per_seq
+        return GraphRows(self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
+                         self.seq_lens[:bs], self.extend_lens[:bs], self.rows[:n])  # fmt: skip
+
     def load(self, batch: ForwardBatch, bs: int) -> None:
-        """Copy ``batch`` into the first requests' rows, requests ``B..bs`` padding."""
+        """Copy ``batch`` into the first requests' rows, requests ``B..bs`` padding. A batch
+        built in place (its rows are these buffers, padding written) needs its page table only.
+        """
         # NOTE: few launches: before the graph launch the GPU has nothing to do.
+        if batch.input_ids.data_ptr() == self.input_ids.data_ptr():
+            self.page_table[: batch.batch_size, : batch.page_table.shape[1]].copy_(batch.page_table)
+            return
         n, rows = batch.batch_size, bs * self.tokens_per_seq
         pad = pad_batch if self.input_ids.device.type == "cuda" else pad_batch_ref
         pad(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
@@ -260,6 +272,18 @@ class DecodeGraphRunner:
         if reason is not None:
             self.counters[f"rejected_{reason}"] += 1
         return reason is None
+
+    def rows_for(self, batch_size: int, max_pages: int, max_seq_len: int) -> GraphRows | None:
+        """The static rows of the bucket that will replay a pass of ``batch_size`` requests of
+        ``tokens_per_seq`` tokens (page tables of ``max_pages``, lengths up to
+        ``max_seq_len``) in the runner's hidden mode, to build it in place; None where no graph
+        will (``can_run`` then refuses it and counts why).
+        """
+        bs = pad_to_bucket(batch_size, self.batch_sizes)
+        if (bs not in self.graphs or max_pages > self.max_pages
+                or max_seq_len > self.max_seq_len):  # fmt: skip
+            return None
+        return self.buffers.bucket_rows(bs)
 
     def _refusal(self, batch: ForwardBatch) -> str | None:
         if not self.graphs:

@@ -243,9 +243,11 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         hidden, aux, logits = self._run_decoder(batch)
-        if logits is None or batch.logits_indices.shape[0] != batch.num_tokens:
-            # NOTE: a graph's logits are every row's; the rows are ascending, so all rows = all
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # NOTE: the logits rows ascend, so as many rows as tokens are every row, in order
+        every_row = batch.logits_indices.shape[0] == batch.num_tokens
+        if logits is None or not every_row:  # a graph's logits are every row's
+            rows = hidden[: batch.num_tokens] if every_row else hidden[batch.logits_indices]
+            logits = self.model.compute_logits(rows)
         captured = aux if aux is not None else hidden
         mode = batch.capture_hidden_mode
         if mode is CaptureHiddenMode.FULL:  # NOTE: graph runners return graph memory: copy

@@ -251,12 +251,10 @@ class SamplingSlots:
         history on the device, with no host sync.
         """
         slots = self.slot_indices(reqs)
-        if self.token_history is not None:  # NOTE: before the advance: at the old lengths
-            self._append_history(slots, tokens)
         advance = advance_positions if self._triton else advance_positions_ref
-        advance(self.table.position, num_emitted, slots)
-        last = tokens.gather(1, (num_emitted.to(torch.int64) - 1)[:, None]).squeeze(1)
-        self.last_token.index_copy_(0, slots, last)
+        advance(self.table.position, num_emitted, slots, tokens=tokens, last_token=self.last_token,
+                history=self._history,
+                prompt_len=None if self._history is None else self._prompt_len)  # fmt: skip
         if self.output_counts is None or not any(r.params.needs_penalties for r in reqs):
             return
         steps = torch.arange(tokens.shape[1], device=self.device)
@@ -265,18 +263,6 @@ class SamplingSlots:
         self.output_counts.index_put_((slots[:, None].expand_as(tokens), columns),
                                       emitted.to(torch.int32), accumulate=True)  # fmt: skip
 
-    def _append_history(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """``token_history[slots[b], length_b + j] = tokens[b, j]`` for every j: the emitted
-        tokens extend the row, the others land past its new length and what falls past the end
-        of a row in the spill column, where nothing reads them.
-        """
-        assert self._history is not None
-        end = self._history.shape[1] - 1
-        steps = torch.arange(tokens.shape[1], device=self.device)
-        columns = (self._seq_lens(slots)[:, None] + steps).clamp_max(end)  # [B, n]
-        self._history.index_put_((slots[:, None].expand_as(columns), columns),
-                                 tokens.to(torch.int32))  # fmt: skip
-
     def seq_lens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor: each request's token count, prompt + outputs (as of the
         device).
@@ -284,7 +270,8 @@ class SamplingSlots:
         return self._seq_lens(self.slot_indices(reqs))
 
     def _seq_lens(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._prompt_len.index_select(0, slots) + self.table.position.index_select(0, slots)
+        # NOTE: rows 2 and 3 of the int table are the position and the prompt length
+        return self._ints[2:].index_select(1, slots).sum(0)
 
     def last_tokens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor: each request's last emitted token (as of the device)."""

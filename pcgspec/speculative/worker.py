@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from pcgspec.engine.request import Request, RequestStatus, SpecCounters
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
+from pcgspec.kernels.padded_rows import VerifyTokens
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyOutput,
     VerifyStrategy,
@@ -150,9 +151,13 @@ class SpecWorker:
         k, device = self.num_steps, self.runner.device
         drafts = proposal.tokens.to(device, non_blocking=True)  # [B, k]
         sampling = self.slots.rows(reqs, drafts)  # k+1 rows per request, drafts counted
+        bounds = [r.num_tokens + k for r in reqs]
+        graphs = self.runner.verify_graphs
         batch = build_verify_batch(
-            self.slots.last_tokens(reqs), drafts, seq_lens, page_table, self.runner.page_size,
-            [r.num_tokens + k for r in reqs],
+            VerifyTokens(self.slots.last_token, self.slots.slot_indices(reqs), drafts),
+            seq_lens, page_table, self.runner.page_size, bounds,
+            None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1],
+                                                        max(bounds)),
             sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )  # fmt: skip
