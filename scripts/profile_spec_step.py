@@ -5,8 +5,10 @@ Per engine and batch size: the decode step's wall time (median over the decode s
 torch.profiler, per engine step: the GPU's busy time (the union of kernel intervals; the
 generation's prefill is in it), the activities the GPU ran (kernels, copies, memsets), and the
 kernel launches (ATen's and Triton's), copies and graph launches the host made. A step whose
-wall time is well above its busy time is host-bound. With --cprofile DIR, cProfile of one
-generation per engine and batch size.
+wall time is well above its busy time is host-bound. With --host-stages, the host's time per
+engine step in each stage of a step (wall time of wrapped functions over the timed
+generations; a ``wait`` stage is the host waiting for the GPU: the step is GPU-bound by about
+that much). With --cprofile DIR, cProfile of one generation per engine and batch size.
 
 Random weights of a named shape (default smollm2-135m, with the default model's tokenizer) or
 --model. Every speculative engine runs --speculative-policy always; EAGLE3 runs an untrained
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
+import functools
 import json
 import sys
 import tempfile
@@ -36,6 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spec import PROMPT_SETS, StepTimes, _sync  # noqa: E402
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
+from pcgspec.engine import engine, overlap, scheduler  # noqa: E402
+from pcgspec.runners import model_runner  # noqa: E402
+from pcgspec.sampling import slots  # noqa: E402
+from pcgspec.speculative import model_proposer, ngram, worker  # noqa: E402
 
 # the host's CUDA calls by kind, by name prefix: kernel launches through the runtime (ATen) and
 # through the driver (Triton, inductor), copies, graph launches
@@ -54,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384)
     p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--host-stages", action="store_true", help="host time per step stage")
     p.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile reports")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -93,6 +102,57 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
     return kw
 
 
+# the stages of a decode step whose host time --host-stages reports: (owner, attribute names)
+STAGES = (
+    (engine.Engine, ("step", "_read", "_forward_and_sample", "_build_forward_batch")),
+    (scheduler.Scheduler, ("schedule", "retire")),
+    (overlap.LaunchedStep, ("wait",)),
+    (worker.SpecWorker, ("chooses", "launch", "propose", "verify", "read")),
+    (worker.LaunchedSpecStep, ("wait",)),
+    (worker, ("device_page_table", "build_verify_batch", "verify_draft_tokens")),
+    (slots.SamplingSlots, ("seq_lens", "rows", "commit")),
+    (model_runner.ModelRunner, ("forward", "sample")),
+    (model_proposer.ModelProposer, ("propose", "verified", "read")),
+    (ngram.NgramProposer, ("propose",)),
+)
+
+
+@contextlib.contextmanager
+def host_stages():
+    """While the block runs, every function of ``STAGES`` adds its wall time and calls to the
+    yielded ``{"Owner.name": [ns, calls]}``."""
+    totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    originals = []
+    for owner, names in STAGES:
+        for name in names:
+            fn = owner.__dict__[name]
+            label = f"{getattr(owner, '__name__', '').rsplit('.', 1)[-1]}.{name}"
+
+            def timed(*args, _fn=fn, _total=totals[label], **kwargs):  # noqa: ANN002, ANN003, ANN202
+                start = time.perf_counter_ns()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    _total[0] += time.perf_counter_ns() - start
+                    _total[1] += 1
+
+            originals.append((owner, name, fn))
+            setattr(owner, name, functools.wraps(fn)(timed))
+    try:
+        yield totals
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
+def _stage_row(totals: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    """Per engine step: each stage's host microseconds and calls, dearest first."""
+    steps = max(totals["Engine.step"][1], 1)
+    ranked = sorted(((k, v) for k, v in totals.items() if v[1]), key=lambda kv: -kv[1][0])
+    return {k: {"us": round(ns / 1e3 / steps, 1), "calls": round(n / steps, 2)}
+            for k, (ns, n) in ranked}  # fmt: skip
+
+
 def _busy_ms(events: list) -> float:
     """The union of the CUDA kernel intervals, in ms."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
@@ -119,6 +179,13 @@ def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> 
     with StepTimes(engine) as times:
         for _ in range(args.repeats):
             llm.generate(prompts, params, use_tqdm=False)
+    stages = None
+    if args.host_stages:
+        with host_stages() as totals:
+            for _ in range(args.repeats):
+                llm.generate(prompts, params, use_tqdm=False)
+            _sync()
+        stages = _stage_row(totals)
     steps, step = [], engine.step
 
     def counted():
@@ -147,6 +214,7 @@ def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> 
         "gpu_activities_per_step": kernels / n if on_cuda else None,  # kernels, copies, sets
         **{label: host[label] / n if on_cuda else None for label in HOST_CALLS.values()},
         "spec": engine.spec_stats(),
+        "host_stages_us_per_step": stages,
     }  # fmt: skip
     if args.cprofile is not None:
         args.cprofile.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,7 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
     out = tmp_path / "profile.json"
     result = profile.main(["--shape", "tiny", "--methods", "NGRAM", "--batch-sizes", "1,2",
                            "--max-tokens", "8", "--repeats", "1", "--out", str(out),
-                           "--cprofile", str(tmp_path / "cprofile")])  # fmt: skip
+                           "--cprofile", str(tmp_path / "cprofile"), "--host-stages"])  # fmt: skip
     written = json.loads(out.read_text())
     assert written["rows"] == json.loads(json.dumps(result["rows"]))
     rows = {(r["engine"], r["batch"]): r for r in written["rows"]}
@@ -142,6 +142,14 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
         assert math.isclose(row["step_vs_plain_step"], row["step_ms_median"] / plain)
         assert row["gpu_busy_ms_per_step"] is None and row["kernel_launches"] is None  # CPU
         assert (row["spec"].get("verify_steps", 0) > 0) == (engine == "NGRAM")
+        stages = row["host_stages_us_per_step"]  # per engine step, dearest first
+        assert stages["Engine.step"]["calls"] == 1.0 and next(iter(stages)) == "Engine.step"
+        assert ("SpecWorker.launch" in stages) == (engine == "NGRAM")
+        assert 0 < stages["ModelRunner.forward"]["us"] < stages["Engine.step"]["us"]
+    from pcgspec.engine.engine import Engine
+
+    assert Engine.step.__qualname__ == "Engine.step"  # the stages' wrappers are gone
+    assert not hasattr(Engine.step, "__wrapped__")
     assert sorted(p.name for p in (tmp_path / "cprofile").iterdir()) == [
         "NGRAM_1.prof", "NGRAM_2.prof", "none_1.prof", "none_2.prof"]
 
