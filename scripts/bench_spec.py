@@ -223,8 +223,8 @@ def _always(llm, prompts: list[str], params, phases: bool) -> StepTimes:
     each step (``StepTimes(parts=True)``)."""
     policy = llm.engine.spec_worker.policy
     mode, policy.mode = policy.mode, "always"
-    try:
-        with StepTimes(llm.engine, phases=phases, parts=not phases) as times:
+    try:  # NOTE: aside: these steps must not become the step times the policy decides by
+        with policy.aside(), StepTimes(llm.engine, phases=phases, parts=not phases) as times:
             llm.generate(prompts, params, use_tqdm=False)
     finally:
         policy.mode = mode

@@ -8,7 +8,13 @@ import math
 
 import pytest
 
-from pcgspec.speculative.policy import MIN_PROBE_INTERVAL, MIN_TIMED, PROBE_SHARE, SpecPolicy
+from pcgspec.speculative.policy import (
+    MAX_PROBE_INTERVAL,
+    MIN_PROBE_INTERVAL,
+    MIN_TIMED,
+    PROBE_SHARE,
+    SpecPolicy,
+)
 
 K = 4
 
@@ -39,6 +45,26 @@ def test_measures_both_kinds_of_step_first():
     assert p.plain_steps == MIN_TIMED and p.speculative_steps == MIN_TIMED
     assert not p.choose(reqs)  # 10x the time for at most K + 1 tokens
 
+
+
+def test_steps_set_aside_are_neither_timed_nor_counted():
+    """A benchmark's synchronized passes are slower than serving's steps: set aside, they do
+    not become the times the policy decides by (they once kept it off speculation for good).
+    """
+    p, reqs = measured(policy(), 1, 1.2, 1.0), [Req()]
+    for _ in range(30):
+        p.record_accept(reqs[0], 3)  # 3 tokens for 1.2x the time of 1
+    assert p.choose(reqs)
+    counts = (p.speculative_steps, p.plain_steps)
+    with p.aside():
+        for _ in range(20):
+            p.record_step(True, 1, 9.0)
+    assert (p.speculative_steps, p.plain_steps) == counts
+    assert p.step_times()[1]["spec_ms"] == pytest.approx(1200.0)
+    assert p.choose(reqs)
+    for _ in range(20):
+        p.record_step(True, 1, 9.0)  # the same steps, recorded
+    assert not p.choose(reqs)
 
 def test_one_slow_first_plain_step_does_not_keep_speculation_on():
     """The first plain step of a bucket may pay one-time costs: alone it would make every
@@ -179,18 +205,19 @@ def test_a_step_that_first_caught_up_is_counted_but_not_timed():
 
 
 def test_probes_are_spaced_by_what_a_switch_costs():
-    """A probe after plain steps that costs 16 ms over a steady 3 ms speculative step (a model
+    """A probe after plain steps that costs 5 ms over a steady 3 ms speculative step (a model
     drafter catching up), plus 1 ms for the plain step after it: with 1 ms plain steps the
     probes' switches may cost PROBE_SHARE of the plain time between them, so they come every
-    17 / 0.05 = 340 plain steps, not every 8.
+    6 / 0.02 = 300 plain steps, not every 8.
     """
     p, r = measured(policy(), 1, 3.0, 1.0), Req()
     for _ in range(20):
         p.record_accept(r, 1)
-    p.record_step(True, 1, 19.0, steady=False, switched=True)
+    p.record_step(True, 1, 8.0, steady=False, switched=True)
     p.record_step(False, 1, 2.0, steady=False, switched=True)
     p.record_step(True, 1, 50.0, steady=False)  # a catch-up after a prefill: no switch
-    assert p.switch_cost(1) == pytest.approx(17.0)
-    want = math.ceil(17.0 / (PROBE_SHARE * 1.0))
+    assert p.switch_cost(1) == pytest.approx(6.0)
+    want = math.ceil(6.0 / (PROBE_SHARE * 1.0))
+    assert MIN_PROBE_INTERVAL < want < MAX_PROBE_INTERVAL
     chosen = [p.choose([r]) for _ in range(want + 1)]
     assert chosen.index(True) == want and chosen.count(True) == 1

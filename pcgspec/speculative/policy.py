@@ -22,8 +22,8 @@ timed as steps (``record_step(steady=False)``),
 or the catch-up after every run of plain steps would make speculation look dearer than it is
 and keep the policy off it. Their excess over a steady step is the switch cost, and the run of
 plain steps before a probe is at least long enough that probes cost under ``PROBE_SHARE`` of
-the plain steps' time (an untrained EAGLE3 head switches for 5-15 ms on SmolLM2: a probe every
-50-250 steps, not every 8).
+the plain steps' time (an untrained EAGLE3 head switches for 3-10 ms on SmolLM2: a probe every
+150-450 steps, not every 8).
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
@@ -36,11 +36,12 @@ rates then keep such batches on plain steps, but for the probes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pcgspec.compile.buckets import pad_to_bucket
 
@@ -50,7 +51,7 @@ _EMA = 0.3  # weight of the newest verify step in a request's accept-length aver
 _PRIOR_EMA = 0.05  # weight of one verify step in the average over all requests (at least)
 MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
-PROBE_SHARE = 0.05  # the most a probe's switches may cost, against the plain steps between probes
+PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain steps between probes
 
 
 class RunningAverage:
@@ -94,6 +95,7 @@ class SpecPolicy:
         self._match = RunningAverage(1.0)  # the share of steps with drafts (prompt lookup)
         self.speculative_steps = 0
         self.plain_steps = 0  # plain steps the policy chose
+        self._recording = True
 
     def _bucket(self, batch_size: int) -> int:
         return pad_to_bucket(batch_size, self.batch_sizes) or self.batch_sizes[-1]
@@ -153,6 +155,16 @@ class SpecPolicy:
         self.plain_steps += 1
         return False
 
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Steps in the block are neither timed nor counted (a benchmark's forced or
+        synchronized passes, whose step times are not what serving would see)."""
+        self._recording = False
+        try:
+            yield
+        finally:
+            self._recording = True
+
     def record_drafted(self, request: object, drafted: bool) -> None:
         """Whether ``request`` had drafts in a verify step (prompt lookup finds none for some;
         a model drafter always has them): its match rate."""
@@ -173,6 +185,8 @@ class SpecPolicy:
         each step. One that ``switched`` (the previous decode step was of the other kind) is
         timed as a switch instead.
         """
+        if not self._recording:
+            return
         bucket = self._bucket(batch_size)
         if steady:
             self._times[(speculative, bucket)].append(seconds)
