@@ -108,15 +108,21 @@ class StepTimes:
             mode["decode"] = batch is not None and batch.mode is ForwardMode.DECODE
             return batch
 
+        worker = engine.spec_worker
+        chooses = None if worker is None else worker.chooses
+
+        def chosen(batch):
+            mode["speculated"] = speculate = chooses(batch)
+            return speculate
+
         def timed_step():
-            worker = engine.spec_worker
-            before = worker.policy.speculative_steps if worker is not None else 0
+            mode["speculated"] = False
             start = time.perf_counter()
             out = step()
             if mode["decode"]:
                 seconds = time.perf_counter() - start
                 self.times["step"].append(seconds)
-                speculated = worker is not None and worker.policy.speculative_steps > before
+                speculated = mode["speculated"]
                 self.times["spec_step" if speculated else "plain_step"].append(seconds)
                 if mode.get("last") is (not speculated):  # the first step after a switch
                     self.times["switch_to_spec" if speculated else "switch_to_plain"].append(
@@ -127,6 +133,8 @@ class StepTimes:
             return out
 
         engine.scheduler.schedule, engine.step = scheduled, timed_step
+        if worker is not None:
+            worker.chooses = chosen
         if self.phases:
             for name in PHASES:
                 setattr(engine.spec_worker, name, self._timed(name, getattr(engine.spec_worker,
@@ -162,6 +170,8 @@ class StepTimes:
 
     def __exit__(self, *exc: object) -> None:
         del self.engine.scheduler.schedule, self.engine.step  # the class's methods again
+        if self.engine.spec_worker is not None:
+            del self.engine.spec_worker.chooses
         if self.phases:
             for name in PHASES:
                 delattr(self.engine.spec_worker, name)
