@@ -11,7 +11,8 @@ generations; a ``wait`` stage is the host waiting for the GPU: the step is GPU-b
 that much). With --cprofile DIR, cProfile of one generation per engine and batch size.
 
 Random weights of a named shape (default smollm2-135m, with the default model's tokenizer) or
---model. Every speculative engine runs --speculative-policy always; EAGLE3 runs an untrained
+--model. Every speculative engine runs --speculative-policy always (--policy auto: the policy's
+choices, e.g. to profile the plain steps of an engine with a drafter); EAGLE3 runs an untrained
 head (draft vocabulary --eagle3-draft-vocab) and STANDALONE drafts with the target itself.
 
     python scripts/profile_spec_step.py --methods EAGLE3,NGRAM --batch-sizes 1,16 \\
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384)
     p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--policy", choices=("always", "auto"), default="always",
+                   help="--speculative-policy of the speculative engines")
     p.add_argument("--host-stages", action="store_true", help="host time per step stage")
     p.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile reports")
     p.add_argument("--out", type=Path, default=None)
@@ -90,7 +93,7 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
     from pcgspec.models.loader import load_config
 
     kw = {"speculative_algorithm": method, "speculative_num_steps": args.num_steps,
-          "speculative_policy": "always"}  # fmt: skip
+          "speculative_policy": args.policy}  # fmt: skip
     if method == "EAGLE3":
         head = write_eagle3_checkpoint(Path(tempfile.mkdtemp()) / "eagle3", load_config(model),
                                        seed=0, draft_vocab_size=args.eagle3_draft_vocab)
@@ -107,7 +110,7 @@ STAGES = (
     (engine.Engine, ("step", "_read", "_forward_and_sample", "_build_forward_batch")),
     (scheduler.Scheduler, ("schedule", "retire")),
     (overlap.LaunchedStep, ("wait",)),
-    (worker.SpecWorker, ("chooses", "launch", "propose", "verify", "read")),
+    (worker.SpecWorker, ("chooses", "observe", "launch", "propose", "verify", "read")),
     (worker.LaunchedSpecStep, ("wait",)),
     (worker, ("device_page_table", "build_verify_batch", "verify_draft_tokens")),
     (slots.SamplingSlots, ("seq_lens", "rows", "commit")),

@@ -121,10 +121,13 @@ def test_convert_into_an_existing_folder(capsys, tmp_path):
 
 
 def _start(args: list[str], **env: str) -> subprocess.Popen[str]:
+    # NOTE: a shell without job control starts background jobs with SIGINT ignored, and a
+    # Python started so keeps ignoring it: Ctrl-C must reach the CLI wherever the suite runs.
     return subprocess.Popen([sys.executable, "-m", "pcgspec", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO), "PCGSPEC_LOG_LEVEL":
-                                 "INFO", **env})
+                                 "INFO", **env},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _interrupt_after(
@@ -138,7 +141,12 @@ def _interrupt_after(
             time.sleep(delay_s)
             proc.send_signal(signal.SIGINT)
             break
-    out, rest = proc.communicate(timeout=120)
+    try:
+        out, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # NOTE: no process left running after a failed test
+            proc.kill()
+            proc.communicate()
     return out, "".join(seen) + rest
 
 

@@ -221,3 +221,18 @@ def test_probes_are_spaced_by_what_a_switch_costs():
     assert MIN_PROBE_INTERVAL < want < MAX_PROBE_INTERVAL
     chosen = [p.choose([r]) for _ in range(want + 1)]
     assert chosen.index(True) == want and chosen.count(True) == 1
+
+
+def test_a_batch_sum_is_reused_only_for_the_same_requests_and_samples():
+    """A run of plain steps reuses the batch's expected-accept sum; another request or a new
+    sample computes it again."""
+    p, a, b = measured(policy(), 1, 1.5, 1.0), Req(), Req()
+    for _ in range(30):
+        p.record_accept(a, 1)
+        p.record_accept(b, 5)
+    assert [p.choose([a]) for _ in range(3)] == [False] * 3
+    assert p.choose([b])  # the same size and samples, another request
+    assert not p.choose([a])
+    for _ in range(30):
+        p.record_accept(a, 5)  # new samples: a accepts now
+    assert p.choose([a])

@@ -77,9 +77,11 @@ class Proposer(ABC):
     def propose(self, batch: ProposeInput) -> DraftProposal:
         """One ``DraftProposal`` for the batch's requests, in order."""
 
-    def observe(self, request: Any, start: int, hidden: torch.Tensor | None) -> None:
-        """A plain target pass computed positions ``start ..`` of ``request`` (``hidden``: their
-        captured states, or None). Drafters that keep per-request state update it here.
+    def observe(self, request: Any, start: int, hidden: torch.Tensor | None, row: int = 0,
+                num: int | None = None) -> None:  # fmt: skip
+        """A plain target pass computed positions ``start ..`` of ``request`` (``hidden``: the
+        pass's captured states, of which rows ``row .. row + num`` are these positions', or
+        None). Drafters that keep per-request state update it here.
         """
         return None
 

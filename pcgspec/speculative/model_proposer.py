@@ -52,25 +52,31 @@ from pcgspec.speculative.draft_runner import DraftRunner
 @dataclass
 class DraftState:
     computed: int = 0  # positions whose draft K/V are valid
-    # target hidden states of positions computed.., one [m_i, Hh] chunk per target pass
-    pending: list[torch.Tensor] = field(default_factory=list)
+    # target hidden states of positions computed.., per target pass a chunk (tensor, first
+    # row, rows): a pass's rows are sliced out only when a catch-up reads them
+    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     num_pending: int = 0  # NOTE: rows in ``pending``, kept so a plain step's check is O(1)
 
-    def add(self, hidden: torch.Tensor) -> None:
-        self.pending.append(hidden)
-        self.num_pending += len(hidden)
+    def add(self, hidden: torch.Tensor, row: int = 0, num: int | None = None) -> None:
+        """Rows ``row .. row + num`` of ``hidden`` (all by default) are the next positions'."""
+        num = len(hidden) - row if num is None else num
+        self.pending.append((hidden, row, num))
+        self.num_pending += num
 
     def rows(self) -> torch.Tensor:
         """The pending rows as one tensor ``[num_pending, Hh]`` (kept as the one chunk)."""
         if len(self.pending) > 1:
-            self.pending = [torch.cat(self.pending)]
-        return self.pending[0]
+            merged = torch.cat([t[r : r + n] for t, r, n in self.pending])
+            self.pending = [(merged, 0, len(merged))]
+        t, r, n = self.pending[0]
+        return t[r : r + n]
 
     def advance(self, n: int) -> None:
         """The draft computed the next ``n`` positions (and consumed their pending rows)."""
         self.computed += n
         if self.pending:
-            self.pending = [self.rows()[n:]]
+            rest = self.rows()[n:]
+            self.pending = [(rest, 0, len(rest))]
             self.num_pending -= n
 
     def restart(self, computed: int) -> None:
@@ -103,10 +109,12 @@ class ModelProposer(Proposer):
 
     # target passes ---------------------------------------------------------------------------
 
-    def observe(self, request: object, start: int, hidden: torch.Tensor | None) -> None:
-        """A plain target pass computed positions ``start ..`` of ``request``; ``hidden`` are
-        their captured states (``[m, Hh]``; None when this draft does not read them). A pass
-        from position 0 (a prefill, also after preemption) starts the draft over.
+    def observe(self, request: object, start: int, hidden: torch.Tensor | None, row: int = 0,
+                num: int | None = None) -> None:  # fmt: skip
+        """A plain target pass computed positions ``start ..`` of ``request``; rows ``row ..
+        row + num`` of ``hidden`` (the pass's captured states; None when this draft does not
+        read them) are theirs. A pass from position 0 (a prefill, also after preemption)
+        starts the draft over.
         """
         self._forget_verified(request)
         state = self._states.get(request)
@@ -120,7 +128,7 @@ class ModelProposer(Proposer):
         if have != start:
             raise RuntimeError(f"target hidden states of positions {have}.. are missing: the "
                                f"next pass starts at {start}")  # fmt: skip
-        state.add(hidden)
+        state.add(hidden, row, num)
 
     def verified(self, requests: Sequence[object], out: object, hidden: torch.Tensor | None
                  ) -> VerifiedRows:  # fmt: skip
@@ -152,7 +160,7 @@ class ModelProposer(Proposer):
         state = self._states[request] = DraftState(computed=start - self.lag)
         if rows.hidden is not None:
             k1 = self.num_steps + 1
-            state.add(rows.hidden[row * k1 : row * k1 + num])
+            state.add(rows.hidden, row * k1, num)
 
     def _forget_verified(self, request: object) -> None:
         if self._verified is not None:

@@ -96,6 +96,8 @@ class SpecPolicy:
         self.speculative_steps = 0
         self.plain_steps = 0  # plain steps the policy chose
         self._recording = True
+        self._samples = 0  # accept and match samples so far: a batch's sum is valid until one
+        self._sum: tuple[tuple[object, ...], int, float] = ((), 0, 0.0)  # (batch, _samples, sum)
 
     def _bucket(self, batch_size: int) -> int:
         return pad_to_bucket(batch_size, self.batch_sizes) or self.batch_sizes[-1]
@@ -129,6 +131,17 @@ class SpecPolicy:
         """
         return 1 + self._match.get(request) * (self._accept.get(request) - 1)
 
+    def _expected_sum(self, requests: Sequence[object]) -> float:
+        """``sum(expected_accept)`` over the batch, kept while the batch and every average stay
+        the same (a run of plain steps: no verify step, so no new sample).
+        """
+        batch, samples, total = self._sum
+        if samples != self._samples or len(batch) != len(requests) or any(
+                a is not b for a, b in zip(batch, requests)):  # fmt: skip
+            total = sum(self.expected_accept(r) for r in requests)
+            self._sum = (tuple(requests), self._samples, total)
+        return total
+
     def choose(self, requests: Sequence[object]) -> bool:
         """True: speculate on this batch; False: take a plain decode step."""
         if self.mode == "always":
@@ -138,7 +151,7 @@ class SpecPolicy:
         if t_spec is None:
             return True  # measure the speculative step first, then the plain one
         if t_plain is not None:
-            gain = sum(self.expected_accept(r) for r in requests) * t_plain
+            gain = self._expected_sum(requests) * t_plain
             pays = gain > len(requests) * t_spec
             if bucket in self._probed:  # the probe's verdict: back to 8, or twice as long
                 self._probed.discard(bucket)
@@ -169,6 +182,7 @@ class SpecPolicy:
         """Whether ``request`` had drafts in a verify step (prompt lookup finds none for some;
         a model drafter always has them): its match rate."""
         self._match.add(request, float(drafted))
+        self._samples += 1
 
     def record_step(
         self,
@@ -199,6 +213,7 @@ class SpecPolicy:
         drafts, when the proposer says so before verifying: then the average is of steps with
         drafts)."""
         self._accept.add(request, accept_length)
+        self._samples += 1
 
 
 def _ms(seconds: float | None) -> float | None:

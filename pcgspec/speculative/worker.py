@@ -95,10 +95,9 @@ class SpecWorker:
         """A plain target pass ran ``batch`` (before ``Scheduler.launched``): tell the proposer
         which positions of each request it computed, with their hidden rows when captured.
         """
-        hidden, row = out.hidden_states, 0
+        hidden, row, observe = out.hidden_states, 0, self.proposer.observe
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            rows = None if hidden is None else hidden[row : row + n]
-            self.proposer.observe(req, req.num_computed_tokens, rows)
+            observe(req, req.num_computed_tokens, hidden, row, n)  # NOTE: no slice per request
             row += n
 
     def chooses(self, batch: ScheduledBatch | None) -> bool:
