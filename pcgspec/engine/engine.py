@@ -341,13 +341,9 @@ def _freeze_start_up() -> None:
     """
     gc.collect()
     gc.freeze()
-    global _UNFREEZE_AT_EXIT
-    if not _UNFREEZE_AT_EXIT:
-        atexit.register(gc.unfreeze)
-        _UNFREEZE_AT_EXIT = True
 
 
-_UNFREEZE_AT_EXIT = False
+atexit.register(gc.unfreeze)  # NOTE: a no-op where nothing was frozen
 
 
 def _thaw() -> None:
