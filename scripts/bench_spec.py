@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; else sampled with a fixed seed per request")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7,
+                   help="generations per engine and batch, interleaved (the median counts)")
     p.add_argument("--prompts", default="repeat,general,chat",
                    help="comma-separated: repeat, general, chat (chat template)")
     p.add_argument("--standalone-draft", default=None, help="default: the target itself")

@@ -4,6 +4,8 @@ against plain decoding, stop handling, KV bookkeeping, metrics and config valida
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from oracle import PROMPTS as ALL_PROMPTS
 from oracle import assert_all_pages_free, assert_greedy_match, greedy
@@ -133,3 +135,41 @@ def test_config_validation(smollm2_path):
                               speculative_draft_model_path="/no/such/draft")
         with pytest.raises(FileNotFoundError, match="/no/such/draft"):
             Engine(config)
+
+
+def test_the_policy_times_steady_steps_only(smollm2_path):
+    """The policy decides by the times of steady steps: the last decode step's batch, no wait
+    for the steps in flight. A plain step after a speculative one waits for it (a switch); a
+    speculative step after plain ones does not (prompt lookup reads the device's history); a
+    step that finishes requests, or one with another batch size (requests that finished, or
+    sat out a step so as not to pass max_tokens), pays for them.
+    """
+    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm="NGRAM",
+              speculative_num_steps=4, disable_overlap_schedule=False)
+    engine, records, finishing = llm.engine, [], []
+    policy, step = engine.spec_worker.policy, engine.step
+    record = policy.record_step
+    pattern = itertools.cycle([True, True, True, False, False, False])
+
+    def spy(speculative, batch_size, seconds, steady=True, switched=False):
+        records.append((speculative, batch_size, steady, switched))
+        record(speculative, batch_size, seconds, steady, switched)
+
+    def stepped():
+        n, took = len(records), step()
+        if len(records) > n and any(req.finished for req in took):
+            finishing.append(n)
+        return took
+
+    policy.choose, policy.record_step, engine.step = (lambda reqs: next(pattern)), spy, stepped
+    llm.generate(PROMPTS[:4], [_greedy(n) for n in (8, 16, 24, 40)],
+                 use_tqdm=False)  # fmt: skip
+    pairs = list(zip(records, records[1:]))
+    resized = [now for last, now in pairs if now[1] != last[1]]
+    to_plain = [now for last, now in pairs if last[0] and not now[0] and now[1] == last[1]]
+    to_spec = [now for last, now in pairs if not last[0] and now[0] and now[1] == last[1]]
+    assert resized and not any(steady or switched for _, _, steady, switched in resized)
+    assert to_plain and all(switched and not steady for _, _, steady, switched in to_plain)
+    assert any(steady for _, _, steady, _ in to_spec)
+    assert len(finishing) == 3 and not any(records[i][2] for i in finishing)
+    assert policy.step_times()  # steady steps were timed

@@ -9,6 +9,8 @@ import math
 import pytest
 
 from pcgspec.speculative.policy import (
+    HYSTERESIS_STEPS,
+    MAX_MARGIN,
     MAX_PROBE_INTERVAL,
     MIN_PROBE_INTERVAL,
     MIN_TIMED,
@@ -169,6 +171,39 @@ def test_times_are_kept_per_batch_bucket():
     measured(p, 16, 4.0, 1.0)  # batch 9..16: 3 tokens for 4x
     assert p.choose([r])
     assert not p.choose([r] * 12)  # bucket 16
+
+
+def test_a_bucket_without_times_decides_by_the_nearest_measured_one():
+    """The sizes a batch passes through as its requests finish may never see a steady step:
+    they borrow the nearest bucket's times instead of measuring both kinds of step again."""
+    p, r = policy(), Req()
+    for _ in range(20):
+        p.record_accept(r, 1)  # nothing accepted
+    measured(p, 16, 1.5, 1.0)
+    assert not any(p.choose([r] * 5) for _ in range(MIN_PROBE_INTERVAL))  # bucket 8: no times
+    measured(p, 1, 1.0, 2.0)  # bucket 1, nearer to 2 than 16 is: speculation is cheap there
+    assert p.choose([r] * 2)
+    assert 2 not in p.step_times() and 8 not in p.step_times()  # nothing measured there
+
+
+def test_a_switch_must_repay_its_cost():
+    """Near break-even the policy keeps the kind of its last step: flipping would pay a
+    switch every few steps. A gain past the margin switches."""
+    p, reqs = measured(policy(), 2, 1.25, 1.0), [Req(), Req()]
+    p.record_step(False, 2, 1.0 + 0.8, steady=False, switched=True)  # a plain step waits 0.8
+    margin = min(0.8 / HYSTERESIS_STEPS, MAX_MARGIN)
+
+    def chosen_at(gain: float) -> bool:  # tokens/s of speculation over plain steps
+        for r in reqs:
+            for _ in range(60):
+                p.record_accept(r, 1.25 * gain)
+        return p.choose(reqs)
+
+    assert chosen_at(1 + margin / 2)  # the last step speculated: it goes on
+    assert chosen_at(1 - margin / 2)
+    assert not chosen_at(1 - 2 * margin)  # clearly worse: plain
+    assert not chosen_at(1 + margin / 2)  # plain now: it goes on
+    assert chosen_at(1 + 2 * margin)
 
 
 def test_always_speculates():

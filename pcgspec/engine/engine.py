@@ -66,7 +66,8 @@ class Engine:
         self._seeds = random.Random(config.random_seed)
         self.overlap = config.use_overlap_schedule
         self.in_flight: list[LaunchedStep | LaunchedSpecStep] = []  # launched, not read yet
-        self._last_decode: bool | None = None  # whether the last decode step speculated
+        # whether the last decode step speculated (None: no decode step yet) and its batch size
+        self._last_decode: tuple[bool | None, int] = (None, 0)
         self._ids = itertools.count()
         self.spec_worker = (
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
@@ -223,7 +224,8 @@ class Engine:
         start, batch = time.perf_counter(), self.scheduler.schedule()
         speculate = self.spec_worker is not None and self.spec_worker.chooses(batch)
         took: list[Request] = []
-        if self._waits_for_host(batch, speculate):
+        waited = self._waits_for_host(batch, speculate)
+        if waited:
             took, batch = self.drain(), _drained(batch, speculate)  # type: ignore[arg-type]
         running, self.in_flight = self.in_flight, []
         try:
@@ -235,7 +237,8 @@ class Engine:
             if not self.overlap:
                 took += self.drain()
         if self.spec_worker is not None:
-            self._time_step(batch, speculate, time.perf_counter() - start)
+            steady = not waited and not any(req.finished for req in took)
+            self._time_step(batch, speculate, steady, time.perf_counter() - start)
         return took
 
     def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
@@ -270,20 +273,25 @@ class Engine:
             self._forward_and_sample(batch)
             self.scheduler.launched(batch)
 
-    def _time_step(self, batch: ScheduledBatch | None, speculated: bool, seconds: float) -> None:
-        """Tell the speculation policy what a decode step cost. A step is timed only after a
-        decode step of its own kind (a plain step then read a plain step, not a prefill; a
-        speculative step did not wait for a plain one) and without a draft catch-up; the first
-        step after one of the other kind is timed as a switch.
+    def _time_step(
+        self, batch: ScheduledBatch | None, speculated: bool, steady: bool, seconds: float
+    ) -> None:
+        """Tell the speculation policy what a decode step cost. A step is timed as a steady
+        one when it ran the last decode step's batch (the same size: a step that takes new
+        requests or runs after some finished pays for them), finished none (``steady``: nor did
+        it wait for the steps in flight) and no drafter caught up; the first step of a kind
+        after one of the other kind that is not steady is timed as a switch.
         """
         worker = self.spec_worker
         if batch is None or not batch.mode.is_decode():
-            self._last_decode = None
+            self._last_decode = (None, 0)
             return
-        steady = self._last_decode is speculated and not (speculated and worker.proposer.caught_up)
-        switched = self._last_decode is (not speculated)
-        worker.policy.record_step(speculated, len(batch.requests), seconds, steady, switched)
-        self._last_decode = speculated
+        size, (last, last_size) = len(batch.requests), self._last_decode
+        same = last is not None and last_size == size
+        steady = same and steady and not (speculated and worker.proposer.caught_up)
+        switched = same and last is (not speculated)
+        worker.policy.record_step(speculated, size, seconds, steady, switched)
+        self._last_decode = (speculated, size)
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)

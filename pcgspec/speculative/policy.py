@@ -8,22 +8,29 @@ average over all requests. It speculates when
 
     sum_b accept_b / t_spec  >  B / t_plain
 
-and takes a plain step otherwise. Until both times of a bucket are measured (``MIN_TIMED`` steady
+and takes a plain step otherwise. A bucket without both times measured (``MIN_TIMED`` steady
 steps each: the first steps of a kind may pay one-time costs, and a single inflated plain time
-would keep the policy speculating, never timing a plain step again) it tries each.
-A bucket that chose plain steps probes with one speculative step after a run of them, and
-doubles that run after every probe that does not win it back (a request that stops accepting
-stops drafting, at a probe cost that fades). ``always`` speculates every step.
+would keep the policy speculating, never timing a plain step again) decides by the nearest
+bucket that has them: the sizes a batch passes through as its requests finish may never see a
+steady step. Until some bucket has both, the policy tries each kind.
 
 A switch costs more than either kind of step: a plain step first waits for the speculative
 step in flight (its positions come from host lengths), and a model drafter's speculative step
 waits for the plain steps in flight and catches up over their positions. Such steps are not
-timed as steps (``record_step(steady=False)``),
-or the catch-up after every run of plain steps would make speculation look dearer than it is
-and keep the policy off it. Their excess over a steady step is the switch cost, and the run of
-plain steps before a probe is at least long enough that probes cost under ``PROBE_SHARE`` of
-the plain steps' time (an untrained EAGLE3 head switches for 3-10 ms on SmolLM2: a probe every
-150-450 steps, not every 8).
+timed as steps (``record_step(steady=False)``), or the catch-up after every run of plain steps
+would make speculation look dearer than it is and keep the policy off it. Their excess over a
+steady step is the switch cost, and it shapes two choices:
+
+- Hysteresis: the policy leaves the kind of its last step only for a gain that would repay the
+  switch within ``HYSTERESIS_STEPS`` steps (a margin of at most ``MAX_MARGIN``). Near break-even
+  (prompt lookup on text that repeats now and then) it would otherwise flip every few steps and
+  pay a switch each time.
+- Probes: a bucket that chose plain steps probes with one speculative step after a run of them,
+  and doubles that run after every probe that does not win it back (a request that stops
+  accepting stops drafting, at a probe cost that fades); the run is at least long enough that
+  probes cost under ``PROBE_SHARE`` of the plain steps' time (an untrained EAGLE3 head switches
+  for 3-10 ms on SmolLM2: a probe every 150-450 steps, not every 8). ``always`` speculates every
+  step.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
@@ -52,6 +59,8 @@ _PRIOR_EMA = 0.05  # weight of one verify step in the average over all requests 
 MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
 PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain steps between probes
+HYSTERESIS_STEPS = 16  # a switch of kind must repay its cost within this many steps
+MAX_MARGIN = 0.05  # ... and needs at most this relative gain
 
 
 class RunningAverage:
@@ -84,6 +93,8 @@ class SpecPolicy:
         self._times: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=_WINDOW)
         )
+        self._medians: dict[tuple[bool, int], float] = {}  # of windows with MIN_TIMED steps
+        self._measured: list[int] = []  # buckets with both medians
         # the excess of a step that switched kinds over a steady one, per kind and bucket
         self._switch: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=_WINDOW)
@@ -91,6 +102,7 @@ class SpecPolicy:
         self._plain_run: dict[int, int] = defaultdict(int)  # plain steps since the last probe
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: set[int] = set()  # buckets whose last step was a probe
+        self._speculating = True  # the kind of the last step chosen
         self._accept = RunningAverage(num_steps + 1.0)  # every draft accepted, until measured
         self._match = RunningAverage(1.0)  # the share of steps with drafts (prompt lookup)
         self.speculative_steps = 0
@@ -103,8 +115,14 @@ class SpecPolicy:
         return pad_to_bucket(batch_size, self.batch_sizes) or self.batch_sizes[-1]
 
     def _time(self, speculative: bool, bucket: int) -> float | None:
-        times = self._times[(speculative, bucket)]
-        return statistics.median(times) if len(times) >= MIN_TIMED else None
+        return self._medians.get((speculative, bucket))
+
+    def _reference(self, bucket: int) -> int | None:
+        """The bucket whose step times decide for ``bucket``: itself once both are measured,
+        else the nearest (by batch-size ratio) that has both; None while none has."""
+        if bucket in self._measured or not self._measured:
+            return bucket if self._measured else None
+        return min(self._measured, key=lambda b: abs(math.log(b / bucket)))
 
     def step_times(self) -> dict[int, dict[str, float | None]]:
         """Per batch-size bucket the step times the policy decides by (ms; None: not measured
@@ -118,10 +136,10 @@ class SpecPolicy:
         switches = (self._switch[(True, bucket)], self._switch[(False, bucket)])
         return sum(statistics.median(times) for times in switches if times)
 
-    def probe_interval(self, bucket: int, t_plain: float) -> int:
+    def probe_interval(self, bucket: int, t_plain: float, switch_cost: float) -> int:
         """Plain steps before the next probe: backed off, and long enough that the probe's
         switches cost at most ``PROBE_SHARE`` of their time."""
-        floor = math.ceil(self.switch_cost(bucket) / (PROBE_SHARE * t_plain))
+        floor = math.ceil(switch_cost / (PROBE_SHARE * t_plain))
         return min(max(self._interval[bucket], floor), MAX_PROBE_INTERVAL)
 
     def expected_accept(self, request: object) -> float:
@@ -147,26 +165,36 @@ class SpecPolicy:
         if self.mode == "always":
             return True
         bucket = self._bucket(len(requests))
-        t_spec, t_plain = self._time(True, bucket), self._time(False, bucket)
-        if t_spec is None:
-            return True  # measure the speculative step first, then the plain one
-        if t_plain is not None:
-            gain = self._expected_sum(requests) * t_plain
-            pays = gain > len(requests) * t_spec
-            if bucket in self._probed:  # the probe's verdict: back to 8, or twice as long
-                self._probed.discard(bucket)
-                interval = MIN_PROBE_INTERVAL if pays else 2 * self.probe_interval(bucket, t_plain)
-                self._interval[bucket] = min(interval, MAX_PROBE_INTERVAL)
-            if pays:
-                self._plain_run[bucket] = 0
-                return True
-            if self._plain_run[bucket] >= self.probe_interval(bucket, t_plain):
-                self._plain_run[bucket] = 0
-                self._probed.add(bucket)
-                return True
-        self._plain_run[bucket] += 1
-        self.plain_steps += 1
-        return False
+        ref = self._reference(bucket)
+        if ref is None:  # measure the speculative step first, then the plain one
+            return self._chose(self._time(True, bucket) is None, bucket)
+        t_spec, t_plain = self._medians[(True, ref)], self._medians[(False, ref)]
+        switch_cost = self.switch_cost(ref)
+        # tokens/s of a speculative step over a plain one, against a margin that favours the
+        # kind of the last step
+        gain = self._expected_sum(requests) * t_plain / (len(requests) * t_spec)
+        margin = min(switch_cost / (HYSTERESIS_STEPS * t_plain), MAX_MARGIN)
+        pays = gain > (1 - margin if self._speculating else 1 + margin)
+        if bucket in self._probed:  # the probe's verdict: back to 8, or twice as long
+            self._probed.discard(bucket)
+            interval = (MIN_PROBE_INTERVAL if pays else
+                        2 * self.probe_interval(bucket, t_plain, switch_cost))  # fmt: skip
+            self._interval[bucket] = min(interval, MAX_PROBE_INTERVAL)
+        if pays:
+            return self._chose(True, bucket)
+        if self._plain_run[bucket] >= self.probe_interval(bucket, t_plain, switch_cost):
+            self._probed.add(bucket)
+            return self._chose(True, bucket)
+        return self._chose(False, bucket)
+
+    def _chose(self, speculate: bool, bucket: int) -> bool:
+        self._speculating = speculate
+        if speculate:
+            self._plain_run[bucket] = 0
+        else:
+            self._plain_run[bucket] += 1
+            self.plain_steps += 1
+        return speculate
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
@@ -193,17 +221,23 @@ class SpecPolicy:
         switched: bool = False,
     ) -> None:
         """A decode step of ``batch_size`` requests took ``seconds`` of wall time. A step that
-        is not ``steady`` (the first of its kind after a step of the other kind or a prefill,
-        or one where a model drafter first caught up over the positions of plain steps or a new
-        prompt) is counted but not timed as a step: that cost comes with switching, not with
-        each step. One that ``switched`` (the previous decode step was of the other kind) is
-        timed as a switch instead.
+        is not ``steady`` (it waited for the steps in flight, ran another batch than the last
+        decode step or finished requests, or a model drafter first caught up over the positions
+        of plain steps or a new prompt) is counted but not timed as a step: that cost comes
+        with switching or with the batch's change, not with each step. One that ``switched``
+        (the last decode step, of the same batch, was of the other kind) is timed as a switch
+        instead.
         """
         if not self._recording:
             return
         bucket = self._bucket(batch_size)
         if steady:
-            self._times[(speculative, bucket)].append(seconds)
+            times = self._times[(speculative, bucket)]
+            times.append(seconds)
+            if len(times) >= MIN_TIMED:
+                self._medians[(speculative, bucket)] = statistics.median(times)
+                if (not speculative, bucket) in self._medians and bucket not in self._measured:
+                    self._measured.append(bucket)
         elif switched and (steady_time := self._time(speculative, bucket)) is not None:
             self._switch[(speculative, bucket)].append(max(0.0, seconds - steady_time))
         self.speculative_steps += speculative
