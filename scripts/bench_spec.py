@@ -28,7 +28,9 @@ goes through the model's chat template.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import random
 import statistics
 import sys
 import time
@@ -84,12 +86,12 @@ def _sync() -> None:
 
 
 class StepTimes:
-    """While open: the wall time of every decode step of ``engine``; with ``phases``, also of
-    each speculative phase, synchronized before and after (which slows the step: a separate
-    pass); with ``parts``, unsynchronized, the host's time in each speculative step's launch,
-    waiting for its results (``wait``: the device was behind) and reading them (``read``,
-    without the wait). Patches the engine's instance attributes (and ``LaunchedSpecStep``'s
-    methods) and removes the patches on exit.
+    """While open: the wall time of every decode and prefill step of ``engine``; with
+    ``phases``, also of each speculative phase, synchronized before and after (which slows the
+    step: a separate pass); with ``parts``, unsynchronized, the host's time in each speculative
+    step's launch, waiting for its results (``wait``: the device was behind) and reading them
+    (``read``, without the wait). Patches the engine's instance attributes (and
+    ``LaunchedSpecStep``'s methods) and removes the patches on exit.
     """
 
     def __init__(self, engine, phases: bool = False, parts: bool = False) -> None:
@@ -106,6 +108,7 @@ class StepTimes:
         def scheduled():
             batch = schedule()
             mode["decode"] = batch is not None and batch.mode is ForwardMode.DECODE
+            mode["prefill"] = batch is not None and not mode["decode"]
             return batch
 
         worker = engine.spec_worker
@@ -129,6 +132,8 @@ class StepTimes:
                         seconds)  # fmt: skip
                 mode["last"] = speculated
             else:
+                if mode["prefill"]:
+                    self.times["prefill"].append(time.perf_counter() - start)
                 mode["last"] = None
             return out
 
@@ -206,25 +211,53 @@ def _params(args: argparse.Namespace):
     return SamplingParams(temperature=args.temperature, seed=seed, max_tokens=args.max_tokens)
 
 
+class GcPauses:
+    """While open: the wall time of each pass of the garbage collector (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def _time_generate(engines: dict, prompts: list[str], params, repeats: int) -> dict:
-    """Per engine: the median output tok/s over ``repeats`` generations, the repeats of all
-    engines interleaved (A B C A B C ...: clock and thermal drift hit every engine alike), the
-    last outputs, and the decode step times (``StepTimes``).
+    """Per engine: output tok/s and the collector's pauses (ms) of each of ``repeats``
+    generations, the last outputs, and the step times (``StepTimes``). The repeats of all
+    engines are interleaved, each round in a new order (A B C, C A B, ...: clock and thermal
+    drift, and whatever recurs with the round, such as a collection triggered by the same
+    allocations, hit every engine alike).
     """
     for llm in engines.values():
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
     rates: dict[str, list[float]] = defaultdict(list)
+    pauses: dict[str, list[float]] = defaultdict(list)
     outs, times = {}, {name: StepTimes(llm.engine) for name, llm in engines.items()}
+    order, shuffle = list(engines), random.Random(len(prompts)).shuffle
     for _ in range(repeats):
-        for name, llm in engines.items():
-            with times[name]:
+        for name in order:
+            with times[name], GcPauses() as collector:
                 _sync()
                 start = time.perf_counter()
-                outs[name] = llm.generate(prompts, params, use_tqdm=False)
+                outs[name] = engines[name].generate(prompts, params, use_tqdm=False)
                 _sync()
-            tokens = sum(len(o.token_ids) for o in outs[name])
-            rates[name].append(tokens / (time.perf_counter() - start))
-    return {name: (statistics.median(rates[name]), outs[name], times[name]) for name in engines}
+                seconds = time.perf_counter() - start
+            rates[name].append(sum(len(o.token_ids) for o in outs[name]) / seconds)
+            pauses[name].append(1e3 * collector.seconds)
+        shuffle(order)
+    return {name: (rates[name], pauses[name], outs[name], times[name]) for name in engines}
 
 
 def _always(llm, prompts: list[str], params, phases: bool) -> StepTimes:
@@ -268,12 +301,15 @@ def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> l
     params = _params(args)
     timed = _time_generate(engines, prompts, params, args.repeats)
     for name, llm in engines.items():
-        rate, outs, times = timed[name]
+        rates, pauses, outs, times = timed[name]
+        rate = statistics.median(rates)
         accept = [o.metrics.avg_spec_accept_length for o in outs]
         accept = [a for a in accept if a is not None]
         row = {"batch": len(prompts), "method": name, "tok_s": rate,
                "speedup": rate / (rows[0]["tok_s"] if rows else rate),
                "avg_accept_length": statistics.mean(accept) if accept else None,
+               "tok_s_repeats": rates, "gc_ms_repeats": pauses,
+               "prefill_ms": sum(times.times["prefill"]) * 1e3 / len(rates),  # per generation
                "decode_step_ms": times.median_ms("step"),
                "policy_spec_step_ms": times.median_ms("spec_step"),
                "policy_plain_step_ms": times.median_ms("plain_step"),
@@ -356,7 +392,8 @@ def _print(rows: list[dict], title: str) -> None:
     print(f"\ndecode tokens/s, {title}")
     print(f"{'prompts':>8} {'batch':>5} {'method':>10} {'tok/s':>9} {'speedup':>8} "
           f"{'accept':>7} {'step ms':>8} {'spec step':>9} {'draft':>6} {'verify':>6} "
-          f"{'host':>6} {'plain by policy':>15}")  # fmt: skip
+          f"{'host':>6} {'plain by policy':>15} {'prefill':>7} {'gc ms':>6} "
+          f"{'spread':>6}")  # fmt: skip
     for r in rows:
         acc = f"{r['avg_accept_length']:.2f}" if r["avg_accept_length"] is not None else "-"
         chosen = f"{r.get('policy_plain_steps', 0)}/{r.get('speculative_steps', 0)}"
@@ -364,7 +401,14 @@ def _print(rows: list[dict], title: str) -> None:
               f"{r['speedup']:>7.2f}x {acc:>7} {ms(r['decode_step_ms']):>8} "
               f"{ms(r.get('spec_step_ms')):>9} {ms(r.get('draft_ms')):>6} "
               f"{ms(r.get('verify_ms')):>6} {ms(r.get('host_ms')):>6} "
-              f"{chosen if 'speculative_steps' in r else '-':>15}")  # fmt: skip
+              f"{chosen if 'speculative_steps' in r else '-':>15} {ms(r['prefill_ms']):>7} "
+              f"{ms(statistics.median(r['gc_ms_repeats'])):>6} "
+              f"{_spread(r['tok_s_repeats']):>6}")  # fmt: skip
+
+
+def _spread(rates: list[float]) -> str:
+    """(max - min) / median of the repeats' tok/s."""
+    return f"{(max(rates) - min(rates)) / statistics.median(rates):.0%}"
 
 
 def _engines(args: argparse.Namespace, methods: list[str]) -> dict:

@@ -186,6 +186,21 @@ def test_a_bucket_without_times_decides_by_the_nearest_measured_one():
     assert 2 not in p.step_times() and 8 not in p.step_times()  # nothing measured there
 
 
+def test_a_bucket_that_borrows_times_measures_its_own_switches():
+    """A catch-up grows with the batch: a bucket without times of its own measures its switches
+    against its reference bucket's steps, and spaces its probes by them."""
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 1)
+    p.record_step(True, 1, 3.0 + 1.0, steady=False, switched=True)
+    p.record_step(True, 16, 3.0 + 9.0, steady=False, switched=True)  # no times of its own
+    assert p.switch_cost(16) == pytest.approx(9.0)
+    assert p.switch_cost(8) == pytest.approx(1.0)  # nothing of its own: bucket 1's
+    want = math.ceil(9.0 / (PROBE_SHARE * 1.0))
+    chosen = [p.choose([r] * 12) for _ in range(want + 1)]
+    assert chosen.index(True) == want and chosen.count(True) == 1
+
+
 def test_a_switch_must_repay_its_cost():
     """Near break-even the policy keeps the kind of its last step: flipping would pay a
     switch every few steps. A gain past the margin switches."""

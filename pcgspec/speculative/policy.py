@@ -132,9 +132,16 @@ class SpecPolicy:
                     "switch_ms": _ms(self.switch_cost(b))} for b in buckets}  # fmt: skip
 
     def switch_cost(self, bucket: int) -> float:
-        """Seconds a switch to a speculative step and back costs beyond the two steady steps."""
-        switches = (self._switch[(True, bucket)], self._switch[(False, bucket)])
-        return sum(statistics.median(times) for times in switches if times)
+        """Seconds a switch to a speculative step and back costs beyond the two steady steps:
+        per kind the bucket's own switches, else its reference bucket's."""
+        ref = self._reference(bucket)
+        cost = 0.0
+        for speculative in (True, False):
+            times = self._switch[(speculative, bucket)]
+            if not times and ref is not None:
+                times = self._switch[(speculative, ref)]
+            cost += statistics.median(times) if times else 0.0
+        return cost
 
     def probe_interval(self, bucket: int, t_plain: float, switch_cost: float) -> int:
         """Plain steps before the next probe: backed off, and long enough that the probe's
@@ -169,7 +176,7 @@ class SpecPolicy:
         if ref is None:  # measure the speculative step first, then the plain one
             return self._chose(self._time(True, bucket) is None, bucket)
         t_spec, t_plain = self._medians[(True, ref)], self._medians[(False, ref)]
-        switch_cost = self.switch_cost(ref)
+        switch_cost = self.switch_cost(bucket)
         # tokens/s of a speculative step over a plain one, against a margin that favours the
         # kind of the last step
         gain = self._expected_sum(requests) * t_plain / (len(requests) * t_spec)
@@ -238,7 +245,8 @@ class SpecPolicy:
                 self._medians[(speculative, bucket)] = statistics.median(times)
                 if (not speculative, bucket) in self._medians and bucket not in self._measured:
                     self._measured.append(bucket)
-        elif switched and (steady_time := self._time(speculative, bucket)) is not None:
+        elif switched and (ref := self._reference(bucket)) is not None:
+            steady_time = self._medians[(speculative, ref)]
             self._switch[(speculative, bucket)].append(max(0.0, seconds - steady_time))
         self.speculative_steps += speculative
 
