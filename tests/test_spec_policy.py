@@ -117,11 +117,22 @@ def test_accept_length_is_a_running_average_per_request():
     assert p.choose([good, bad]) is (p.expected_accept(good) + p.expected_accept(bad) > 5.0)
 
 
+def _choices(p: SpecPolicy, reqs: list, steps: int, accept: float = 1) -> list[bool]:
+    """``steps`` choices for ``reqs``; a speculative step's results arrive at once."""
+    chosen = []
+    for _ in range(steps):
+        chosen.append(p.choose(reqs))
+        if chosen[-1]:
+            for r in reqs:
+                p.record_accept(r, accept)
+    return chosen
+
+
 def test_probes_back_off_while_speculation_does_not_pay():
     p, r = measured(policy(), 1, 3.0, 1.0), Req()
     for _ in range(20):
         p.record_accept(r, 1)
-    chosen = [p.choose([r]) for _ in range(200)]
+    chosen = _choices(p, [r], 200)
     probes = [i for i, c in enumerate(chosen) if c]
     gaps = [b - a - 1 for a, b in zip([-1, *probes], probes)]
     assert gaps == [MIN_PROBE_INTERVAL * 2**i for i in range(len(gaps))] and len(gaps) == 4
@@ -137,6 +148,22 @@ def test_a_probe_that_pays_resumes_speculation():
     for _ in range(20):  # the probe finds the request accepting again
         p.record_accept(r, 5)
     assert p.choose([r]) and p.choose([r])
+
+
+def test_a_probe_is_judged_by_its_results():
+    """Under the overlap schedule a probe's results arrive a step late: until they do, the
+    probe is not judged (a stale average would reset the back-off) and no other probe is
+    taken; then the back-off goes on from where it was."""
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 1)
+    assert _choices(p, [r], MIN_PROBE_INTERVAL) == [False] * MIN_PROBE_INTERVAL
+    assert p.choose([r])  # the probe
+    assert not any(p.choose([r]) for _ in range(5 * MIN_PROBE_INTERVAL))  # no results yet
+    p.record_accept(r, 1)  # the probe's results: nothing accepted
+    chosen = _choices(p, [r], 8 * MIN_PROBE_INTERVAL)
+    # the next probe was due after 2 * 8 plain steps, the one after it 4 * 8 later
+    assert chosen.index(True) == 0 and chosen.index(True, 1) == 4 * MIN_PROBE_INTERVAL + 1
 
 
 def test_new_requests_start_from_the_average_over_requests():
@@ -197,7 +224,7 @@ def test_a_bucket_that_borrows_times_measures_its_own_switches():
     assert p.switch_cost(16) == pytest.approx(9.0)
     assert p.switch_cost(8) == pytest.approx(1.0)  # nothing of its own: bucket 1's
     want = math.ceil(9.0 / (PROBE_SHARE * 1.0))
-    chosen = [p.choose([r] * 12) for _ in range(want + 1)]
+    chosen = _choices(p, [r] * 12, want + 1)
     assert chosen.index(True) == want and chosen.count(True) == 1
 
 
@@ -269,7 +296,7 @@ def test_probes_are_spaced_by_what_a_switch_costs():
     assert p.switch_cost(1) == pytest.approx(6.0)
     want = math.ceil(6.0 / (PROBE_SHARE * 1.0))
     assert MIN_PROBE_INTERVAL < want < MAX_PROBE_INTERVAL
-    chosen = [p.choose([r]) for _ in range(want + 1)]
+    chosen = _choices(p, [r], want + 1)
     assert chosen.index(True) == want and chosen.count(True) == 1
 
 

@@ -27,10 +27,12 @@ steady step is the switch cost, and it shapes two choices:
   pay a switch each time.
 - Probes: a bucket that chose plain steps probes with one speculative step after a run of them,
   and doubles that run after every probe that does not win it back (a request that stops
-  accepting stops drafting, at a probe cost that fades); the run is at least long enough that
-  probes cost under ``PROBE_SHARE`` of the plain steps' time (an untrained EAGLE3 head switches
-  for 3-10 ms on SmolLM2: a probe every 150-450 steps, not every 8). ``always`` speculates every
-  step.
+  accepting stops drafting, at a probe cost that fades). A probe is judged once its results
+  arrive (a step later under the overlap schedule): judged on the averages from before it, a
+  new request's optimistic start would reset the back-off every time. The run is at least
+  long enough that probes cost under ``PROBE_SHARE`` of the plain steps' time (an untrained
+  EAGLE3 head switches for 3-10 ms on SmolLM2: a probe every 150-450 steps, not every 8).
+  ``always`` speculates every step.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
@@ -101,7 +103,7 @@ class SpecPolicy:
         )
         self._plain_run: dict[int, int] = defaultdict(int)  # plain steps since the last probe
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
-        self._probed: set[int] = set()  # buckets whose last step was a probe
+        self._probed: dict[int, int] = {}  # buckets awaiting a probe's verdict: _samples then
         self._speculating = True  # the kind of the last step chosen
         self._accept = RunningAverage(num_steps + 1.0)  # every draft accepted, until measured
         self._match = RunningAverage(1.0)  # the share of steps with drafts (prompt lookup)
@@ -182,16 +184,19 @@ class SpecPolicy:
         gain = self._expected_sum(requests) * t_plain / (len(requests) * t_spec)
         margin = min(switch_cost / (HYSTERESIS_STEPS * t_plain), MAX_MARGIN)
         pays = gain > (1 - margin if self._speculating else 1 + margin)
-        if bucket in self._probed:  # the probe's verdict: back to 8, or twice as long
-            self._probed.discard(bucket)
+        if self._probed.get(bucket, self._samples) < self._samples:
+            # the probe's results are in: probe again after 8 plain steps, or twice as many
+            del self._probed[bucket]
             interval = (MIN_PROBE_INTERVAL if pays else
                         2 * self.probe_interval(bucket, t_plain, switch_cost))  # fmt: skip
             self._interval[bucket] = min(interval, MAX_PROBE_INTERVAL)
         if pays:
             return self._chose(True, bucket)
-        if self._plain_run[bucket] >= self.probe_interval(bucket, t_plain, switch_cost):
-            self._probed.add(bucket)
-            return self._chose(True, bucket)
+        if bucket not in self._probed and self._plain_run[bucket] >= self.probe_interval(
+                bucket, t_plain, switch_cost):  # fmt: skip
+            self._probed[bucket] = self._samples
+            self._plain_run[bucket] = 0
+            return True  # NOTE: not a choice to speculate: the bar to go on stays the same
         return self._chose(False, bucket)
 
     def _chose(self, speculate: bool, bucket: int) -> bool:
