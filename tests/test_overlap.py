@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -94,6 +96,16 @@ def test_config_resolves_and_validates():
                         speculative_algorithm="NGRAM").use_overlap_schedule
     with pytest.raises(ValueError, match="disable_overlap_schedule must be a bool"):
         EngineConfig(device="cpu", disable_overlap_schedule="yes")
+
+
+def test_debug_log_lists_each_step(engines, caplog):
+    """``--log-level debug`` logs each step: its kind, requests, new tokens and wall time."""
+    with caplog.at_level(logging.DEBUG, logger="pcgspec"):
+        engines[True].generate(["A prompt of its own for the step log: one two three four"],
+                               greedy(4), use_tqdm=False)  # fmt: skip
+    steps = [r.getMessage() for r in caplog.records if " step: " in r.getMessage()]
+    assert re.fullmatch(r"extend step: 1 requests, 8 new tokens, [\d.]+ ms", steps[0]), steps
+    assert sum(m.startswith("decode step: 1 requests, 1 new tokens, ") for m in steps) >= 2
 
 
 def test_mixed_batch_equals_synchronous(engines, monkeypatch):

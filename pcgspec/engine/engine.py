@@ -239,6 +239,10 @@ class Engine:
         if self.spec_worker is not None:
             steady = not waited and not any(req.finished for req in took)
             self._time_step(batch, speculate, steady, time.perf_counter() - start)
+        if batch is not None and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s step: %d requests, %d new tokens%s, %.2f ms", batch.mode.name.lower(),
+                         len(batch.requests), sum(batch.num_new_tokens),
+                         ", speculative" if speculate else "", 1e3 * (time.perf_counter() - start))
         return took
 
     def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:

@@ -176,6 +176,7 @@ class EngineLoop:
             return
         self._live[request_id] = [SeqTracker(r) for r in reqs]
         self.channel.send(("accepted", request_id, None))
+        logger.debug("added %s: %d prompt tokens", request_id, len(prompt_ids))
 
     def _step(self) -> None:
         engine = self.engine
