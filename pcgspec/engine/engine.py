@@ -167,7 +167,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens but the KV cache holds only {capacity}"
             )
         vocab = self.runner.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     @property

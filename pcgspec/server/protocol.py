@@ -19,7 +19,8 @@ from pcgspec.server.validate import (
     get_int,
     get_stop,
     get_token_ids,
-    is_int,
+    in_vocab,
+    is_int_list,
     show,
     utf8,
 )
@@ -148,7 +149,7 @@ def _prompts(body: dict[str, Any], vocab: int) -> tuple[str | list[int], ...]:
     """``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
     prompt = body.get("prompt")
     items = [prompt] if isinstance(prompt, str) else prompt
-    if isinstance(items, list) and items and all(is_int(t) for t in items):
+    if is_int_list(items):
         items = [items]
     if not isinstance(items, list) or not items or len(items) > MAX_PROMPTS:
         raise bad(
@@ -160,11 +161,7 @@ def _prompts(body: dict[str, Any], vocab: int) -> tuple[str | list[int], ...]:
         if isinstance(item, str):
             utf8(item, "prompt")
             continue
-        if (
-            not isinstance(item, list)
-            or not item
-            or any(not is_int(t) or not 0 <= t < vocab for t in item)
-        ):
+        if not (is_int_list(item) and in_vocab(item, vocab)):
             raise bad("prompt", f"token-id prompts must hold ids in [0, {vocab}), got {show(item)}")
     return tuple(items)
 

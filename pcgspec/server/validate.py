@@ -50,6 +50,18 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_int_list(value: object) -> bool:
+    """Whether ``value`` is a non-empty list of ints, bools excluded. Checked at C speed: a
+    prompt of token ids may hold 100,000 of them, and a check per id in Python cost the server
+    ~2 ms per 2,000-token request, which requests arriving together wait for in turn."""
+    return isinstance(value, list) and set(map(type, value)) == {int}
+
+
+def in_vocab(ids: list[int], vocab: int) -> bool:
+    """Whether the (non-empty) ``ids`` are in [0, vocab)."""
+    return min(ids) >= 0 and max(ids) < vocab
+
+
 def utf8(value: str, param: str) -> str:
     """``value`` if it is encodable text (JSON may carry lone surrogates, which are not)."""
     try:
@@ -110,6 +122,6 @@ def get_token_ids(body: dict[str, Any], name: str, vocab: int) -> list[int] | No
     ids = body.get(name)
     if ids is None:
         return None
-    if not isinstance(ids, list) or any(not is_int(t) or not 0 <= t < vocab for t in ids):
+    if not isinstance(ids, list) or (ids and not (is_int_list(ids) and in_vocab(ids, vocab))):
         raise bad(name, f"{name} must be a list of token ids in [0, {vocab}), got {show(ids)}")
     return ids
