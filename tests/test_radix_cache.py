@@ -129,6 +129,35 @@ def test_draft_validity_stops_the_match_and_upgrades():
     assert pool.num_free + cache.num_pages == 32
 
 
+def test_insert_goes_on_past_the_hit_it_holds():
+    """A request on a long cached prefix inserts only the pages past it (no walk over the
+    prefix at every step); the tree ends the same as after a walk from the root. A hit whose
+    nodes were dropped since (a reset) walks from the root again."""
+    pool, cache = _cache()
+    _insert(pool, cache, list(range(16)))  # 4 pages
+    tokens = [*range(16), 90, 91, 92, 93, 94]
+    hit = cache.match(tokens, len(tokens) - 1)
+    pool.incref(hit.pages)
+    pages = hit.pages + pool.alloc(2)
+    touched, touch = [], cache._touch
+
+    def recorded(node, now):
+        touched.append(node.key)
+        touch(node, now)
+
+    cache._touch = recorded
+    cache.insert(tokens, pages, len(tokens), after=hit)
+    assert touched == [(90, 91, 92, 93)] and cache.num_pages == 5
+    assert cache.match(tokens, len(tokens)).pages == pages[:5]
+    cache.reset()
+    touched.clear()
+    cache.insert(tokens, pages, len(tokens), after=hit)  # its nodes are gone: from the root
+    assert len(touched) == 5 and cache.num_pages == 5
+    assert cache.match(tokens, len(tokens)).pages == pages[:5]
+    pool.free(pages)
+    assert pool.num_free + cache.num_pages == 32
+
+
 def test_reset_frees_everything():
     pool, cache = _cache()
     _insert(pool, cache, list(range(16)))

@@ -69,6 +69,7 @@ class CacheStats:
 class PrefixHit:
     pages: list[int]  # whole pages, in order
     num_tokens: int  # len(pages) * page_size
+    node: _Node | None = None  # the last page's node: ``insert`` goes on from it
 
 
 class RadixCache:
@@ -99,20 +100,32 @@ class RadixCache:
             self._touch(child, now)
             pages.append(child.page)
             node = child
-        return PrefixHit(pages, len(pages) * self.page_size)
+        return PrefixHit(pages, len(pages) * self.page_size, node)
 
     def record_lookup(self, num_tokens: int, num_cached: int) -> None:
         self.stats.prompt_tokens += num_tokens
         self.stats.cached_tokens += num_cached
 
     def insert(
-        self, token_ids: Sequence[int], pages: Sequence[int], num_tokens: int, draft_tokens: int = 0
+        self,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        num_tokens: int,
+        draft_tokens: int = 0,
+        after: PrefixHit | None = None,
     ) -> None:
         """Cache the whole pages of ``token_ids[:num_tokens]`` (their K/V written in ``pages``);
-        the first ``draft_tokens`` positions also hold the draft's K/V.
+        the first ``draft_tokens`` positions also hold the draft's K/V. ``after``: the hit this
+        request holds, whose pages are in the tree already (held, so never evicted; with
+        ``track_draft`` all draft-valid): the walk starts past them, which spares a request on
+        a long shared prompt a walk over every page of it at each step that inserts.
         """
-        now, node, p = next(self._clock), self.root, self.page_size
-        for i, key in enumerate(self._keys(token_ids, num_tokens)):
+        node, start = self.root, 0
+        if after is not None and after.node is not None and after.node.parent is not None:
+            node, start = after.node, len(after.pages)  # NOTE: a reset or evicted node has none
+        now, p = next(self._clock), self.page_size
+        for i in range(start, num_tokens // p):
+            key = tuple(token_ids[i * p : (i + 1) * p])
             draft = (i + 1) * p <= draft_tokens
             child = node.children.get(key)
             if child is None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pcgspec.engine.radix_cache import PrefixHit
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +79,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or launched steps write)
     num_pending_tokens: int = 0  # sampled by a launched step, not yet read back (overlap)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    prefix_hit: PrefixHit | None = None  # the cached prefix its pages start with, while held
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None

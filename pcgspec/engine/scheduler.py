@@ -172,13 +172,13 @@ class Scheduler:
             return 0
         hit = self.prefix_cache.match(req.token_ids, len(req.token_ids) - 1)
         self.pages.incref(hit.pages)  # NOTE: held before evicting, so eviction spares them
-        req.pages = list(hit.pages)
+        req.pages, req.prefix_hit = list(hit.pages), hit
         req.num_computed_tokens = hit.num_tokens
         return hit.num_tokens
 
     def _drop_prefix(self, req: Request) -> None:
         self.pages.free(req.pages)
-        req.pages = []
+        req.pages, req.prefix_hit = [], None
         req.num_computed_tokens = 0
 
     def _record_hit(self, req: Request, hit: int) -> None:
@@ -300,11 +300,12 @@ class Scheduler:
         if self.prefix_cache is None or not req.pages or req.finish_reason == "error":
             return
         draft = self.draft.draft_computed(req) if self.draft is not None else 0
-        self.prefix_cache.insert(req.token_ids, req.pages, req.num_computed_tokens, draft)
+        self.prefix_cache.insert(req.token_ids, req.pages, req.num_computed_tokens, draft,
+                                 after=req.prefix_hit)  # fmt: skip
 
     def _free(self, req: Request) -> None:
         self._cache(req)
         self.pages.free(req.pages)
-        req.pages = []
+        req.pages, req.prefix_hit = [], None
         if self.slots is not None:
             self.slots.free(req)
