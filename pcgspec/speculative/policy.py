@@ -122,8 +122,10 @@ class SpecPolicy:
     def _reference(self, bucket: int) -> int | None:
         """The bucket whose step times decide for ``bucket``: itself once both are measured,
         else the nearest (by batch-size ratio) that has both; None while none has."""
-        if bucket in self._measured or not self._measured:
-            return bucket if self._measured else None
+        if bucket in self._measured:
+            return bucket
+        if not self._measured:
+            return None
         return min(self._measured, key=lambda b: abs(math.log(b / bucket)))
 
     def step_times(self) -> dict[int, dict[str, float | None]]:
