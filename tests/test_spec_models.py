@@ -212,7 +212,7 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
     penalty) and seeded output equal plain decoding; nothing is left held.
     """
     prompts = PROMPTS[-4:] + PROMPTS[:2]
-    params = [_greedy(NEW_TOKENS), _greedy(20, stop=[" the"]), _greedy(24, repetition_penalty=1.2),
+    params = [_greedy(32), _greedy(20, stop=[" the"]), _greedy(24, repetition_penalty=1.2),
               SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=30, ignore_eos=True),
               _greedy(K + 1)]  # fmt: skip
