@@ -27,7 +27,13 @@ from pcgspec.runners.batch_builder import SeqChunk
 from pcgspec.training.loss import Batch, ttt_loss
 from pcgspec.training.model import build_trainable_head, unroll
 from pcgspec.training.options import TrainOptions
-from pcgspec.training.prompts import MIX, describe, template_prompts
+from pcgspec.training.prompts import (
+    MIX,
+    build_prompts,
+    describe,
+    template_prompts,
+    vocabulary_words,
+)
 from pcgspec.training.trainer import accept_length_estimate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -248,6 +254,17 @@ def test_prompt_set_mixes_categories_and_records_sources() -> None:
     assert set(info["categories"]) == set(MIX)
     assert len({p.text for p in prompts}) > 350
     assert template_prompts(400, seed=0) == prompts != template_prompts(400, seed=1)
+    raw = build_prompts(400, 0.0, seed=0, llm_factory=None, raw_fraction=0.25)
+    assert describe(raw)["without_chat_template"] == 100
+    assert sorted(p.text for p in raw) == sorted(p.text for p in prompts)
+
+
+def test_vocabulary_words_are_whole_lowercase_words(smollm2_path) -> None:
+    from transformers import AutoTokenizer
+
+    words = vocabulary_words(AutoTokenizer.from_pretrained(smollm2_path))
+    assert len(words) > 10_000 and {"school", "flowers", "geology"} <= set(words)
+    assert all(w.isalpha() and w.islower() and len(w) >= 5 for w in words)
 
 
 def test_accept_length_estimate_is_a_chain() -> None:

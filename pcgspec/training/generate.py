@@ -31,12 +31,22 @@ MIN_TOKENS = 3  # a sequence shorter than this has no row that predicts a respon
 def generate_responses(
     llm: LLM, prompts: Sequence[Prompt], max_tokens: int, temperature: float, seed: int
 ) -> list[tuple[list[int], list[int]]]:
-    """``(prompt ids, response ids)`` per prompt, one user turn through the chat template;
-    request ``i`` samples with seed ``seed + i``.
+    """``(prompt ids, response ids)`` per prompt, one user turn through the chat template (or
+    the text as it is for a prompt with ``chat=False``); request ``i`` samples with seed
+    ``seed + i``.
     """
+    tokenizer = llm.get_tokenizer()
+
+    def ids(p: Prompt) -> list[int]:
+        if not p.chat:
+            return tokenizer.encode(p.text)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)  # the template holds its own
+
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(prompts))]  # fmt: skip
-    outs = llm.chat([[{"role": "user", "content": p.text}] for p in prompts], params)
+    outs = llm.generate([{"prompt_token_ids": ids(p)} for p in prompts], params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
@@ -110,7 +120,8 @@ def write_dataset(
         "aux_hidden_state_layers": list(runner.model.model.aux_hidden_layers),
         "prompts": describe(prompts), "max_tokens": max_tokens, "temperature": temperature,
         "seed": seed, "eval_fraction": eval_fraction, "dropped_sequences": len(pairs) - len(keep),
-        "response_source": "pcgspec LLM.chat with the target's chat template",
+        "response_source": "pcgspec LLM.generate: the target's chat template (raw text where "
+                           "the prompt has chat=False)",
     }  # fmt: skip
     write_index(data_dir, writers["train"].shards + writers["eval"].shards, metadata)
     times = {"generate_s": generated - start, "capture_s": time.perf_counter() - generated}

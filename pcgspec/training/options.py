@@ -23,6 +23,7 @@ class TrainOptions:
     # prompts
     num_prompts: int = 4000
     self_prompt_fraction: float = 0.2
+    raw_prompt_fraction: float = 0.0
     # generate + capture
     max_tokens: int = 256
     temperature: float = 0.0
@@ -68,7 +69,8 @@ class TrainOptions:
             _check_int(self, name, 0)
         if self.max_steps is not None:
             _check_int(self, "max_steps", 1)
-        for name, low, high in (("self_prompt_fraction", 0.0, 1.0), ("eval_fraction", 0.0, 0.5),
+        for name, low, high in (("self_prompt_fraction", 0.0, 1.0),
+                                ("raw_prompt_fraction", 0.0, 1.0), ("eval_fraction", 0.0, 0.5),
                                 ("warmup_ratio", 0.0, 1.0), ("step_decay", 1e-6, 1.0),
                                 ("mem_fraction_static", 1e-3, 0.999)):  # fmt: skip
             _check_float(self, name, low, high)
@@ -129,7 +131,11 @@ def add_train_eagle3_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--self-prompt-fraction", type=float,
                    default=default["self_prompt_fraction"],
                    help="share of the prompts the target writes itself about built-in topics "
-                        "(0 = templates only)")
+                        "and words of its vocabulary (0 = templates only)")
+    g.add_argument("--raw-prompt-fraction", type=float,
+                   default=default["raw_prompt_fraction"],
+                   help="share of the prompts sent without the chat template (raw completion, "
+                        "as LLM.generate sends text)")
     g = p.add_argument_group("generate")
     g.add_argument("--max-tokens", type=int, default=default["max_tokens"],
                    help="most response tokens generated per prompt")

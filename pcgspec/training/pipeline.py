@@ -43,7 +43,8 @@ def run(opts: TrainOptions) -> dict:
 
     if "prompts" in opts.phases:
         start = time.perf_counter()
-        prompts = build_prompts(opts.num_prompts, opts.self_prompt_fraction, opts.seed, engine)
+        prompts = build_prompts(opts.num_prompts, opts.self_prompt_fraction, opts.seed, engine,
+                                opts.raw_prompt_fraction)
         save_prompts(work / PROMPTS_FILE, prompts)
         times["prompts"] = time.perf_counter() - start
     if "generate" in opts.phases:

@@ -1,5 +1,7 @@
 """The prompt set: built-in topics x templates (chat questions, instructions, code, maths,
-prose continuation), optionally extended by questions the target writes itself.
+prose continuation), optionally extended by questions the target writes itself about built-in
+topics and about words of its own vocabulary; a share goes to the target without the chat
+template (raw completion), as ``LLM.generate`` sends text.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,7 +55,14 @@ TOPIC_PROSE_TEMPLATES = (
 SELF_TEMPLATES = (
     "Write one question a curious person might ask about {t}. Reply with the question only.",
     "Write one instruction someone could give an assistant about {t}. Reply with it only.",
+    "Write one practical 'how do I' question about {t}. Reply with the question only.",
+    "Write a request for advice that involves {t}. Reply with the request only.",
+    "Write one question a student might ask a teacher about {t}. Reply with the question only.",
+    "Write a short creative writing task about {t}. Reply with the task only.",
+    "Write one question that compares {t} with something else. Reply with the question only.",
+    "Write one 'why' question about {t}. Reply with the question only.",
 )  # fmt: skip
+MIN_WORD_LETTERS = 5  # vocabulary words used as topics: whole lowercase words this long at least
 # share of each category among the template prompts
 MIX = {"chat": 0.45, "instruction": 0.15, "code": 0.2, "math": 0.1, "prose": 0.1}
 
@@ -63,6 +72,7 @@ class Prompt:
     text: str
     category: str  # chat, instruction, code, math, prose
     source: str  # "builtin" or "self" (written by the target)
+    chat: bool = True  # False: sent as it is, without the chat template (a raw completion)
 
 
 def template_prompts(num: int, seed: int) -> list[Prompt]:
@@ -93,14 +103,15 @@ def template_prompts(num: int, seed: int) -> list[Prompt]:
 
 
 def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) -> list[Prompt]:
-    """``num`` questions/instructions the target writes about built-in topics (sampled at
-    temperature 0.8); empty or very short answers are dropped.
+    """``num`` questions/instructions the target writes (sampled at temperature 0.8), half
+    about built-in topics, half about words of its vocabulary; empty or very short answers are
+    dropped.
     """
     from pcgspec.sampling_params import SamplingParams
 
     rng = random.Random(seed + 1)
-    topics = items(TOPICS)
-    asks = [rng.choice(SELF_TEMPLATES).format(t=rng.choice(topics)) for _ in range(num)]
+    pools = (items(TOPICS), vocabulary_words(llm.get_tokenizer()) or items(TOPICS))
+    asks = [rng.choice(SELF_TEMPLATES).format(t=rng.choice(pools[i % 2])) for i in range(num)]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
               for i in range(num)]  # fmt: skip
     outs = llm.chat([[{"role": "user", "content": a}] for a in asks], params)
@@ -108,17 +119,30 @@ def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) ->
     return [Prompt(t, "self", "self") for t in texts if len(t) >= 12]
 
 
+def vocabulary_words(tokenizer) -> list[str]:
+    """Whole lowercase words of the tokenizer's vocabulary (a token that decodes to a space and
+    at least ``MIN_WORD_LETTERS`` letters): thousands of topics no list here names.
+    """
+    words = (tokenizer.decode([i]) for i in range(len(tokenizer)))
+    return sorted({w[1:] for w in words if w[:1] == " " and w[1:].isalpha() and w[1:].islower()
+                   and len(w) > MIN_WORD_LETTERS and w[1:].isascii()})  # fmt: skip
+
+
 def build_prompts(
-    num: int, self_fraction: float, seed: int, llm_factory: Callable[[], LLM] | None
-) -> list[Prompt]:
+    num: int, self_fraction: float, seed: int, llm_factory: Callable[[], LLM] | None,
+    raw_fraction: float = 0.0,
+) -> list[Prompt]:  # fmt: skip
     """``num`` prompts, ``self_fraction`` of them written by the target (``llm_factory()``
-    builds it); the shortfall of dropped self-written ones is filled from the templates.
+    builds it; the shortfall of dropped self-written ones is filled from the templates) and
+    ``raw_fraction`` of them (of every source) sent without the chat template.
     """
     num_self = round(num * self_fraction)
     written = self_written_prompts(llm_factory(), num_self, seed) if num_self else []
     prompts = template_prompts(num - len(written), seed) + written
-    random.Random(seed + 2).shuffle(prompts)
-    return prompts
+    rng = random.Random(seed + 2)
+    rng.shuffle(prompts)
+    num_raw = round(len(prompts) * raw_fraction)
+    return [replace(p, chat=False) if i < num_raw else p for i, p in enumerate(prompts)]
 
 
 def save_prompts(path: Path, prompts: Sequence[Prompt]) -> None:
@@ -135,8 +159,10 @@ def describe(prompts: Sequence[Prompt]) -> dict:
     """Counts by source and category, for the shard metadata."""
     return {"num_prompts": len(prompts),
             "sources": dict(Counter(p.source for p in prompts)),
+            "without_chat_template": sum(not p.chat for p in prompts),
             "categories": dict(Counter(p.category for p in prompts)),
-            "builtin": "pcgspec.training.topics: topics x templates, no hub access"}  # fmt: skip
+            "builtin": "pcgspec.training.topics: topics x templates, no hub access",
+            "self": "written by the target about built-in topics and vocabulary words"}  # fmt: skip
 
 
 def _math_problems(rng: random.Random, num: int) -> list[str]:
