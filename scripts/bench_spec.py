@@ -11,7 +11,8 @@ each phase (which slows it: ``synced_step_ms``), and from the first pass, unsync
 the host's time per step launching it, waiting for the step in flight and reading it
 (``launch_ms``, ``wait_ms``, ``read_ms``: a wait near 0 means the host is the floor). Prompts
 ask the model to repeat text ("repeat": where prompt lookup helps) or open questions
-("general"). Medians; writes JSON.
+("general"). A batch smaller than its prompt set runs batch after batch over the whole set
+(batch 1: every prompt once), so every row sees every prompt. Medians; writes JSON.
 
 Drafts: EAGLE3 runs the shipped head of the default model (``--eagle3-draft`` names another);
 ``EAGLE3:untrained`` and NEXTN (and EAGLE3 on another target) run untrained heads written in
@@ -233,25 +234,40 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
-def _time_generate(engines: dict, prompts: list[str], params, repeats: int) -> dict:
+def _batches(pool: list[str], size: int) -> list[list[str]]:
+    """Batches of ``size`` prompts, one after another, that cover the pool (the pool repeated
+    to fill one batch when it is smaller; a partial last batch is left out): a batch of 1 is
+    measured on every prompt, not on the first one alone.
+    """
+    if size >= len(pool):
+        return [(pool * (size // len(pool) + 1))[:size]]
+    return [pool[i : i + size] for i in range(0, len(pool) - size + 1, size)]
+
+
+def _generate(llm, batches: list[list[str]], params) -> list:
+    """The outputs of ``batches``, generated one batch after another."""
+    return [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def _time_generate(engines: dict, batches: list[list[str]], params, repeats: int) -> dict:
     """Per engine: output tok/s and the collector's pauses (ms) of each of ``repeats``
-    generations, the last outputs, and the step times (``StepTimes``). The repeats of all
-    engines are interleaved, each round in a new order (A B C, C A B, ...: clock and thermal
-    drift, and whatever recurs with the round, such as a collection triggered by the same
-    allocations, hit every engine alike).
+    generations (of all ``batches``), the last outputs, and the step times (``StepTimes``).
+    The repeats of all engines are interleaved, each round in a new order (A B C, C A B, ...:
+    clock and thermal drift, and whatever recurs with the round, such as a collection triggered
+    by the same allocations, hit every engine alike).
     """
     for llm in engines.values():
-        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        _generate(llm, batches, params)  # warm-up
     rates: dict[str, list[float]] = defaultdict(list)
     pauses: dict[str, list[float]] = defaultdict(list)
     outs, times = {}, {name: StepTimes(llm.engine) for name, llm in engines.items()}
-    order, shuffle = list(engines), random.Random(len(prompts)).shuffle
+    order, shuffle = list(engines), random.Random(len(batches[0])).shuffle
     for _ in range(repeats):
         for name in order:
             with times[name], GcPauses() as collector:
                 _sync()
                 start = time.perf_counter()
-                outs[name] = engines[name].generate(prompts, params, use_tqdm=False)
+                outs[name] = _generate(engines[name], batches, params)
                 _sync()
                 seconds = time.perf_counter() - start
             rates[name].append(sum(len(o.token_ids) for o in outs[name]) / seconds)
@@ -260,7 +276,7 @@ def _time_generate(engines: dict, prompts: list[str], params, repeats: int) -> d
     return {name: (rates[name], pauses[name], outs[name], times[name]) for name in engines}
 
 
-def _always(llm, prompts: list[str], params, phases: bool) -> StepTimes:
+def _always(llm, batches: list[list[str]], params, phases: bool) -> StepTimes:
     """Step times of a pass in which every decode step speculates; ``phases``: also the time
     of each phase, synchronized around it (which slows the step), else the host's parts of
     each step (``StepTimes(parts=True)``)."""
@@ -268,18 +284,18 @@ def _always(llm, prompts: list[str], params, phases: bool) -> StepTimes:
     mode, policy.mode = policy.mode, "always"
     try:  # NOTE: aside: these steps must not become the step times the policy decides by
         with policy.aside(), StepTimes(llm.engine, phases=phases, parts=not phases) as times:
-            llm.generate(prompts, params, use_tqdm=False)
+            _generate(llm, batches, params)
     finally:
         policy.mode = mode
     return times
 
 
-def _spec_step(llm, prompts: list[str], params) -> dict[str, float | None]:
+def _spec_step(llm, batches: list[list[str]], params) -> dict[str, float | None]:
     """Median ms of a speculative step as it runs (no phase syncs), and its split into draft,
     verify and host from a separate pass that synchronizes around each phase.
     """
-    overlapped = _always(llm, prompts, params, phases=False)
-    split = _always(llm, prompts, params, phases=True)
+    overlapped = _always(llm, batches, params, phases=False)
+    split = _always(llm, batches, params, phases=True)
     synced, draft, verify = (split.median_ms(n) for n in ("step", "propose", "verify"))
     host = None if None in (synced, draft, verify) else synced - draft - verify
     return {"spec_step_ms": overlapped.median_ms("spec_step"), "synced_step_ms": synced,
@@ -296,16 +312,16 @@ def _graph_counters(llm) -> dict:
     return {name: g.stats() for name, g in graphs.items() if g is not None}
 
 
-def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> list[dict]:
+def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     params = _params(args)
-    timed = _time_generate(engines, prompts, params, args.repeats)
+    timed = _time_generate(engines, batches, params, args.repeats)
     for name, llm in engines.items():
         rates, pauses, outs, times = timed[name]
         rate = statistics.median(rates)
         accept = [o.metrics.avg_spec_accept_length for o in outs]
         accept = [a for a in accept if a is not None]
-        row = {"batch": len(prompts), "method": name, "tok_s": rate,
+        row = {"batch": len(batches[0]), "batches": len(batches), "method": name, "tok_s": rate,
                "speedup": rate / (rows[0]["tok_s"] if rows else rate),
                "avg_accept_length": statistics.mean(accept) if accept else None,
                "tok_s_repeats": rates, "gc_ms_repeats": pauses,
@@ -320,7 +336,7 @@ def _run_batch(engines: dict, prompts: list[str], args: argparse.Namespace) -> l
         if name != "none":
             row.update(llm.engine.spec_stats())
             row["policy_times"] = llm.engine.spec_worker.policy.step_times()
-            row.update(_spec_step(llm, prompts, params))
+            row.update(_spec_step(llm, batches, params))
             row["spec_step_vs_plain_step"] = row["spec_step_ms"] / rows[0]["decode_step_ms"]
         rows.append(row)
     return rows
@@ -368,8 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                   tokenize=False, add_generation_prompt=True)
                     for q in pool]  # fmt: skip
         for bs in (int(b) for b in args.batch_sizes.split(",")):
-            prompts = (pool * (bs // len(pool) + 1))[:bs]
-            rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, prompts, args)]
+            batches = _batches(pool, bs)
+            rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, batches, args)]
     config = engines["none"].config
     device = torch.cuda.get_device_name() if config.torch_device.type == "cuda" else "CPU"
     model = args.random_weights or engines["none"].engine.model_dir.name

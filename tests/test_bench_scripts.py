@@ -102,7 +102,7 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path):
     bench = _load_script("bench_spec")
     out = tmp_path / "spec.json"
     result = bench.main([
-        "--model", str(smollm2_path), "--methods", "NGRAM", "--batch-sizes", "1,2",
+        "--model", str(smollm2_path), "--methods", "NGRAM", "--batch-sizes", "8,16",
         "--max-tokens", "6", "--repeats", "1", "--prompts", "chat", "--out", str(out),
     ])
     written = json.loads(out.read_text())
@@ -110,9 +110,10 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path):
     for key in ("date", "device", "torch", "command", "model", "num_steps", "policy"):
         assert key in written, key
     rows = {(r["batch"], r["method"]): r for r in written["rows"]}
-    assert sorted(rows) == [(1, "NGRAM"), (1, "none"), (2, "NGRAM"), (2, "none")]
-    for batch in (1, 2):
+    assert sorted(rows) == [(8, "NGRAM"), (8, "none"), (16, "NGRAM"), (16, "none")]
+    for batch in (8, 16):
         plain, ngram = rows[(batch, "none")], rows[(batch, "NGRAM")]
+        assert plain["batches"] == ngram["batches"] == 16 // batch  # 16 chat prompts covered
         assert plain["speedup"] == 1.0 and plain["tok_s"] > 0 and plain["decode_step_ms"] > 0
         assert math.isclose(ngram["speedup"], ngram["tok_s"] / plain["tok_s"])
         for key in ("spec_step_ms", "synced_step_ms", "draft_ms", "verify_ms"):
