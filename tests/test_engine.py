@@ -53,7 +53,8 @@ def test_preempted_request_finishes_with_same_tokens(smollm2_path, llm, hf_model
     prompts = PROMPTS[:4]
     ref = [o.token_ids for o in llm.generate(prompts, _greedy(40), use_tqdm=False)]
     # 4 pages of 16 tokens per request cannot hold 4 requests growing to ~50 tokens each.
-    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=160)
+    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=160,
+                disable_piecewise_cuda_graph=True)
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     for prompt, out, want in zip(prompts, outs, ref):
@@ -140,12 +141,14 @@ def test_start_up_objects_leave_the_collector(smollm2_path):
     import gc
     import weakref
 
-    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256)
+    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256,
+                disable_piecewise_cuda_graph=True)
     frozen = gc.get_freeze_count()
     assert frozen > 10_000  # the model's modules and tensors among them
     assert gc.get_count()[2] == 0  # nothing left in the oldest generation to scan
     assert small.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
     gone = weakref.ref(small.engine)
     del small
-    LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256)
+    LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256,
+        disable_piecewise_cuda_graph=True)
     assert gone() is None  # the next start-up freed the dropped engine, cycles and all

@@ -26,7 +26,7 @@ CJK = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess(
-        "--served-model-name", MODEL,
+        "--served-model-name", MODEL, "--disable-piecewise-cuda-graph",
         "--max-total-tokens", str(KV_TOKENS),
         "--max-connections", str(MAX_CONNECTIONS),
         "--keep-alive-timeout", "2",

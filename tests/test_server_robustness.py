@@ -32,7 +32,8 @@ LONG = {
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--graceful-shutdown-timeout", str(GRACE_S))
+    proc = ServerProcess("--graceful-shutdown-timeout", str(GRACE_S),
+                         "--disable-piecewise-cuda-graph")
     try:
         yield proc.wait_healthy()
     finally:
@@ -288,7 +289,7 @@ def _engine_pid(server_pid: int) -> int:
 def test_engine_process_death_ends_open_streams_and_the_server():
     """SIGKILL to the engine process (the OOM killer, a crashed driver): the open stream ends
     with an OpenAI error event and [DONE], and the server exits with 1."""
-    proc = ServerProcess()
+    proc = ServerProcess("--disable-piecewise-cuda-graph")
     try:
         proc.wait_healthy()
         url = proc.base_url + "/v1/completions"

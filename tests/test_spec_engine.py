@@ -112,7 +112,8 @@ def test_fallbacks_logprobs_and_small_kv_pool(smollm2_path, llm, spec_llm, hf_mo
     assert spec_llm.engine.spec_stats()["fallback_steps"] > before
     # 10 pages of 16 tokens: verify slots often do not fit, so steps fall back or preempt.
     small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=160,
-                speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always")
+                speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always",
+                disable_piecewise_cuda_graph=True)
     prompts = PROMPTS[-4:]
     ref = llm.generate(prompts, _greedy(40), use_tqdm=False)
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
@@ -145,7 +146,8 @@ def test_the_policy_times_steady_steps_only(smollm2_path):
     sat out a step so as not to pass max_tokens), pays for them.
     """
     llm = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm="NGRAM",
-              speculative_num_steps=4, disable_overlap_schedule=False)
+              speculative_num_steps=4, disable_overlap_schedule=False,
+              disable_piecewise_cuda_graph=True)
     engine, records, finishing = llm.engine, [], []
     policy, step = engine.spec_worker.policy, engine.step
     record = policy.record_step
