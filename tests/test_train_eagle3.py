@@ -29,6 +29,7 @@ from pcgspec.training.model import build_trainable_head, unroll
 from pcgspec.training.options import TrainOptions
 from pcgspec.training.prompts import (
     MIX,
+    Prompt,
     build_prompts,
     describe,
     template_prompts,
@@ -90,7 +91,8 @@ def trained(counting_target, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("train-eagle3")
     work, out = root / "work", root / "head"
     code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(work),
-                 "--out", str(out), "--epochs", "12", *TINY_RUN])  # fmt: skip
+                 "--out", str(out), "--epochs", "12", "--raw-prompt-fraction", "0.25",
+                 *TINY_RUN])  # fmt: skip
     assert code == 0
     return work, out
 
@@ -162,8 +164,28 @@ def load_model_from_hf(hf: torch.nn.Module) -> torch.nn.Module:
         return load_model(tmp, torch.float32, "cpu")
 
 
+def test_raw_prompts_skip_the_chat_template(counting_target) -> None:
+    """A prompt with ``chat=False`` goes to the target as its text's ids; the others through
+    the chat template (which holds its own special tokens)."""
+    from pcgspec.training.generate import generate_responses
+
+    llm = LLM(str(counting_target), dtype="float32", device="cpu",
+              disable_piecewise_cuda_graph=True)  # fmt: skip
+    tok, text = llm.get_tokenizer(), "Count on: 5 6 7"
+    prompts = [Prompt(text, "prose", "builtin", chat=False), Prompt(text, "prose", "builtin")]
+    (raw, raw_out), (chat, chat_out) = generate_responses(llm, prompts, 4, 0.0, seed=0)
+    assert raw == tok.encode(text)
+    templated = tok.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=False)
+    assert chat == tok.encode(templated, add_special_tokens=False) != raw
+    assert raw_out == [raw[-1] + i for i in range(1, 5)]  # the target counts on
+    assert chat_out == [chat[-1] + i for i in range(1, 5)]
+
+
 def test_pipeline_head_is_accepted_by_the_engine(trained, counting_target) -> None:
     work, out = trained
+    index = json.loads((work / "data" / "index.json").read_text())
+    assert index["metadata"]["prompts"]["without_chat_template"] == 3  # 0.25 of 12
     summary = json.loads((work / "train_summary.json").read_text())
     assert set(summary["times_s"]) >= {"prompts", "generate", "capture", "train"}
     assert summary["data"]["eval"]["sequences"] >= 1
