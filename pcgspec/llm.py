@@ -22,6 +22,16 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 logger = logging.getLogger("pcgspec")
 
 
+def chat_prompt(tokenizer: Any, messages: Sequence[Message]) -> tuple[str, list[int]]:
+    """The text and token ids of a conversation through the tokenizer's chat template, ready
+    for the assistant's turn.
+    """
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    # NOTE: the template already holds the special tokens it wants.
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 class GenerationInterrupted(KeyboardInterrupt):
     """Ctrl-C during ``generate``/``chat``: ``outputs`` holds what was generated so far (the
     unfinished sequences are aborted, finish reason "abort").
@@ -77,13 +87,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        texts = [
-            tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False)
-            for c in conversations
-        ]
-        # NOTE: the template already holds the special tokens it wants.
-        pairs = [(t, tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        pairs = [chat_prompt(self.engine.tokenizer, c) for c in conversations]
         return self._generate(pairs, sampling_params, use_tqdm)
 
     def _generate(

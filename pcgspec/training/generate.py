@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from pcgspec.llm import chat_prompt
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardMode
 from pcgspec.sampling_params import SamplingParams
@@ -40,9 +41,7 @@ def generate_responses(
     def ids(p: Prompt) -> list[int]:
         if not p.chat:
             return tokenizer.encode(p.text)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
-                                             add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)  # the template holds its own
+        return chat_prompt(tokenizer, [{"role": "user", "content": p.text}])[1]
 
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(prompts))]  # fmt: skip
