@@ -4,9 +4,9 @@ Sends ``--num-prompts`` streaming requests at ``--request-rate`` (Poisson arriva
 sends all at once), at most ``--max-concurrency`` at a time, and reports TTFT, TPOT (per output
 token after the first), ITL (between two token-bearing chunks), end-to-end latency (mean,
 p50/p90/p99), request and token throughput, the speculative accept length over the run
-(from ``/server_info``) and the engine's part of TTFT (from ``/metrics``: mean ms from a
-sequence's arrival at the engine to its first prefill step, and from there to its first token
-read back). Prompts: ``random`` token ids of ``--random-input-len`` (completions
+(from ``/server_info``) and the server's own TTFT with its parts (from ``/metrics``: mean ms of
+the hand-off to the engine, the engine's queue and prefill, and the first token's way back to
+the server's event loop). Prompts: ``random`` token ids of ``--random-input-len`` (completions
 only; exact lengths), ``builtin`` questions, or a file (one prompt per line, or JSONL with a
 "prompt" field). ``--launch`` starts ``pcgspec serve`` first (and stops it after).
 
@@ -284,13 +284,19 @@ def spec_counters(base_url: str, api_key: str | None = None) -> tuple[int, int]:
     return spec.get("verify_steps", 0), spec.get("accepted_draft_tokens", 0)
 
 
-ENGINE_TIMES = {"engine_queue_ms_mean": "request_queue_time_seconds",
-                "engine_prefill_ms_mean": "request_prefill_time_seconds"}  # fmt: skip
+# The server's measure of TTFT and its parts, in order (their sum is the first).
+SERVER_TIMES = {
+    "server_ttft_ms_mean": "time_to_first_token_seconds",  # HTTP arrival to the token's return
+    "dispatch_ms_mean": "request_dispatch_time_seconds",  # hand-off to the engine's arrival
+    "engine_queue_ms_mean": "request_queue_time_seconds",
+    "engine_prefill_ms_mean": "request_prefill_time_seconds",
+    "return_ms_mean": "request_return_time_seconds",  # token read back to the event loop
+}
 
 
-def engine_histograms(base_url: str) -> dict[str, float]:
-    """The ``_sum`` and ``_count`` of the server's engine-side queue and prefill histograms
-    (``/metrics``); empty when the server has none."""
+def server_histograms(base_url: str) -> dict[str, float]:
+    """The ``_sum`` and ``_count`` of the server's TTFT histograms (``/metrics``); empty when
+    the server has none."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
             text = resp.read().decode()
@@ -300,16 +306,19 @@ def engine_histograms(base_url: str) -> dict[str, float]:
     for line in text.splitlines():
         name = line.partition("{")[0]
         metric = name.removeprefix("pcgspec:").removesuffix("_sum").removesuffix("_count")
-        if metric in ENGINE_TIMES.values():
+        if metric in SERVER_TIMES.values():
             out[name] = float(line.rpartition(" ")[2])
     return out
 
 
-def engine_times(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Mean engine-side ms per sequence of this run: arrival to first prefill step (queue),
-    first prefill step to first token read back (prefill)."""
+def server_times(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean ms per sequence of this run of the server's TTFT and its parts: the hand-off to the
+    engine (dispatch), its arrival there to its first prefill step (queue), that step to its
+    first token read back (prefill), and the token's way back to the event loop (return). The
+    rest of the server's TTFT is its work before the hand-off; of the client's, the response's
+    way out."""
     out: dict[str, float | None] = {}
-    for key, metric in ENGINE_TIMES.items():
+    for key, metric in SERVER_TIMES.items():
         total, count = (f"pcgspec:{metric}_sum", f"pcgspec:{metric}_count")
         n = after.get(count, 0.0) - before.get(count, 0.0)
         out[key] = 1e3 * (after[total] - before.get(total, 0.0)) / n if n else None
@@ -330,7 +339,8 @@ def print_report(summary: dict[str, Any]) -> None:
         "output_token_throughput",
         "total_token_throughput",
         "avg_spec_accept_length",
-        *ENGINE_TIMES,
+        "client_cpu_busy",
+        *SERVER_TIMES,
     ):
         value = summary.get(key)
         print(f"{key:<44}{value:>16.2f}" if isinstance(value, float) else f"{key:<44}{value!s:>16}")
@@ -448,14 +458,17 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
     try:
         model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
         steps0, accepted0 = spec_counters(args.base_url, args.api_key)
-        histograms = engine_histograms(args.base_url)
+        histograms = server_histograms(args.base_url)
+        wall, cpu = time.perf_counter(), time.process_time()
         if args.dataset == "multi-turn":
             results, duration = asyncio.run(run_chats(args, model))
         else:
             results, duration = asyncio.run(run_load(args, model, load_prompts(args)))
+        # NOTE: a client near 1.0 delays its own sends and reads: its TTFT is not the server's.
+        client_busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
         counters = spec_counters(args.base_url, args.api_key)
         steps, accepted = (a - b for a, b in zip(counters, (steps0, accepted0)))
-        times = engine_times(histograms, engine_histograms(args.base_url))
+        times = server_times(histograms, server_histograms(args.base_url))
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -464,6 +477,7 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
     summary["model"] = model
     summary["avg_spec_accept_length"] = (accepted + steps) / steps if steps else None
     summary.update(times)
+    summary["client_cpu_busy"] = client_busy
     summary["medians_ms"] = {k: summary[k].get("p50_ms") for k in ("ttft", "tpot", "itl", "e2e")}
     print_report(summary)
     return summary

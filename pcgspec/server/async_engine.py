@@ -48,7 +48,12 @@ class RequestStream:
     """One engine request (one prompt, ``n`` sequences), seen from the event loop."""
 
     def __init__(
-        self, request_id: str, prompt_index: int, num_prompt_tokens: int, out: asyncio.Queue[Any]
+        self,
+        request_id: str,
+        prompt_index: int,
+        num_prompt_tokens: int,
+        out: asyncio.Queue[Any],
+        arrival: float,
     ) -> None:
         self.request_id = request_id
         self.prompt_index = prompt_index
@@ -56,7 +61,8 @@ class RequestStream:
         self.num_cached_tokens = 0  # of the prompt, served by the prefix cache
         self.out = out
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.arrival = time.perf_counter()
+        self.arrival = arrival  # the HTTP request's, before its body was read
+        self.submitted: float | None = None  # handed to the engine
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_output_tokens = 0
@@ -70,14 +76,17 @@ class RequestStream:
 class Generation:
     """The engine requests of one HTTP request, merged into one stream of deltas."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, arrival: float | None = None) -> None:
         self.engine = engine
+        self.arrival = time.perf_counter() if arrival is None else arrival
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.streams: list[RequestStream] = []
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue one prompt; raises the engine's ``ValueError`` if it refuses it."""
-        stream = RequestStream(request_id, len(self.streams), len(prompt_ids), self.queue)
+        stream = RequestStream(
+            request_id, len(self.streams), len(prompt_ids), self.queue, self.arrival
+        )
         self.streams.append(stream)
         self.engine.submit(stream, prompt_ids, params)
         await stream.accepted
@@ -155,6 +164,7 @@ class AsyncEngine:
             return
         self.streams[stream.request_id] = stream
         self._accepting[stream.request_id] = stream
+        stream.submitted = time.perf_counter()
         self._command("add", stream.request_id, prompt_ids, params)
 
     def abort(self, request_id: str) -> None:

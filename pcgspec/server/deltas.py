@@ -15,10 +15,25 @@ class SeqDelta:
     logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None  # set on the last delta of the sequence only
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known once prefilled)
-    # Engine-side seconds, on the delta with the sequence's first token: from its arrival at
-    # the engine to its first prefill step, and from there to its first token read back.
-    queue_s: float | None = None
-    prefill_s: float | None = None
+    first_token: FirstTokenTimes | None = None  # on the delta with the sequence's first token
+
+
+@dataclass(frozen=True)
+class FirstTokenTimes:
+    """Engine-side ``time.perf_counter`` stamps of one sequence's way to its first token. The
+    clock is the host's monotonic clock, so the server process compares them with its own."""
+
+    arrival: float  # at the engine (``add_request``)
+    scheduled: float  # its first prefill step
+    read_back: float  # its first token read back
+
+    @property
+    def queue_s(self) -> float:
+        return self.scheduled - self.arrival
+
+    @property
+    def prefill_s(self) -> float:
+        return self.read_back - self.scheduled
 
 
 class SeqTracker:
@@ -49,11 +64,10 @@ class SeqTracker:
         logprobs = req.logprobs[self._logprobs :]
         if end == self._text and not tokens and not logprobs and not req.finished:
             return None
-        queue_s = prefill_s = None
+        first = None
         if (tokens and not self._tokens and req.scheduled_time is not None
                 and req.first_token_time is not None):  # fmt: skip
-            queue_s = req.scheduled_time - req.arrival_time
-            prefill_s = req.first_token_time - req.scheduled_time
+            first = FirstTokenTimes(req.arrival_time, req.scheduled_time, req.first_token_time)
         delta = SeqDelta(
             req.index,
             text[self._text : end],
@@ -61,8 +75,7 @@ class SeqTracker:
             tuple(logprobs),
             req.finish_reason if req.finished else None,
             req.num_cached_tokens,
-            queue_s,
-            prefill_s,
+            first,
         )
         self._text = end
         self._tokens += len(tokens)

@@ -1,8 +1,12 @@
 """Prometheus metrics of one server, on a registry of its own (never the global one).
 
-Request latencies are histograms observed as deltas reach the event loop; engine state
-(running / waiting, KV usage, speculative accept length, piecewise hit ratio) is read from the
-engine's latest snapshot when ``/metrics`` is scraped.
+Request latencies are histograms observed as deltas reach the event loop. A sequence's time to
+first token is the sum of the server's part before the hand-off (body, parsing, tokenizing), the
+dispatch to the engine, the engine's queue and prefill, and the return of the token; the
+engine's stamps are ``time.perf_counter`` (the host's monotonic clock, one for every process)
+taken in the engine process. Engine state (running / waiting, KV usage, speculative accept
+length, piecewise hit ratio) is read from the engine's latest snapshot when ``/metrics`` is
+scraped.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ _ITL_BUCKETS = (
     2.5,
     5.0,
 )
+_HOP_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
 _E2E_BUCKETS = (
     0.1,
     0.3,
@@ -108,6 +113,18 @@ class ServerMetrics:
             "(under the overlap schedule one step after the step that sampled it).",
             _TTFT_BUCKETS,
         )
+        self.dispatch_time = hist(
+            "request_dispatch_time_seconds",
+            "A sequence's hand-off to the engine to its arrival there (the pipe to the engine "
+            "process, and the wait for the step it is running to end).",
+            _HOP_BUCKETS,
+        )
+        self.return_time = hist(
+            "request_return_time_seconds",
+            "A sequence's first token read back by the engine to its delivery on the server's "
+            "event loop (the rest of that step, the pipe back, the event loop's queue).",
+            _HOP_BUCKETS,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", **kw
         ).labels(model_name)
@@ -137,9 +154,13 @@ class ServerMetrics:
         for d in deltas:
             if d.finish_reason is not None:
                 self.requests.labels(self.model_name, d.finish_reason).inc()
-            if d.queue_s is not None and d.prefill_s is not None:
-                self.queue_time.observe(d.queue_s)
-                self.prefill_time.observe(d.prefill_s)
+            if d.first_token is not None:
+                times = d.first_token
+                self.queue_time.observe(times.queue_s)
+                self.prefill_time.observe(times.prefill_s)
+                if stream.submitted is not None:
+                    self.dispatch_time.observe(times.arrival - stream.submitted)
+                self.return_time.observe(now - times.read_back)
         if final:
             self.e2e.observe(now - stream.arrival)
             self.prompt_tokens.inc(stream.num_prompt_tokens)

@@ -87,6 +87,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    arrival = time.perf_counter()
     state = request.app[STATE]
     body = await read_json(request)
     req = (parse_chat if chat else parse_completion)(body, state.limits)
@@ -95,7 +96,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         check_prompt_length(len(ids), req.params.max_tokens, state.limits.max_model_len)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     header = ResponseHeader(rid, int(time.time()), req.model, chat)
-    gen = Generation(state.engine)
+    gen = Generation(state.engine, arrival)
     try:
         for i, ids in enumerate(prompt_ids):
             await _add(gen, f"{rid}-{i}", ids, req)
