@@ -82,8 +82,8 @@ def _admitted(
 ) -> tuple[SamplingSlots, list[_Req]]:
     slots = SamplingSlots(num_slots, VOCAB, DEVICE, triton=triton)
     reqs = [_request(rng) for _ in range(num_reqs)]
-    for req in reqs:
-        slots.admit(req)
+    slots.admit(reqs[0])
+    slots.admit(*reqs)  # the rest in one upload per table (as a prefill step admits a wave)
     return slots, reqs
 
 
@@ -101,8 +101,7 @@ def test_rows_match_host_reference_through_commits_and_reuse(seed: int, triton: 
         gone = reqs.pop(rng.randrange(len(reqs)))
         slots.free(gone)
         reqs.insert(rng.randrange(len(reqs) + 1), _request(rng))  # may reuse gone's slot
-        for req in reqs:
-            slots.admit(req)
+        slots.admit(*reqs)  # the held ones keep their rows
     _assert_same(slots.rows(reqs[::-1]), _reference(reqs[::-1]))
 
 
@@ -158,6 +157,9 @@ def test_lifecycle_and_lazy_penalty_tables() -> None:
     with pytest.raises(RuntimeError, match="all 2 sampling slots"):
         slots.admit(_Req(SamplingParams(), 0, [3]))
     slots.free(plain)
+    with pytest.raises(RuntimeError, match="all 2 sampling slots"):  # all or none
+        slots.admit(plain, _Req(SamplingParams(), 0, [3]))
+    assert slots.num_free == 1 and slots.slot(plain) is None
     slots.free(plain)  # idempotent once freed
     with pytest.raises(ValueError, match="without a sampling slot"):
         slots.rows([plain])
@@ -236,3 +238,22 @@ def test_rows_and_commit_never_sync_with_the_host() -> None:
         slots.seq_lens(reqs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_host_tensor_equals_torch_tensor(dtype: torch.dtype) -> None:
+    """The upload path's list -> tensor (through ``array``) gives what ``torch.tensor`` does,
+    the full int64 range (seeds) and the empty list included."""
+    from pcgspec.runners.batch_builder import host_tensor
+
+    rng = random.Random(0)
+    if dtype is torch.int64:
+        values = [-(2**63), 2**63 - 1, *(rng.randrange(-(2**63), 2**63) for _ in range(50))]
+    elif dtype is torch.int32:
+        values = [-(2**31), 2**31 - 1, *(rng.randrange(-(2**31), 2**31) for _ in range(50))]
+    else:
+        values = [0.1, -3.5, 1e-30, 7, *(rng.uniform(-1e3, 1e3) for _ in range(50))]
+    got = host_tensor(values, dtype, pin=False)
+    assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
+    empty = host_tensor([], dtype, pin=False)
+    assert empty.dtype == dtype and empty.shape == (0,)

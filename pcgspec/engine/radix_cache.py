@@ -84,22 +84,24 @@ class RadixCache:
         self.stats = CacheStats()
         self._clock = itertools.count(1)
 
-    def _keys(self, token_ids: Sequence[int], num_tokens: int) -> list[tuple[int, ...]]:
-        p = self.page_size
-        return [tuple(token_ids[i : i + p]) for i in range(0, num_tokens - p + 1, p)]
-
     def match(self, token_ids: Sequence[int], max_tokens: int) -> PrefixHit:
         """The longest cached prefix of whole pages within ``token_ids[:max_tokens]``; marks
         its nodes used. Takes no references (the caller increfs the pages it keeps).
         """
-        now, node, pages = next(self._clock), self.root, []
-        for key in self._keys(token_ids, min(max_tokens, len(token_ids))):
-            child = node.children.get(key)
-            if child is None or (self.track_draft and not child.draft_valid):
+        now, node, pages, p = next(self._clock), self.root, [], self.page_size
+        children, track = self.root.children, self.track_draft
+        # NOTE: a hot loop (a long shared prompt is a hundred pages): keys are built as it goes
+        # and nodes marked inline; every node before the last has a child, so only the last
+        # can be a leaf that needs an eviction-heap entry (``_touch``).
+        for i in range(0, min(max_tokens, len(token_ids)) - p + 1, p):
+            child = children.get(tuple(token_ids[i : i + p]))
+            if child is None or (track and not child.draft_valid):
                 break
-            self._touch(child, now)
+            child.last_access = now
             pages.append(child.page)
-            node = child
+            node, children = child, child.children
+        if node is not self.root:
+            self._touch(node, now)
         return PrefixHit(pages, len(pages) * self.page_size, node)
 
     def record_lookup(self, num_tokens: int, num_cached: int) -> None:

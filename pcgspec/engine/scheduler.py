@@ -70,7 +70,7 @@ class RequestSlots(Protocol):
     when first scheduled for prefill and freed when it finishes, is aborted or is preempted.
     """
 
-    def admit(self, req: Request) -> None: ...
+    def admit(self, *reqs: Request) -> None: ...
 
     def free(self, req: Request) -> None: ...
 
@@ -141,8 +141,6 @@ class Scheduler:
             req.pages += self.pages.alloc(need)
             if self._computes_shared_pages(req):
                 groups.add(req.group_id)
-            if self.slots is not None:
-                self.slots.admit(req)
             if req.scheduled_time is None:
                 req.scheduled_time = time.perf_counter()
             picked.append(req)
@@ -150,6 +148,8 @@ class Scheduler:
             budget -= n
         if not picked:
             return None
+        if self.slots is not None:
+            self.slots.admit(*picked)
         return ScheduledBatch.of(ForwardMode.EXTEND, picked, sizes)
 
     def _defer_sibling(self, req: Request, groups: set[str]) -> bool:

@@ -30,6 +30,7 @@ from pcgspec.kernels.build_sampling_params import (
     build_sampling_params,
     build_sampling_params_ref,
 )
+from pcgspec.runners.batch_builder import host_tensor
 from pcgspec.sampling.batch import FLOAT_FIELDS, SamplingBatch, as_int64, host_flags, row_values
 from pcgspec.sampling_params import SamplingParams
 
@@ -112,15 +113,18 @@ class SamplingSlots:
 
     # lifecycle ----------------------------------------------------------------------------
 
-    def admit(self, req: SlotRequest) -> None:
-        """Give ``req`` a slot and write its row; a request that holds one keeps it."""
-        if req in self._slot_of:
-            return
-        if not self._free:
+    def admit(self, *reqs: SlotRequest) -> None:
+        """Give each of ``reqs`` a slot and write its row; a request that holds one keeps it.
+        All or none: ``RuntimeError`` when the free slots are too few. The rows of one call go
+        up in one upload per table (a prefill step admits a whole wave of arrivals).
+        """
+        new = [req for req in dict.fromkeys(reqs) if req not in self._slot_of]
+        if len(new) > len(self._free):
             raise RuntimeError(f"all {self.num_slots} sampling slots are taken")
-        slot = self._free.pop()
-        self._slot_of[req] = slot
-        self.write(req)
+        if new:
+            slots = [self._free.pop() for _ in new]
+            self._slot_of.update(zip(new, slots))
+            self._write(new, slots)
 
     def free(self, req: SlotRequest) -> None:
         """Return the slot of ``req`` (finished, aborted or preempted); no-op without one."""
@@ -128,26 +132,31 @@ class SamplingSlots:
         if slot is not None:
             self._free.append(slot)
 
-    def write(self, req: SlotRequest) -> None:
-        """(Re)write the row of an admitted ``req`` from its host state: parameters, seed,
+    def _write(self, reqs: Sequence[SlotRequest], slots: Sequence[int]) -> None:
+        """Write the rows of ``reqs`` (in ``slots``) from their host state: parameters, seed,
         position = its output count, prompt length, the penalty state of its outputs so far and
         its tokens (with a history).
         """
-        slot, p = self._slot_of[req], req.params
         self._version += 1
-        values = self._values[slot] = row_values(p, self.vocab_size)
-        outputs = req.output_token_ids
-        floats = torch.tensor([values[name] for name in FLOAT_FIELDS], dtype=torch.float32)
-        ints = torch.tensor([values["top_k"], as_int64(req.seed), len(outputs),
-                             len(req.prompt_token_ids)])  # fmt: skip
-        self._floats[:, slot].copy_(self._upload(floats))
-        self._ints[:, slot].copy_(self._upload(ints))
-        if p.needs_penalties and self.output_counts is None:
-            self._allocate_penalty_tables()
-        if self.output_counts is not None:
-            self._write_penalty_row(slot, req)
-        if self.token_history is not None:
-            self._write_history_row(slot, [*req.prompt_token_ids, *outputs])
+        floats, ints = [], []
+        for req, slot in zip(reqs, slots):
+            values = self._values[slot] = row_values(req.params, self.vocab_size)
+            floats.append([values[name] for name in FLOAT_FIELDS])
+            ints.append([values["top_k"], as_int64(req.seed), len(req.output_token_ids),
+                         len(req.prompt_token_ids), slot])  # fmt: skip
+        n = len(reqs)
+        columns = self._upload([v for row in floats for v in row], torch.float32).view(n, -1)
+        int_columns = self._upload([v for row in ints for v in row], torch.int64).view(n, -1)
+        index = int_columns[:, 4]
+        self._floats.index_copy_(1, index, columns.T)
+        self._ints.index_copy_(1, index, int_columns[:, :4].T)
+        for req, slot in zip(reqs, slots):
+            if req.params.needs_penalties and self.output_counts is None:
+                self._allocate_penalty_tables()
+            if self.output_counts is not None:
+                self._write_penalty_row(slot, req)
+            if self.token_history is not None:
+                self._write_history_row(slot, [*req.prompt_token_ids, *req.output_token_ids])
 
     def _allocate_penalty_tables(self) -> None:
         shape = (self.num_slots, self.vocab_size)
@@ -175,8 +184,7 @@ class SamplingSlots:
         if len(tokens) > self.token_history.shape[1]:
             raise ValueError(f"a request of {len(tokens)} tokens does not fit the token history "
                              f"of {self.token_history.shape[1]}")  # fmt: skip
-        row = torch.tensor(tokens, dtype=torch.int32)
-        self.token_history[slot, : len(tokens)].copy_(self._upload(row))
+        self.token_history[slot, : len(tokens)].copy_(self._upload(tokens, torch.int32))
 
     # the step -----------------------------------------------------------------------------
 
@@ -285,12 +293,11 @@ class SamplingSlots:
         return self._cached_slots[1]
 
     def _index(self, values: Sequence[int]) -> torch.Tensor:
-        return self._upload(torch.tensor(values, dtype=torch.int64))
+        return self._upload(values, torch.int64)
 
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the device through pinned memory on CUDA: a pageable copy may wait for
-        the stream, i.e. for a step the overlap schedule left running.
+    def _upload(self, values: Sequence[int | float], dtype: torch.dtype) -> torch.Tensor:
+        """A flat list on the device through pinned memory on CUDA: a pageable copy may wait
+        for the stream, i.e. for a step the overlap schedule left running.
         """
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        pinned = self.device.type == "cuda"
+        return host_tensor(values, dtype, pinned).to(self.device, non_blocking=True)

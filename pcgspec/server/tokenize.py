@@ -34,7 +34,10 @@ class PromptEncoder:
         self._long = ThreadPoolExecutor(LANE_WORKERS, thread_name_prefix="pcgspec-tokenize-long")
 
     async def encode(self, req: GenerationRequest) -> list[list[int]]:
-        """400 at once when a prompt is too long to fit by its characters alone."""
+        """400 at once when a prompt is too long to fit by its characters alone. Prompts that
+        are token ids already take no trip to a worker thread (and back through the loop)."""
+        if not req.chat and not any(isinstance(p, str) for p in req.prompts):
+            return list(req.prompts)  # type: ignore[arg-type]
         chars = self._check_chars(req)
         pool = self._long if chars > LONG_PROMPT_CHARS else self._short
         return await asyncio.get_running_loop().run_in_executor(pool, self._encode, req)
