@@ -77,7 +77,7 @@ class Engine:
             self.scheduler.draft = self.spec_worker.proposer
         self._capture_draft_graphs()
         warm_up_kernels(self._kernel_warmup(), self.runner.device)
-        _freeze_start_up()
+        freeze_start_up()
 
     def _load_models(self, config: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
         """The target's runner and, for a model-based drafter, the draft's. The draft loads
@@ -344,12 +344,13 @@ class Engine:
         return dataclasses.replace(built, input_ids=ids)
 
 
-def _freeze_start_up() -> None:
+def freeze_start_up() -> None:
     """Move what start-up built (modules, graphs, tables) out of the collector's generations,
     so that a full collection while serving scans only what serving allocated (vLLM and SGLang
     freeze after start-up too: on an H200, bench_spec's full collections fell from 280 to 72 ms
     each). Unfrozen when the next engine starts (``_thaw``) and at exit, where the last
-    collection frees them.
+    collection frees them. The server process calls it too, once it is up (its full
+    collections took 150-300 ms on an H100's host).
     """
     gc.collect()
     gc.freeze()

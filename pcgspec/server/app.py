@@ -13,9 +13,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pcgspec.config import EngineConfig
+from pcgspec.engine.engine import freeze_start_up
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
 from pcgspec.server.connections import install_log_filters, listen
+from pcgspec.server.engine_loop import log_slow_collections
 from pcgspec.server.metrics import piecewise_summary
 from pcgspec.server.openai_api import chat_completions, completions
 from pcgspec.server.protocol import ApiError
@@ -216,6 +218,7 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     install_log_filters()
+    log_slow_collections("server")
     engine = AsyncEngine(in_process=settings.engine_in_process)
     await engine.start(config)
     if stop.is_set():  # Ctrl-C / SIGTERM while the model loaded: never announce "serving"
@@ -223,6 +226,7 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
         logger.info("interrupted during start-up")
         return 130
     state = ServerState.build(engine, config, settings)
+    freeze_start_up()
     runner = web.AppRunner(
         build_app(state),
         handler_cancellation=True,

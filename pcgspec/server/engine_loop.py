@@ -18,6 +18,7 @@ None)`` after steps and commands, ``items`` being ``(request_id, deltas or error
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import signal
@@ -103,7 +104,26 @@ def run_engine_process(config: EngineConfig, channel: Channel, log_level: int) -
     process handles it and stops this one with a command."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=envs.LOG_FORMAT)
+    log_slow_collections("engine")
     run_engine(config, channel)
+
+
+def log_slow_collections(process: str, threshold: float = 1e-3) -> None:
+    """At debug level, log each garbage collection of this process that takes longer than
+    ``threshold`` seconds (a pause of every request the process serves at that moment)."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    start = 0.0
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        nonlocal start
+        if phase == "start":
+            start = time.perf_counter()
+        elif (took := time.perf_counter() - start) > threshold:
+            logger.debug("%s: gc of generation %d took %.2f ms (%d collected)", process,
+                         info["generation"], 1e3 * took, info["collected"])  # fmt: skip
+
+    gc.callbacks.append(timed)
 
 
 def run_engine(config: EngineConfig, channel: Channel) -> None:
