@@ -1,14 +1,19 @@
 """``pcgspec train-eagle3`` on CPU: the TTT loss falls on a tiny random Llama; the whole
 pipeline (prompts -> generate + capture -> train -> export) on a tiny counting target gives a
 head that ``load_eagle3_head`` reads and that pcgspec's engine accepts drafts from (accept
-length above 1, output equal to plain decoding); resume; bad flags; the default EAGLE3 draft.
+length above 1, output equal to plain decoding); resume; bad flags; the everyday requests
+(varied, none of the benchmark's chat questions); the held-out estimate over the start of
+chat-template responses; the default EAGLE3 draft.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +29,8 @@ from pcgspec.models.eagle3 import default_aux_layers, load_eagle3_head, write_ea
 from pcgspec.models.loader import load_config, load_model
 from pcgspec.models.random_weights import random_model
 from pcgspec.runners.batch_builder import SeqChunk
+from pcgspec.training.chat_requests import ARITHMETIC, KINDS, all_requests, sample_requests
+from pcgspec.training.data import ShardWriter, chat_flags, write_index
 from pcgspec.training.loss import Batch, ttt_loss
 from pcgspec.training.model import build_trainable_head, unroll
 from pcgspec.training.options import TrainOptions
@@ -33,12 +40,14 @@ from pcgspec.training.prompts import (
     build_prompts,
     describe,
     template_prompts,
+    topic_pools,
     vocabulary_words,
 )
-from pcgspec.training.trainer import accept_length_estimate
+from pcgspec.training.trainer import CHAT_EVAL_TOKENS, Trainer, accept_length_estimate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")  # fmt: skip
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 TINY_RUN = ["--num-prompts", "12", "--self-prompt-fraction", "0.1", "--max-tokens", "20",
             "--gen-batch-size", "8", "--eval-fraction", "0.2", "--draft-vocab-size", "64",
             "--ttt-steps", "5", "--batch-tokens", "1024", "--lr", "3e-3", "--eval-every", "6",
@@ -193,6 +202,11 @@ def test_pipeline_head_is_accepted_by_the_engine(trained, counting_target) -> No
     assert final["accuracy"][0] > 0.5 and final["accept_length"] > 2.0, final
     assert final["accept_length_by_k"][-1] == final["accept_length"]
     assert len(final["accept_length_by_k"]) == 5
+    chat = final["chat64"]  # the held-out split is chat-template, responses under 64 tokens
+    assert chat["rows"] == final["rows"] and len(chat["accept_length_by_k"]) == 5, final
+    flags = [chat for shard in index["shards"] for chat in shard["chat"]]
+    assert len(flags) == sum(len(shard["lengths"]) for shard in index["shards"])
+    assert flags.count(False) == 3  # the raw prompts
     assert (out / "train_summary.json").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -279,6 +293,117 @@ def test_prompt_set_mixes_categories_and_records_sources() -> None:
     raw = build_prompts(400, 0.0, seed=0, llm_factory=None, raw_fraction=0.25)
     assert describe(raw)["without_chat_template"] == 100
     assert sorted(p.text for p in raw) == sorted(p.text for p in prompts)
+
+
+def test_everyday_requests_are_varied_and_deterministic() -> None:
+    """Tens of thousands of distinct requests; a sample of 3000 uses nearly every template of
+    every kind (arithmetic word problems too); the same seed gives the same requests.
+    """
+    assert len(set(all_requests())) > 25_000
+    texts = sample_requests(random.Random(0), 3000)
+    assert len(set(texts)) == 3000
+    assert sample_requests(random.Random(0), 3000) == texts
+    assert sample_requests(random.Random(1), 3000) != texts
+    patterns = {(kind, template): re.compile(re.sub(r"\\\{[^}]*\\\}", ".+", re.escape(template)))
+                for kind, templates in KINDS.items() for template in templates}  # fmt: skip
+    used = {key for key, pattern in patterns.items() for t in texts if pattern.fullmatch(t)}
+    assert len(used) > 0.9 * len(patterns)
+    assert {kind for kind, _ in used} == set(KINDS)
+    matched = {t for t in texts for p in patterns.values() if p.fullmatch(t)}
+    assert 100 < len(set(texts) - matched) < 400  # ARITHMETIC: about 1 in 15
+    prompts = template_prompts(1000, seed=0)
+    assert describe(prompts)["categories"]["request"] == 1000 * MIX["request"]
+    assert max(MIX, key=MIX.get) == "request" and ARITHMETIC not in KINDS
+
+
+def test_no_prompt_is_a_benchmark_chat_question() -> None:
+    """scripts/bench_spec.py's chat questions stay unseen: no built-in prompt equals or
+    contains one, no everyday request names one of their subjects, and no built-in prompt names
+    their most specific ones.
+    """
+    spec = importlib.util.spec_from_file_location("bench_spec", SCRIPTS / "bench_spec.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_spec"] = bench  # NOTE: dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    questions = [q.lower().rstrip("?.!") for q in bench.PROMPT_SETS["chat"]]
+    assert len(questions) == 16
+    requests = list(all_requests())
+    texts = [t.lower() for pool in topic_pools().values() for t in pool]
+    texts += [t.lower() for t in requests + sample_requests(random.Random(0), 5000)]
+    texts += [p.text.lower() for p in template_prompts(5000, seed=0)]
+    assert not [(q, t) for t in texts for q in questions if q in t]
+    subjects = re.compile(r"\b(basil|purrs?|job interviews?|climate|lighthouse|refrigerator|"
+                          r"bakery|api|hike|cinderella|palindromes?|salty|remembering names|"
+                          r"solar system|planets?|sunsets?|trains?)\b")  # fmt: skip
+    assert not [t for t in requests if subjects.search(t.lower())]
+    # the benchmark's most specific subjects appear in no built-in prompt at all
+    specific = re.compile(r"\b(basil|purrs?|job interviews?|lighthouse|bakery|cinderella|"
+                          r"palindromes?)\b")  # fmt: skip
+    assert not [t for t in texts if specific.search(t)]
+
+
+def test_chat_window_counts_the_start_of_chosen_responses() -> None:
+    """``Batch.response_window`` keeps the chosen rows and their first ``tokens`` response
+    tokens: the TTT counts on it equal those of the whole batch with every other token masked
+    out (the columns it drops change nothing, attention being causal).
+    """
+    target = random_model("tiny", torch.float32, "cpu", seed=1)
+    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
+                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    head.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (3, 90), generator=gen)
+    aux = torch.randn(3, 90, 3 * target.hidden_size, generator=gen)
+    final = torch.randn(3, 90, target.hidden_size, generator=gen)
+    mask = torch.zeros(3, 90, dtype=torch.bool)
+    mask[0, 10:] = True  # 80 response tokens
+    mask[1, 5:] = True  # not chosen (a raw prompt)
+    mask[2, 6:36] = True  # 30 response tokens, then padding
+    window = Batch(ids, mask, aux, final).response_window(torch.tensor([True, False, True]), 64)
+    assert window.input_ids.shape == (2, 10 + 64)
+    assert window.loss_mask.sum(dim=1).tolist() == [64, 30]
+    masked = mask.clone()
+    masked[0, 10 + 64 :] = masked[1] = False
+    with torch.no_grad():
+        _, got = ttt_loss(head, window, num_steps=3, decay=0.8)
+        _, want = ttt_loss(head, Batch(ids, masked, aux, final), num_steps=3, decay=0.8)
+    assert got.count.tolist() == want.count.tolist() == [64 + 30] * 3
+    assert got.correct.tolist() == want.correct.tolist()
+    torch.testing.assert_close(got.loss, want.loss)
+    assert Batch(ids, mask, aux, final).response_window(torch.tensor([0, 1, 0]) > 0, 0) is None
+
+
+def test_evaluation_reports_the_chat_window(tmp_path) -> None:
+    """The held-out evaluation reports ``chat64`` beside the whole split: over the chat-template
+    sequences only, their first ``CHAT_EVAL_TOKENS`` response tokens.
+    """
+    target = random_model("tiny", torch.float32, "cpu", seed=1)
+    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
+                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    shards = []
+    for split, sequences in (("train", [(8, 20, True)]),
+                             ("eval", [(8, 100, True), (6, 40, False), (12, 30, True)])):
+        writer = ShardWriter(tmp_path, split, shard_tokens=1 << 20)
+        for prompt, response, chat in sequences:
+            n = prompt + response
+            writer.add(torch.randint(0, target.vocab_size, (n,), generator=gen).tolist(),
+                       [False] * prompt + [True] * response,
+                       torch.randn(n, 3 * target.hidden_size, generator=gen),
+                       torch.randn(n, target.hidden_size, generator=gen), chat)  # fmt: skip
+        writer.flush()
+        shards += writer.shards
+    write_index(tmp_path, shards, {"prompts": {}})
+    index = json.loads((tmp_path / "index.json").read_text())
+    opts = TrainOptions(work_dir=str(tmp_path), out="o", device="cpu", ttt_steps=2,
+                        batch_tokens=4096)  # fmt: skip
+    result = Trainer(head, opts, tmp_path, index, tmp_path / "ckpt").evaluate()
+    assert result.rows == 100 + 40 + 30
+    assert result.chat64.rows == CHAT_EVAL_TOKENS + 30
+    assert len(result.chat64.accept_length_by_k) == 2
+    assert f"first {CHAT_EVAL_TOKENS} tokens: {result.chat64.accept_length:.2f}" in result.message()
+    old = {"metadata": {"prompts": {"without_chat_template": 0}}}  # written before the flags
+    assert chat_flags(old, {"lengths": [5, 7]}) == [True, True]
 
 
 def test_vocabulary_words_are_whole_lowercase_words(smollm2_path) -> None:

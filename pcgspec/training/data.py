@@ -3,8 +3,9 @@
 A shard holds its sequences concatenated: ``input_ids [N]`` int32, ``loss_mask [N]`` uint8
 (response tokens), ``aux [N, 3H]`` and ``final [N, H]`` bfloat16 (the target's aux states and its
 final normed hidden state), ``offsets [S + 1]`` int64. ``index.json`` lists the shards with
-their split and sequence lengths (enough to plan batches without opening a shard) and the
-metadata of the run (target, aux layers, prompt sources, sampling).
+their split, sequence lengths (enough to plan batches without opening a shard) and whether each
+sequence went through the chat template, and the metadata of the run (target, aux layers,
+prompt sources, sampling).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ class ShardWriter:
     shard_tokens: int
     shards: list[dict] = field(default_factory=list)
     _seqs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    _chat: list[bool] = field(default_factory=list)
 
     def add(self, ids: Sequence[int], mask: Sequence[bool], aux: torch.Tensor,
-            final: torch.Tensor) -> None:  # fmt: skip
+            final: torch.Tensor, chat: bool) -> None:  # fmt: skip
         if not len(ids) == len(mask) == len(aux) == len(final):
             raise ValueError(f"sequence parts differ in length: {len(ids)} ids, {len(mask)} mask, "
                              f"{len(aux)} aux, {len(final)} final")  # fmt: skip
@@ -44,6 +46,7 @@ class ShardWriter:
         self._seqs.append((torch.tensor(ids, dtype=torch.int32),
                            torch.tensor(mask, dtype=torch.uint8),
                            aux.to(bf16).cpu(), final.to(bf16).cpu()))  # fmt: skip
+        self._chat.append(chat)
         if sum(len(s[0]) for s in self._seqs) >= self.shard_tokens:
             self.flush()
 
@@ -57,8 +60,8 @@ class ShardWriter:
         save_file({"input_ids": ids, "loss_mask": mask, "aux": aux, "final": final,
                    "offsets": offsets}, self.out_dir / name)  # fmt: skip
         self.shards.append({"file": name, "split": self.split, "lengths": lengths,
-                            "response_tokens": int(mask.sum())})  # fmt: skip
-        self._seqs = []
+                            "response_tokens": int(mask.sum()), "chat": self._chat})  # fmt: skip
+        self._seqs, self._chat = [], []
 
 
 def write_index(data_dir: Path, shards: Sequence[dict], metadata: dict) -> Path:
@@ -76,6 +79,16 @@ def read_index(data_dir: Path) -> dict:
 
 def split_shards(index: dict, split: str) -> list[dict]:
     return [s for s in index["shards"] if s["split"] == split]
+
+
+def chat_flags(index: dict, shard: dict) -> list[bool]:
+    """Per sequence of ``shard``: did its prompt go through the chat template? (Data written
+    before the flags were recorded: all did if no prompt was raw, else none is known to.)
+    """
+    if "chat" in shard:
+        return shard["chat"]
+    raw = index["metadata"].get("prompts", {}).get("without_chat_template")
+    return [raw == 0] * len(shard["lengths"])
 
 
 def split_sizes(index: dict) -> dict[str, dict[str, int]]:

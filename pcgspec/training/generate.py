@@ -109,7 +109,7 @@ def write_dataset(
         prompt_ids, response_ids = pairs[i]
         split = "eval" if i >= len(pairs) - num_eval else "train"
         mask = [False] * len(prompt_ids) + [True] * len(response_ids)
-        writers[split].add(prompt_ids + response_ids, mask, aux, final)
+        writers[split].add(prompt_ids + response_ids, mask, aux, final, prompts[i].chat)
     for writer in writers.values():
         writer.flush()
     runner = llm.engine.runner

@@ -27,6 +27,20 @@ class Batch:
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
+    def response_window(self, rows: torch.Tensor, tokens: int) -> Batch | None:
+        """The sequences ``rows [B]`` (bool) picks, with the loss mask ending after their first
+        ``tokens`` response tokens and the columns past its end dropped (attention is causal:
+        a kept row sees what it saw in the whole batch); None when no response token is left.
+        """
+        mask = self.loss_mask[rows]
+        mask = mask & (mask.cumsum(dim=1) <= tokens)  # [b, T]
+        columns = mask.any(dim=0).nonzero()
+        if not len(columns):
+            return None
+        end = int(columns[-1]) + 1
+        return Batch(self.input_ids[rows, :end], mask[:, :end], self.aux[rows, :end],
+                     self.final[rows, :end])  # fmt: skip
+
 
 @dataclass(frozen=True)
 class StepCounts:

@@ -127,7 +127,8 @@ def add_train_eagle3_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling and training")
     g = p.add_argument_group("prompts")
     g.add_argument("--num-prompts", type=int, default=default["num_prompts"],
-                   help="prompts in the set (chat, instructions, code, maths, prose)")
+                   help="prompts in the set: everyday chat requests (the largest share), "
+                        "questions and instructions on built-in topics, code, maths, prose")
     g.add_argument("--self-prompt-fraction", type=float,
                    default=default["self_prompt_fraction"],
                    help="share of the prompts the target writes itself about built-in topics "
@@ -147,7 +148,9 @@ def add_train_eagle3_args(p: argparse.ArgumentParser) -> None:
                    default=default["mem_fraction_static"],
                    help="CUDA: share of GPU memory the generating engine takes")
     g.add_argument("--eval-fraction", type=float, default=default["eval_fraction"],
-                   help="share of the sequences held out for evaluation")
+                   help="share of the sequences held out for evaluation (estimated accept "
+                        "length over the whole split and over the first 64 response tokens of "
+                        "its chat-template sequences)")
     g.add_argument("--capture-tokens", type=int, default=default["capture_tokens"],
                    help="tokens per hidden-state capture pass")
     g.add_argument("--shard-tokens", type=int, default=default["shard_tokens"],

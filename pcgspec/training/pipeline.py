@@ -133,7 +133,18 @@ def _write_summary(summary: dict, work: Path, opts: TrainOptions) -> None:
               f"{data['bytes'] / 2**30:.2f} GiB")
     final = (summary.get("train") or {}).get("final_eval")
     if final:
-        accuracy = "/".join(f"{a:.2f}" for a in final["accuracy"])
-        by_k = " ".join(f"k={k}: {a:.2f}" for k, a in enumerate(final["accept_length_by_k"], 1))
-        print(f"held-out accuracy per step {accuracy}; estimated accept length {by_k}")
+        from pcgspec.training.trainer import CHAT_EVAL_TOKENS
+
+        _print_eval("held-out", final)
+        window = f"held-out, chat template, first {CHAT_EVAL_TOKENS} response tokens:"
+        _print_eval(window, final.get("chat64"))
     print(f"summary: {work / SUMMARY_FILE}")
+
+
+def _print_eval(name: str, result: dict | None) -> None:
+    if not result:
+        print(f"{name} no such sequences")
+        return
+    accuracy = "/".join(f"{a:.2f}" for a in result["accuracy"])
+    by_k = " ".join(f"k={k}: {a:.2f}" for k, a in enumerate(result["accept_length_by_k"], 1))
+    print(f"{name} accuracy per step {accuracy}; estimated accept length {by_k}")

@@ -1,7 +1,8 @@
-"""The prompt set: built-in topics x templates (chat questions, instructions, code, maths,
-prose continuation), optionally extended by questions the target writes itself about built-in
-topics and about words of its own vocabulary; a share goes to the target without the chat
-template (raw completion), as ``LLM.generate`` sends text.
+"""The prompt set: everyday requests as chat users write them (``chat_requests.py``) and built-in
+topics x templates (chat questions, instructions, code, maths, prose continuation), optionally
+extended by questions the target writes itself about built-in topics and about words of its own
+vocabulary; a share goes to the target without the chat template (raw completion), as
+``LLM.generate`` sends text.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pcgspec.training.chat_requests import KINDS, sample_requests
 from pcgspec.training.topics import (
     CODE_TASKS,
     INSTRUCTIONS,
@@ -63,43 +65,47 @@ SELF_TEMPLATES = (
     "Write one 'why' question about {t}. Reply with the question only.",
 )  # fmt: skip
 MIN_WORD_LETTERS = 5  # vocabulary words used as topics: whole lowercase words this long at least
-# share of each category among the template prompts
-MIX = {"chat": 0.45, "instruction": 0.15, "code": 0.2, "math": 0.1, "prose": 0.1}
+# share of each category among the template prompts ("request": everyday chat requests)
+MIX = {"request": 0.45, "chat": 0.2, "instruction": 0.1, "code": 0.12, "math": 0.05, "prose": 0.08}
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    category: str  # chat, instruction, code, math, prose
+    category: str  # request, chat, instruction, code, math, prose (or self)
     source: str  # "builtin" or "self" (written by the target)
     chat: bool = True  # False: sent as it is, without the chat template (a raw completion)
 
 
 def template_prompts(num: int, seed: int) -> list[Prompt]:
-    """``num`` prompts from the built-in material, in the ``MIX`` proportions (a category
-    whose pool runs out leaves the rest to maths, whose pool never does), shuffled.
+    """``num`` prompts from the built-in material, in the ``MIX`` proportions, shuffled; the
+    everyday requests take the rest where a topic pool runs out (their arithmetic word problems
+    never do).
     """
     rng = random.Random(seed)
-    topics = items(TOPICS)
-    prose = [t.format(t=topic) for topic in topics for t in TOPIC_PROSE_TEMPLATES]
-    pools = {"chat": [t.format(t=topic) for topic in topics for t in CHAT_TEMPLATES],
-             "instruction": items(INSTRUCTIONS) + [t.format(t=topic) for topic in topics
-                                                   for t in INSTRUCTION_TEMPLATES],
-             "code": [t.format(lang=lang, task=task) for task in items(CODE_TASKS)
-                      for lang in LANGUAGES for t in CODE_TEMPLATES],
-             "prose": [t.format(t=o) for o in items(PROSE_OPENINGS)
-                       for t in PROSE_TEMPLATES] + prose}  # fmt: skip
     prompts: list[Prompt] = []
-    for category, share in MIX.items():
-        if category == "math":
-            continue
-        pool = pools[category]
+    for category, pool in topic_pools().items():
         rng.shuffle(pool)
-        prompts += [Prompt(text, category, "builtin") for text in pool[: round(num * share)]]
-    maths = _math_problems(rng, num - len(prompts))
+        prompts += [Prompt(t, category, "builtin") for t in pool[: round(num * MIX[category])]]
+    maths = _math_problems(rng, round(num * MIX["math"]))
     prompts += [Prompt(text, "math", "builtin") for text in maths]
+    requests = sample_requests(rng, num - len(prompts))
+    prompts += [Prompt(text, "request", "builtin") for text in requests]
     rng.shuffle(prompts)
     return prompts
+
+
+def topic_pools() -> dict[str, list[str]]:
+    """Every prompt of the topic-based categories (chat, instruction, code, prose)."""
+    topics = items(TOPICS)
+    prose = [t.format(t=topic) for topic in topics for t in TOPIC_PROSE_TEMPLATES]
+    return {"chat": [t.format(t=topic) for topic in topics for t in CHAT_TEMPLATES],
+            "instruction": items(INSTRUCTIONS) + [t.format(t=topic) for topic in topics
+                                                  for t in INSTRUCTION_TEMPLATES],
+            "code": [t.format(lang=lang, task=task) for task in items(CODE_TASKS)
+                     for lang in LANGUAGES for t in CODE_TEMPLATES],
+            "prose": [t.format(t=o) for o in items(PROSE_OPENINGS)
+                      for t in PROSE_TEMPLATES] + prose}  # fmt: skip
 
 
 def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) -> list[Prompt]:
@@ -161,7 +167,9 @@ def describe(prompts: Sequence[Prompt]) -> dict:
             "sources": dict(Counter(p.source for p in prompts)),
             "without_chat_template": sum(not p.chat for p in prompts),
             "categories": dict(Counter(p.category for p in prompts)),
-            "builtin": "pcgspec.training.topics: topics x templates, no hub access",
+            "builtin": "pcgspec.training.topics: topics x templates; request: "
+                       f"pcgspec.training.chat_requests, {len(KINDS)} kinds of everyday "
+                       "requests, templates x word lists; no hub access",
             "self": "written by the target about built-in topics and vocabulary words"}  # fmt: skip
 
 

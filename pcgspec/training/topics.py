@@ -1,5 +1,6 @@
 """The built-in material of the prompt set (no hub access needed): topics, tasks and openings
-that ``prompts.py`` combines with templates.
+that ``prompts.py`` and ``chat_requests.py`` combine with templates. NOTE: none of the chat
+questions of ``scripts/bench_spec.py`` is among them, nor their subjects (the tests check it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ chickens; farming; honey; the Roman Empire; ancient Egypt; the pyramids; ancient
 Olympic Games; the Middle Ages; castles; knights; the Renaissance; the printing press; the
 Industrial Revolution; steam engines; trains; airplanes; the first flight; ships; the Titanic;
 bridges; skyscrapers; roads; maps; compasses; clocks; calendars; money; banks; saving money;
-budgeting; taxes; inflation; the stock market; starting a small business; job interviews;
+budgeting; taxes; inflation; the stock market; starting a small business; job applications;
 writing a resume; teamwork; leadership; time management; procrastination; public speaking;
 learning a new language; reading books; libraries; poetry; novels; fairy tales; myths;
 theater; movies; music; the piano; the guitar; drums; singing; painting; drawing; photography;
@@ -48,7 +49,7 @@ exploration; astronauts; the International Space Station; rockets; comets; aster
 """
 
 CODE_TASKS = """
-reverse a string; check whether a string is a palindrome; count the vowels in a string; find
+reverse a string; check whether two words are anagrams; count the vowels in a string; find
 the largest number in a list; remove duplicates from a list; sort a list of names; merge two
 sorted lists; compute a factorial; compute Fibonacci numbers; check whether a number is prime;
 list the primes below 100 with a sieve; compute the greatest common divisor; convert Celsius to
@@ -68,6 +69,39 @@ tree; detect a cycle in a linked list; implement an LRU cache; split a list into
 two lists into a dictionary; compute a moving average; format a date; download a web page
 """
 
+CODE_FUNCTIONS = """
+returns the number of days between two dates; removes all punctuation from a sentence; counts
+how often each letter appears in a text; converts kilometres to miles; finds the longest
+common prefix of a list of words; returns the median of a list of numbers; shuffles a deck of
+cards; turns a list of names into a comma-separated string; splits a full name into first and
+last name; returns every third element of a list; computes the total price of a shopping cart;
+converts a time in seconds to hours, minutes and seconds; finds duplicate files by size;
+returns the nth prime number; merges two dictionaries; converts a string to title case;
+generates a multiplication table; counts the words in a file; finds the smallest missing
+positive integer; reverses the order of words in a sentence; rounds a price to the nearest
+five cents; sorts a list of people by age; returns the day of the week for a date; converts a
+hex colour to RGB; calculates a tip for a restaurant bill; finds the intersection of two lists;
+removes empty strings from a list; computes the area of a circle; validates a phone number;
+picks a random quote from a list
+"""
+
+CODE_HOWTOS = """
+read a file line by line; sort a dictionary by value; make an HTTP request; parse command-line
+arguments; write a unit test; format a number with two decimals; get the current date and time;
+handle an exception; create a class with a constructor; loop over a list with its index; join
+a list of strings; remove an item from a list; check if a key is in a dictionary; read a JSON
+file; write to a CSV file; generate a random number; convert a string to an integer; find the
+length of a string; copy a file; run code in parallel; measure how long some code takes; use a
+regular expression to find emails; create a virtual environment; install a package; define a
+constant
+"""
+
+CODE_ERRORS = """
+an IndexError; a KeyError; a TypeError about NoneType; an IndentationError; a
+ZeroDivisionError; a stack overflow; a null pointer exception; a segmentation fault; a syntax
+error on the last line; an infinite loop; an out-of-memory error; a circular import
+"""
+
 LANGUAGES = ("Python", "JavaScript", "C", "Rust", "Go", "Java", "TypeScript", "C++")
 
 INSTRUCTIONS = """
@@ -75,15 +109,15 @@ Write a polite email declining a meeting invitation.; Write a short thank-you no
 teacher.; Summarize the plot of Romeo and Juliet in three sentences.; Give me a packing list for
 a weekend camping trip.; Write a shopping list for a week of healthy dinners.; Suggest five names
 for a coffee shop.; Write a product description for a reusable water bottle.; Draft a tweet
-announcing a new bakery opening.; Write a short speech for a friend's birthday.; Create a
+announcing a new bookshop opening.; Write a short speech for a friend's birthday.; Create a
 weekly workout plan for a beginner.; Write a haiku about the ocean.; Write a limerick about a
 cat.; Give three tips for sleeping better.; Explain how to change a flat tyre step by step.;
 Write a recipe for pancakes.; Plan a one-day tour of Paris.; Write a short cover letter for a
 junior developer job.; List the pros and cons of working from home.; Write a job advertisement
 for a barista.; Turn this sentence into a formal one: hey, can u send me the report asap?; Write
-a short dialogue between a customer and a waiter.; Give me ten interview questions for a
-teacher.; Write a motivational message for someone starting a new job.; Write a short story
-for children about a brave mouse.; Describe a sunset to someone who has never seen one.;
+a short dialogue between a customer and a waiter.; Give me ten quiz questions for a
+history class.; Write a motivational message for someone starting a new job.; Write a short story
+for children about a brave mouse.;
 Suggest a study schedule for a student with exams in two weeks.; Write an apology message for
 missing a friend's party.; Explain the rules of tic-tac-toe.; Write a short review of an
 imaginary restaurant.; Give me five ideas for a rainy afternoon.; Write instructions for
@@ -95,7 +129,7 @@ sleepy dragon.; Give advice to someone learning to cook.
 """
 
 PROSE_OPENINGS = """
-The old lighthouse keeper climbed the stairs one last time.; It was raining when the letter
+The old ferryman crossed the river one last time.; It was raining when the letter
 finally arrived.; Nobody in the village had ever seen the door open.; The train stopped in the
 middle of the forest and the lights went out.; Maya found a map hidden inside her
 grandmother's cookbook.; The robot woke up in an empty museum.; On the first day of summer, the

@@ -1,6 +1,6 @@
 """The training loop: AdamW with linear warm-up and cosine decay, bf16 autocast on CUDA,
 gradient clipping, a progress bar with loss and per-step accuracy, periodic evaluation on the
-held-out split, checkpoints and resume.
+held-out split (whole, and the start of its chat-template responses), checkpoints and resume.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from pcgspec.models.eagle3 import Eagle3Head
-from pcgspec.training.data import iter_batches, plan_batches, split_shards
-from pcgspec.training.loss import ttt_loss
+from pcgspec.training.data import chat_flags, iter_batches, plan_batches, split_shards
+from pcgspec.training.loss import Batch, StepCounts, ttt_loss
 from pcgspec.training.options import TrainOptions
 
 logger = logging.getLogger("pcgspec")
 KEEP_CHECKPOINTS = 2
 REFIT_EVERY = 5  # steps between fits of the schedule to --max-train-seconds (no sync)
+CHAT_EVAL_TOKENS = 64  # scripts/bench_spec.py's chat set: 64 output tokens, chat template
 
 
 @dataclass
@@ -32,12 +33,42 @@ class EvalResult:
     accept_length: float  # estimated, chain over all unrolled steps
     accept_length_by_k: list[float]  # the same with k = 1, 2, ... drafts per step
     rows: int
+    # the same over the first CHAT_EVAL_TOKENS response tokens of chat-template sequences only
+    chat64: EvalResult | None = None
 
     @classmethod
     def from_counts(cls, loss: float, correct: torch.Tensor, count: torch.Tensor) -> EvalResult:
         acc = (correct.double() / count.double().clamp(min=1)).tolist()
         by_k = [accept_length_estimate(acc[:k]) for k in range(1, len(acc) + 1)]
         return cls(loss, acc, by_k[-1], by_k, int(count[0]))
+
+    def message(self) -> str:
+        text = (f"loss {self.loss:.3f}, accuracy " + "/".join(f"{a:.2f}" for a in self.accuracy)
+                + f", estimated accept length {self.accept_length:.2f}")  # fmt: skip
+        window = f"; chat template, first {CHAT_EVAL_TOKENS} tokens:"
+        if self.chat64 is None:
+            return f"{text}{window} no such sequences"
+        return f"{text}{window} {self.chat64.accept_length:.2f}"
+
+
+class EvalSums:
+    """Evaluation batches summed: loss, per-step correct and counted rows (on the device)."""
+
+    def __init__(self, steps: int, device: torch.device) -> None:
+        self.loss, self.batches = 0.0, 0
+        self.correct = torch.zeros(steps, device=device)
+        self.count = torch.zeros(steps, device=device)
+
+    def add(self, loss: torch.Tensor, counts: StepCounts) -> None:
+        self.loss, self.batches = self.loss + float(loss), self.batches + 1
+        self.correct += counts.correct
+        self.count += counts.count
+
+    def result(self) -> EvalResult | None:
+        if not self.batches:
+            return None
+        return EvalResult.from_counts(self.loss / self.batches, self.correct.cpu(),
+                                      self.count.cpu())  # fmt: skip
 
 
 def accept_length_estimate(accuracy: list[float]) -> float:
@@ -65,6 +96,7 @@ class Trainer:
     def __init__(self, head: Eagle3Head, opts: TrainOptions, data_dir: Path, index: dict,
                  ckpt_dir: Path) -> None:  # fmt: skip
         self.head, self.opts, self.data_dir, self.ckpt_dir = head, opts, data_dir, ckpt_dir
+        self.index = index
         self.device = head.device
         self.train_shards = split_shards(index, "train")
         self.eval_shards = split_shards(index, "eval")
@@ -160,22 +192,31 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> EvalResult | None:
-        """Per-step accuracy and the estimated accept length on the held-out split."""
+        """Per-step accuracy and the estimated accept length on the held-out split, and the
+        same (``chat64``) over the first ``CHAT_EVAL_TOKENS`` response tokens of its
+        chat-template sequences: what ``scripts/bench_spec.py``'s chat set measures.
+        """
         if not self.eval_shards:
             return None
         self.head.eval()
-        steps = self.opts.ttt_steps
-        loss_sum, batches = 0.0, 0
-        correct = torch.zeros(steps, device=self.device)
-        count = torch.zeros(steps, device=self.device)
+        whole, chat = (EvalSums(self.opts.ttt_steps, self.device) for _ in range(2))
         plan = plan_batches(self.eval_shards, self.opts.batch_tokens, None)
-        for batch in iter_batches(self.data_dir, self.eval_shards, plan, self.device):
-            with self.autocast():
-                loss, counts = ttt_loss(self.head, batch, steps, self.opts.step_decay)
-            loss_sum, batches = loss_sum + float(loss), batches + 1
-            correct, count = correct + counts.correct, count + counts.count
+        batches = iter_batches(self.data_dir, self.eval_shards, plan, self.device)
+        for (shard, seqs), batch in zip(plan, batches):
+            whole.add(*self._eval_loss(batch))
+            flags = chat_flags(self.index, self.eval_shards[shard])
+            rows = torch.tensor([flags[i] for i in seqs], device=self.device)
+            window = batch.response_window(rows, CHAT_EVAL_TOKENS)
+            if window is not None:
+                chat.add(*self._eval_loss(window))
         self.head.train()
-        return EvalResult.from_counts(loss_sum / max(batches, 1), correct.cpu(), count.cpu())
+        result = whole.result()
+        result.chat64 = chat.result()
+        return result
+
+    def _eval_loss(self, batch: Batch) -> tuple[torch.Tensor, StepCounts]:
+        with self.autocast():
+            return ttt_loss(self.head, batch, self.opts.ttt_steps, self.opts.step_decay)
 
     def _record_eval(self, bar: tqdm | None) -> dict | None:
         result = self.evaluate()
@@ -183,9 +224,7 @@ class Trainer:
             return None
         record = {"step": self.step, **asdict(result)}
         self.evals.append(record)
-        message = (f"eval step {self.step}: loss {result.loss:.3f}, accuracy "
-                   + "/".join(f"{a:.2f}" for a in result.accuracy)
-                   + f", estimated accept length {result.accept_length:.2f}")  # fmt: skip
+        message = f"eval step {self.step}: {result.message()}"
         (bar.write if bar is not None else logger.info)(message)
         return record
 
