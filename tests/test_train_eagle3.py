@@ -25,7 +25,12 @@ from pcgspec import LLM, SamplingParams
 from pcgspec.cli import main
 from pcgspec.config import EngineConfig
 from pcgspec.models import default_model
-from pcgspec.models.eagle3 import default_aux_layers, load_eagle3_head, write_eagle3_checkpoint
+from pcgspec.models.eagle3 import (
+    Eagle3Head,
+    default_aux_layers,
+    load_eagle3_head,
+    write_eagle3_checkpoint,
+)
 from pcgspec.models.loader import load_config, load_model
 from pcgspec.models.random_weights import random_model
 from pcgspec.runners.batch_builder import SeqChunk
@@ -137,14 +142,20 @@ def test_ttt_loss_falls_on_a_tiny_random_llama() -> None:
     assert counts.count.tolist() == [2 * 40] * 5  # rows whose predicted token is in 8..47
 
 
+def _tiny_target_and_head() -> tuple[torch.nn.Module, Eagle3Head]:
+    """The tiny random target and a fresh head over every third token of its vocabulary."""
+    target = random_model("tiny", torch.float32, "cpu", seed=1)
+    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
+                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    return target, head
+
+
 def test_unrolled_steps_equal_chain_drafting_through_the_kv_cache() -> None:
     """TTT step ``i`` at row ``t`` equals inference: the head catches up over rows ``0..t`` in
     the paged KV cache (tokens ``1..t+1``, the target's aux states), then takes ``i`` one-token
     draft steps on its own ``next_hidden`` with tokens ``t+2..t+1+i`` at positions ``t+1..t+i``.
     """
-    target = random_model("tiny", torch.float32, "cpu", seed=1)
-    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
-                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    target, head = _tiny_target_and_head()
     head.requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, 12), generator=gen)
@@ -347,9 +358,7 @@ def test_chat_window_counts_the_start_of_chosen_responses() -> None:
     tokens: the TTT counts on it equal those of the whole batch with every other token masked
     out (the columns it drops change nothing, attention being causal).
     """
-    target = random_model("tiny", torch.float32, "cpu", seed=1)
-    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
-                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    target, head = _tiny_target_and_head()
     head.requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (3, 90), generator=gen)
@@ -377,9 +386,7 @@ def test_evaluation_reports_the_chat_window(tmp_path) -> None:
     """The held-out evaluation reports ``chat64`` beside the whole split: over the chat-template
     sequences only, their first ``CHAT_EVAL_TOKENS`` response tokens.
     """
-    target = random_model("tiny", torch.float32, "cpu", seed=1)
-    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
-                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    target, head = _tiny_target_and_head()
     gen = torch.Generator().manual_seed(0)
     shards = []
     for split, sequences in (("train", [(8, 20, True)]),
