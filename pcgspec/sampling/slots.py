@@ -138,15 +138,16 @@ class SamplingSlots:
         its tokens (with a history).
         """
         self._version += 1
-        floats, ints = [], []
+        floats: list[float] = []  # row-major [n, 6]
+        ints: list[int] = []  # row-major [n, 4 + slot]
         for req, slot in zip(reqs, slots):
             values = self._values[slot] = row_values(req.params, self.vocab_size)
-            floats.append([values[name] for name in FLOAT_FIELDS])
-            ints.append([values["top_k"], as_int64(req.seed), len(req.output_token_ids),
-                         len(req.prompt_token_ids), slot])  # fmt: skip
+            floats += [values[name] for name in FLOAT_FIELDS]
+            ints += [values["top_k"], as_int64(req.seed), len(req.output_token_ids),
+                     len(req.prompt_token_ids), slot]  # fmt: skip
         n = len(reqs)
-        columns = self._upload([v for row in floats for v in row], torch.float32).view(n, -1)
-        int_columns = self._upload([v for row in ints for v in row], torch.int64).view(n, -1)
+        columns = self._upload(floats, torch.float32).view(n, -1)
+        int_columns = self._upload(ints, torch.int64).view(n, -1)
         index = int_columns[:, 4]
         self._floats.index_copy_(1, index, columns.T)
         self._ints.index_copy_(1, index, int_columns[:, :4].T)
