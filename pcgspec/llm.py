@@ -22,12 +22,18 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 logger = logging.getLogger("pcgspec")
 
 
+def chat_text(tokenizer: Any, messages: Sequence[Message]) -> str:
+    """A conversation through the tokenizer's chat template, ready for the assistant's turn
+    (the template's errors propagate: the server answers them with a 400)."""
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+
+
 def chat_prompt(tokenizer: Any, messages: Sequence[Message]) -> tuple[str, list[int]]:
     """The text and token ids of a conversation through the tokenizer's chat template, ready
     for the assistant's turn.
     """
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                         tokenize=False)  # fmt: skip
+    text = chat_text(tokenizer, messages)
     # NOTE: the template already holds the special tokens it wants.
     return text, tokenizer.encode(text, add_special_tokens=False)
 

@@ -4,6 +4,8 @@ and ``Scheduler.abort``. Well under a second.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pcgspec.engine.kv_pool import PagePool
@@ -18,6 +20,7 @@ from pcgspec.server.protocol import (
     parse_chat,
     parse_completion,
 )
+from pcgspec.server.tokenize import PromptEncoder
 
 LIMITS = Limits("m", vocab_size=1000, max_model_len=128)
 USER = [{"role": "user", "content": "hi"}]
@@ -115,6 +118,38 @@ def test_chat_validation_and_prompt_length():
         with pytest.raises(ApiError) as info:
             check_prompt_length(n, max_tokens, 128)
         assert info.value.param == param and (n == 0 or "128" in info.value.message)
+
+
+class _Tokenizer:
+    """A chat template that refuses a conversation ending with the assistant; one id per byte."""
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0, "bc": 1}
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        if messages[-1]["role"] == "assistant":
+            raise ValueError("the last message must come from the user")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0] * add_special_tokens + list(text.encode())
+
+
+def test_prompt_encoder_templates_chats_and_passes_token_ids():
+    encoder = PromptEncoder(_Tokenizer(), max_model_len=128)
+    try:
+        chat = parse_chat({"messages": USER}, LIMITS)
+        assert asyncio.run(encoder.encode(chat)) == [list(b"<user>hi<assistant>")]
+        ids = parse_completion({"prompt": [[5, 6], [7]]}, LIMITS)
+        assert asyncio.run(encoder.encode(ids)) == [[5, 6], [7]]
+        bad = parse_chat({"messages": [*USER, {"role": "assistant", "content": "x"}]}, LIMITS)
+        with pytest.raises(ApiError) as info:
+            asyncio.run(encoder.encode(bad))
+        assert info.value.status == 400 and info.value.param == "messages"
+        assert "must come from the user" in info.value.message
+    finally:
+        encoder.shutdown()
 
 
 class _CharDetokenizer:

@@ -10,6 +10,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pcgspec.llm import chat_text
 from pcgspec.server.protocol import ApiError, GenerationRequest, bad
 
 LONG_PROMPT_CHARS = 32_768  # longer prompts tokenize on the "long" lane
@@ -62,9 +63,7 @@ class PromptEncoder:
         if not req.chat:
             return [p if isinstance(p, list) else tok.encode(p) for p in req.prompts]
         try:
-            text = tok.apply_chat_template(
-                list(req.messages), add_generation_prompt=True, tokenize=False
-            )
+            text = chat_text(tok, req.messages)
         except Exception as e:  # jinja errors, e.g. a template that forbids a role order
             raise ApiError(
                 400, f"the chat template rejected the messages: {e}", param="messages"
