@@ -15,6 +15,7 @@ from pcgspec.speculative.policy import (
     MIN_PROBE_INTERVAL,
     MIN_TIMED,
     PROBE_SHARE,
+    RETIME_AFTER,
     SpecPolicy,
 )
 
@@ -313,3 +314,42 @@ def test_a_batch_sum_is_reused_only_for_the_same_requests_and_samples():
     for _ in range(30):
         p.record_accept(a, 5)  # new samples: a accepts now
     assert p.choose([a])
+
+
+def _run(p: SpecPolicy, r: Req, steps: int, t_spec: float, accept: float) -> list[bool]:
+    """``steps`` choices for one request, each step recorded as the engine would: a switch to
+    speculation is timed as a switch, other steps as steady ones (speculative: ``t_spec``,
+    plain: 1.0)."""
+    chosen: list[bool] = []
+    for _ in range(steps):
+        spec = p.choose([r])
+        if spec and chosen and not chosen[-1]:
+            p.record_step(True, 1, t_spec + 2.0, steady=False, switched=True)
+        else:
+            p.record_step(spec, 1, t_spec if spec else 1.0)
+        if spec:
+            p.record_accept(r, accept)
+        chosen.append(spec)
+    return chosen
+
+
+def test_speculative_times_of_a_slow_stretch_are_measured_again():
+    """Speculative steps timed in a slow stretch (3 ms against a 1.4 ms steady step) would keep
+    a request accepting 2.4 on plain steps for good: the first probe after RETIME_AFTER plain
+    steps re-times them, and speculation resumes."""
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 2.4)
+    chosen = _run(p, r, 3 * RETIME_AFTER, 1.4, 2.4)
+    resumed = max(i for i, spec in enumerate(chosen) if not spec) + 1
+    assert RETIME_AFTER <= chosen.count(False) <= 2 * RETIME_AFTER  # single-step probes before
+    assert [True, True] not in [chosen[i : i + 2] for i in range(resumed)]
+    assert all(chosen[resumed:]) and p._time(True, 1) == pytest.approx(1.4)
+
+
+def test_a_drafter_that_accepts_nothing_is_not_retimed():
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 1.0)
+    chosen = _run(p, r, 2 * RETIME_AFTER, 1.4, 1.0)
+    assert 0 < chosen.count(True) <= 4 and p._time(True, 1) == 3.0  # single-step probes

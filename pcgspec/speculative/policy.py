@@ -33,6 +33,14 @@ steady step is the switch cost, and it shapes two choices:
   long enough that probes cost under ``PROBE_SHARE`` of the plain steps' time (an untrained
   EAGLE3 head switches for 3-10 ms on SmolLM2: a probe every 150-450 steps, not every 8).
   ``always`` speculates every step.
+- Re-timing: a speculative step's time is measured only while the policy speculates, so a
+  stretch in which steps ran slow (the host or the device slowed for a while: on an H100,
+  speculative steps of 2-4 ms against 1.4 ms steady, for tens to hundreds of steps) could
+  keep it on plain steps for good. A probe after ``RETIME_AFTER`` plain steps without a
+  steady speculative one, for requests that would gain ``RETIME_GAIN`` if a speculative step
+  cost no more than a plain one (a verify step is at least a plain step), drops the bucket's
+  speculative times and speculates ``MIN_TIMED`` more steps to measure them again; it is
+  judged after that, by the new times. A drafter that accepts nothing is never re-timed.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
@@ -61,6 +69,8 @@ _PRIOR_EMA = 0.05  # weight of one verify step in the average over all requests 
 MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
 PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain steps between probes
+RETIME_AFTER = 64  # plain steps of a bucket before a probe measures speculative steps again
+RETIME_GAIN = 1.1  # ... when its requests would gain this much at a plain step's time
 HYSTERESIS_STEPS = 16  # a switch of kind must repay its cost within this many steps
 MAX_MARGIN = 0.05  # ... and needs at most this relative gain
 
@@ -104,6 +114,8 @@ class SpecPolicy:
         self._plain_run: dict[int, int] = defaultdict(int)  # plain steps since the last probe
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: dict[int, int] = {}  # buckets awaiting a probe's verdict: _samples then
+        self._retiming: dict[int, int] = {}  # per bucket speculative steps left to re-time
+        self._spec_timed: dict[int, int] = {}  # per bucket plain_steps at its last re-timing
         self._speculating = True  # the kind of the last step chosen
         self._accept = RunningAverage(num_steps + 1.0)  # every draft accepted, until measured
         self._match = RunningAverage(1.0)  # the share of steps with drafts (prompt lookup)
@@ -186,6 +198,9 @@ class SpecPolicy:
         gain = self._expected_sum(requests) * t_plain / (len(requests) * t_spec)
         margin = min(switch_cost / (HYSTERESIS_STEPS * t_plain), MAX_MARGIN)
         pays = gain > (1 - margin if self._speculating else 1 + margin)
+        if self._retiming.get(bucket):  # NOTE: like a probe, not a choice to speculate
+            self._retiming[bucket] -= 1
+            return True
         if self._probed.get(bucket, self._samples) < self._samples:
             # the probe's results are in: probe again after 8 plain steps, or twice as many
             del self._probed[bucket]
@@ -198,6 +213,11 @@ class SpecPolicy:
                 bucket, t_plain, switch_cost):  # fmt: skip
             self._probed[bucket] = self._samples
             self._plain_run[bucket] = 0
+            if (ref == bucket and gain * t_spec / t_plain > RETIME_GAIN
+                    and self.plain_steps - self._spec_timed.get(bucket, 0) >= RETIME_AFTER):
+                self._times[(True, bucket)].clear()  # the median stays until MIN_TIMED new
+                self._retiming[bucket] = MIN_TIMED
+                self._spec_timed[bucket] = self.plain_steps
             return True  # NOTE: not a choice to speculate: the bar to go on stays the same
         return self._chose(False, bucket)
 
@@ -248,6 +268,8 @@ class SpecPolicy:
         if steady:
             times = self._times[(speculative, bucket)]
             times.append(seconds)
+            if speculative:
+                self._spec_timed[bucket] = self.plain_steps
             if len(times) >= MIN_TIMED:
                 self._medians[(speculative, bucket)] = statistics.median(times)
                 if (not speculative, bucket) in self._medians and bucket not in self._measured:
