@@ -270,11 +270,27 @@ def test_max_train_seconds_fits_the_schedule(trained, counting_target, tmp_path)
     assert summary["times_s"]["train"] < 8
 
 
+def test_a_wider_head_is_trained_exported_and_loaded(trained, counting_target, tmp_path) -> None:
+    work, _ = trained
+    shutil.copytree(work / "data", tmp_path / "data")
+    out = tmp_path / "head"
+    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(tmp_path),
+                 "--out", str(out), "--phases", "train", "--head-intermediate-size", "96",
+                 "--max-steps", "2", *TINY_RUN])  # fmt: skip
+    assert code == 0
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96  # target: 128
+    target = load_model(counting_target, torch.float32, "cpu")
+    head = load_eagle3_head(out, target, torch.float32, "cpu")
+    assert head.midlayer.mlp.down_proj.weight.shape == (64, 96)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--out", "o", "--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
     (["--phases", "train"], "--out is required by the train phase"),
     (["--phases", "prompts,fly"], "--phases must be a comma-separated subset"),
     (["--out", "o", "--ttt-steps", "0"], "--ttt-steps must be an integer >= 1"),
+    (["--out", "o", "--head-intermediate-size", "0"],
+     "--head-intermediate-size must be an integer >= 1"),
     (["--out", "o", "--eval-fraction", "0.9"], r"--eval-fraction must be a number in \[0, 0.5\]"),
     (["--out", "o", "--lr", "0"], "--lr must be a number"),
     (["--out", "o", "--device", "tpu"], "device must be auto, cpu, cuda"),

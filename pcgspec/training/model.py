@@ -28,15 +28,23 @@ if TYPE_CHECKING:
 
 
 def build_trainable_head(
-    target: nn.Module, draft_ids: torch.Tensor, aux_layers: Sequence[int], seed: int
+    target: nn.Module,
+    draft_ids: torch.Tensor,
+    aux_layers: Sequence[int],
+    seed: int,
+    intermediate_size: int | None = None,
 ) -> Eagle3Head:
     """A fresh float32 head for ``target`` on its device: draft vocabulary ``draft_ids`` (sorted
-    target ids), reading the inputs of target layers ``aux_layers``; ``lm_head`` starts as the
-    target's rows of the draft vocabulary. The target's embedding is shared, frozen, not saved.
+    target ids), reading the inputs of target layers ``aux_layers``, its MLP
+    ``intermediate_size`` wide (default: the target's); ``lm_head`` starts as the target's rows
+    of the draft vocabulary. The target's embedding is shared, frozen, not saved.
     """
     from transformers import LlamaConfig
 
-    config = LlamaConfig(**head_config(target.config, draft_ids, aux_layers))
+    published = head_config(target.config, draft_ids, aux_layers)
+    if intermediate_size is not None:
+        published["intermediate_size"] = intermediate_size
+    config = LlamaConfig(**published)
     torch.manual_seed(seed)
     head = Eagle3Head(config, target, own_embedding=False, own_lm_head=True)
     ids = draft_ids.long()

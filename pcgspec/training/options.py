@@ -34,6 +34,7 @@ class TrainOptions:
     shard_tokens: int = 262144
     # train
     draft_vocab_size: int = 8192
+    head_intermediate_size: int | None = None  # None: the target's
     ttt_steps: int = 7
     step_decay: float = 0.8
     epochs: int = 3
@@ -67,8 +68,9 @@ class TrainOptions:
             _check_int(self, name, 1)
         for name in ("eval_every", "save_every"):
             _check_int(self, name, 0)
-        if self.max_steps is not None:
-            _check_int(self, "max_steps", 1)
+        for name in ("max_steps", "head_intermediate_size"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, 1)
         for name, low, high in (("self_prompt_fraction", 0.0, 1.0),
                                 ("raw_prompt_fraction", 0.0, 1.0), ("eval_fraction", 0.0, 0.5),
                                 ("warmup_ratio", 0.0, 1.0), ("step_decay", 1e-6, 1.0),
@@ -158,6 +160,8 @@ def add_train_eagle3_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("train")
     g.add_argument("--draft-vocab-size", type=int, default=default["draft_vocab_size"],
                    help="draft vocabulary: the N most frequent target tokens of the responses")
+    g.add_argument("--head-intermediate-size", type=int, default=None,
+                   help="MLP width of the head's decoder layer (default: the target's)")
     g.add_argument("--ttt-steps", type=int, default=default["ttt_steps"],
                    help="training-time-test steps: the head unrolled on its own hidden states")
     g.add_argument("--step-decay", type=float, default=default["step_decay"],

@@ -102,7 +102,8 @@ def train_head(opts: TrainOptions, data_dir: Path, ckpt_dir: Path) -> dict:
     if target.hidden_size != meta["hidden_size"] or target.vocab_size != meta["vocab_size"]:
         raise ValueError(f"{meta['target']} is not the target {data_dir} was captured from")
     draft_ids = draft_vocabulary(data_dir, index, opts.draft_vocab_size, target.vocab_size)
-    head = build_trainable_head(target, draft_ids, meta["aux_hidden_state_layers"], opts.seed)
+    head = build_trainable_head(target, draft_ids, meta["aux_hidden_state_layers"], opts.seed,
+                                opts.head_intermediate_size)
     trainer = Trainer(head, opts, data_dir, index, ckpt_dir)
     if opts.resume:
         trainer.resume()
