@@ -115,7 +115,8 @@ class SpecPolicy:
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: dict[int, int] = {}  # buckets awaiting a probe's verdict: _samples then
         self._retiming: dict[int, int] = {}  # per bucket speculative steps left to re-time
-        self._spec_timed: dict[int, int] = {}  # per bucket plain_steps at its last re-timing
+        # per bucket: plain_steps when a steady speculative step was last timed, or re-timed
+        self._spec_timed: dict[int, int] = {}
         self._speculating = True  # the kind of the last step chosen
         self._accept = RunningAverage(num_steps + 1.0)  # every draft accepted, until measured
         self._match = RunningAverage(1.0)  # the share of steps with drafts (prompt lookup)
@@ -213,6 +214,7 @@ class SpecPolicy:
                 bucket, t_plain, switch_cost):  # fmt: skip
             self._probed[bucket] = self._samples
             self._plain_run[bucket] = 0
+            # the gain if a speculative step cost a plain one's time: sum(accept) / B
             if (ref == bucket and gain * t_spec / t_plain > RETIME_GAIN
                     and self.plain_steps - self._spec_timed.get(bucket, 0) >= RETIME_AFTER):
                 self._times[(True, bucket)].clear()  # the median stays until MIN_TIMED new
