@@ -380,9 +380,9 @@ def main(argv: list[str] | None = None) -> dict:
     for prompt_set in args.prompts.split(","):
         pool = PROMPT_SETS[prompt_set]
         if prompt_set in CHAT_SETS:
-            pool = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                  tokenize=False, add_generation_prompt=True)
-                    for q in pool]  # fmt: skip
+            from pcgspec.llm import chat_text
+
+            pool = [chat_text(tokenizer, [{"role": "user", "content": q}]) for q in pool]
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             batches = _batches(pool, bs)
             rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, batches, args)]
