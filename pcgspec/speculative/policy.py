@@ -215,7 +215,7 @@ class SpecPolicy:
             self._probed[bucket] = self._samples
             self._plain_run[bucket] = 0
             # the gain if a speculative step cost a plain one's time: sum(accept) / B
-            if (ref == bucket and gain * t_spec / t_plain > RETIME_GAIN
+            if (ref == bucket and self._expected_sum(requests) > RETIME_GAIN * len(requests)
                     and self.plain_steps - self._spec_timed.get(bucket, 0) >= RETIME_AFTER):
                 self._times[(True, bucket)].clear()  # the median stays until MIN_TIMED new
                 self._retiming[bucket] = MIN_TIMED
