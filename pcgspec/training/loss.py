@@ -62,8 +62,7 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, StepCounts]:
     """The weighted TTT loss of ``batch`` and its per-step counts."""
     n = batch.input_ids.shape[1] - 1
-    needed = shifted(batch.loss_mask, 1, batch.loss_mask.shape[1])  # position j predicts j+1
-    target_logits, target_ids = target_view(head, batch.final, needed)
+    target_logits, target_ids = target_view(head, batch.final)
     losses, correct, count = [], [], []
     for step, logits in enumerate(unroll(head, batch.input_ids, batch.aux, num_steps)):
         # row t of step i predicts token t+2+i; the target's distribution of it is at t+1+i
@@ -82,24 +81,18 @@ def ttt_loss(
 
 
 @torch.no_grad()
-def target_view(
-    head: Eagle3Head, final: torch.Tensor, needed: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def target_view(head: Eagle3Head, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's logits over the draft vocabulary ``[B, T, Vd]`` and its argmax over the
     whole vocabulary ``[B, T]`` (target ids), from its final hidden states ``[B, T, H]``, at
-    the ``needed [B, T]`` positions (zeros elsewhere).
+    every position (the loss masks the ones it does not read; picking them out would cost the
+    host a wait for the device each step).
     """
     weight = head.shared.lm_head.weight  # [V, H]
     draft_ids = head.draft_to_target
-    rows = final[needed].to(weight.dtype)  # [R, H]
-    logits = final.new_zeros((*final.shape[:-1], len(draft_ids)), dtype=weight.dtype)
-    argmax = torch.zeros(final.shape[:-1], dtype=torch.int64, device=final.device)
     parts_logits, parts_argmax = [], []
-    for chunk in rows.split(TARGET_CHUNK_ROWS):
-        full = chunk @ weight.T  # [r, V]
+    for chunk in final.reshape(-1, final.shape[-1]).split(TARGET_CHUNK_ROWS):
+        full = chunk.to(weight.dtype) @ weight.T  # [r, V]
         parts_argmax.append(full.argmax(dim=-1))
         parts_logits.append(full[:, draft_ids])
-    if parts_logits:
-        logits[needed] = torch.cat(parts_logits)
-        argmax[needed] = torch.cat(parts_argmax)
-    return logits, argmax
+    shape = final.shape[:-1]
+    return torch.cat(parts_logits).view(*shape, -1), torch.cat(parts_argmax).view(shape)
