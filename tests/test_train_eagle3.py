@@ -215,6 +215,7 @@ def test_pipeline_head_is_accepted_by_the_engine(trained, counting_target) -> No
     assert len(final["accept_length_by_k"]) == 5
     chat = final["chat64"]  # the held-out split is chat-template, responses under 64 tokens
     assert chat["rows"] == final["rows"] and len(chat["accept_length_by_k"]) == 5, final
+    assert "chat64" not in chat  # not nested
     flags = [chat for shard in index["shards"] for chat in shard["chat"]]
     assert len(flags) == sum(len(shard["lengths"]) for shard in index["shards"])
     assert flags.count(False) == 3  # the raw prompts

@@ -42,6 +42,13 @@ class EvalResult:
         by_k = [accept_length_estimate(acc[:k]) for k in range(1, len(acc) + 1)]
         return cls(loss, acc, by_k[-1], by_k, int(count[0]))
 
+    def as_dict(self) -> dict:
+        """The numbers as JSON: ``chat64`` beside the whole split's, where there is one."""
+        record = {k: v for k, v in asdict(self).items() if k != "chat64"}
+        if self.chat64 is not None:
+            record["chat64"] = self.chat64.as_dict()
+        return record
+
     def message(self) -> str:
         text = (f"loss {self.loss:.3f}, accuracy " + "/".join(f"{a:.2f}" for a in self.accuracy)
                 + f", estimated accept length {self.accept_length:.2f}")  # fmt: skip
@@ -222,7 +229,7 @@ class Trainer:
         result = self.evaluate()
         if result is None:
             return None
-        record = {"step": self.step, **asdict(result)}
+        record = {"step": self.step, **result.as_dict()}
         self.evals.append(record)
         message = f"eval step {self.step}: {result.message()}"
         (bar.write if bar is not None else logger.info)(message)
