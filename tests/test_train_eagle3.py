@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from test_draft_heads import HeadDriver
 from test_models import tiny_hf_model
 
@@ -112,11 +111,9 @@ def trained(counting_target, tmp_path_factory) -> tuple[Path, Path]:
     return work, out
 
 
-@pytest.mark.parametrize("share_lm_head", [False, True])
-def test_ttt_loss_falls_on_a_tiny_random_llama(share_lm_head: bool) -> None:
+def test_ttt_loss_falls_on_a_tiny_random_llama() -> None:
     """Twenty AdamW steps on one batch of a random 3-layer Llama's own hidden states: the
-    weighted TTT loss falls by a fifth and step-0 accuracy rises; with its own LM head over
-    half the vocabulary, or through the target's (frozen) over all of it.
+    weighted TTT loss falls by a fifth and step-0 accuracy rises.
     """
     hf = tiny_hf_model("LlamaConfig").eval()
     target = load_model_from_hf(hf)
@@ -129,9 +126,7 @@ def test_ttt_loss_falls_on_a_tiny_random_llama(share_lm_head: bool) -> None:
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:, 8:] = True
     batch = Batch(ids, mask, aux, states[-1])
-    draft_ids = torch.arange(256) if share_lm_head else torch.arange(0, 256, 2)
-    head = build_trainable_head(target, draft_ids, aux_layers, seed=0, share_lm_head=share_lm_head)
-    assert (head.lm_head is None) == share_lm_head
+    head = build_trainable_head(target, torch.arange(0, 256, 2), aux_layers, seed=0)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     losses, first_acc = [], None
     for _ in range(20):
@@ -290,31 +285,6 @@ def test_a_wider_head_is_trained_exported_and_loaded(trained, counting_target, t
     assert head.midlayer.mlp.down_proj.weight.shape == (64, 96)
 
 
-def test_a_head_sharing_the_lm_head_is_exported_without_it(
-    trained, counting_target, tmp_path
-) -> None:
-    """``--share-lm-head``: the head drafts through the target's own LM head over the whole
-    vocabulary, so its folder holds neither ``lm_head.weight`` nor a vocabulary map, and the
-    engine's loader reads it back sharing the target's.
-    """
-    work, _ = trained
-    shutil.copytree(work / "data", tmp_path / "data")
-    out = tmp_path / "head"
-    run = [f for f in TINY_RUN if f not in ("--draft-vocab-size", "64")]
-    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(tmp_path),
-                 "--out", str(out), "--phases", "train", "--share-lm-head", "--max-steps", "1",
-                 *run, "--ttt-steps", "1"])  # fmt: skip
-    assert code == 0
-    config = json.loads((out / "config.json").read_text())
-    assert config["draft_vocab_size"] == config["vocab_size"] == 49152
-    with safe_open(out / "model.safetensors", framework="pt") as f:
-        names = set(f.keys())
-    assert not names & {"lm_head.weight", "d2t", "t2d"} and "fc.weight" in names
-    target = load_model(counting_target, torch.float32, "cpu")
-    head = load_eagle3_head(out, target, torch.float32, "cpu")
-    assert head.lm_head is None and head.identity_vocab
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--out", "o", "--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
     (["--phases", "train"], "--out is required by the train phase"),
@@ -324,8 +294,6 @@ def test_a_head_sharing_the_lm_head_is_exported_without_it(
      "--head-intermediate-size must be an integer >= 1"),
     (["--out", "o", "--eval-fraction", "0.9"], r"--eval-fraction must be a number in \[0, 0.5\]"),
     (["--out", "o", "--lr", "0"], "--lr must be a number"),
-    (["--out", "o", "--share-lm-head", "--draft-vocab-size", "64"],
-     "--draft-vocab-size cannot be combined with --share-lm-head"),
     (["--out", "o", "--device", "tpu"], "device must be auto, cpu, cuda"),
 ])  # fmt: skip
 def test_bad_flags_get_clear_errors(tmp_path, capsys, flags, message) -> None:

@@ -93,6 +93,6 @@ def target_view(head: Eagle3Head, final: torch.Tensor) -> tuple[torch.Tensor, to
     for chunk in final.reshape(-1, final.shape[-1]).split(TARGET_CHUNK_ROWS):
         full = chunk.to(weight.dtype) @ weight.T  # [r, V]
         parts_argmax.append(full.argmax(dim=-1))
-        parts_logits.append(full if head.identity_vocab else full[:, draft_ids])
+        parts_logits.append(full[:, draft_ids])
     shape = final.shape[:-1]
     return torch.cat(parts_logits).view(*shape, -1), torch.cat(parts_argmax).view(shape)

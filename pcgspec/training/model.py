@@ -33,13 +33,11 @@ def build_trainable_head(
     aux_layers: Sequence[int],
     seed: int,
     intermediate_size: int | None = None,
-    share_lm_head: bool = False,
 ) -> Eagle3Head:
     """A fresh float32 head for ``target`` on its device: draft vocabulary ``draft_ids`` (sorted
     target ids), reading the inputs of target layers ``aux_layers``, its MLP
     ``intermediate_size`` wide (default: the target's); ``lm_head`` starts as the target's rows
-    of the draft vocabulary. The target's embedding is shared, frozen, not saved; so is its LM
-    head with ``share_lm_head`` (then ``draft_ids`` must be the whole vocabulary).
+    of the draft vocabulary. The target's embedding is shared, frozen, not saved.
     """
     from transformers import LlamaConfig
 
@@ -48,11 +46,10 @@ def build_trainable_head(
         published["intermediate_size"] = intermediate_size
     config = LlamaConfig(**published)
     torch.manual_seed(seed)
-    head = Eagle3Head(config, target, own_embedding=False, own_lm_head=not share_lm_head)
+    head = Eagle3Head(config, target, own_embedding=False, own_lm_head=True)
     ids = draft_ids.long()
-    if not share_lm_head:
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.device)].float().cpu())
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.device)].float().cpu())
     head.set_vocab_map(ids - torch.arange(len(ids)), None)
     head.to(device=target.device)
     head.rotary_emb.init_rope()
@@ -72,10 +69,9 @@ def export_head(head: Eagle3Head, out_dir: str | Path) -> Path:
     """``out_dir`` in the published ``LlamaForCausalLMEagle3`` layout, weights in bfloat16."""
     weights = unfused_state_dict(head, head.packed_modules_mapping)
     tensors = {name: t.to(torch.bfloat16).cpu() for name, t in weights.items()}
-    if not head.identity_vocab:  # NOTE: a head over the whole vocabulary has no vocabulary map
-        ids = head.draft_to_target.cpu()
-        tensors["d2t"] = ids - torch.arange(len(ids))
-        tensors["t2d"] = torch.zeros(head.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    ids = head.draft_to_target.cpu()
+    tensors["d2t"] = ids - torch.arange(len(ids))
+    tensors["t2d"] = torch.zeros(head.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
     config = published_config(head.config, head.draft_vocab_size, head.aux_layer_ids)
     return save_checkpoint(out_dir, config, tensors)
 
@@ -104,13 +100,8 @@ def unroll(
         keys.append((k.view(batch, n, *k.shape[1:]), v.view(batch, n, *v.shape[1:])))
         out = ttt_attention(q.view(batch, n, *q.shape[1:]), keys, causal, head.attn_scale)
         h = layer.finish(flat_hidden, layer.self_attn.o_proj(out))  # [B * n, H]
-        yield F.linear(head.norm(h), output_weight(head)).view(batch, n, -1)
+        yield head.lm_head(head.norm(h)).view(batch, n, -1)
         hidden = h.view(batch, n, -1)
-
-
-def output_weight(head: Eagle3Head) -> torch.Tensor:
-    """``[draft_vocab, H]``: the head's own LM head, or the target's that it shares."""
-    return (head.shared.lm_head if head.lm_head is None else head.lm_head).weight
 
 
 def ttt_attention(

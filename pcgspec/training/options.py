@@ -9,7 +9,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PHASES = ("prompts", "generate", "train")
-DEFAULT_DRAFT_VOCAB = 8192  # --draft-vocab-size
 
 
 @dataclass(frozen=True)
@@ -34,8 +33,7 @@ class TrainOptions:
     capture_tokens: int = 8192
     shard_tokens: int = 262144
     # train
-    draft_vocab_size: int | None = None  # None: DEFAULT_DRAFT_VOCAB (the whole one if shared)
-    share_lm_head: bool = False  # the target's LM head (frozen, not saved), whole vocabulary
+    draft_vocab_size: int = 8192
     head_intermediate_size: int | None = None  # None: the target's
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -65,17 +63,14 @@ class TrainOptions:
         if "train" in phases and not self.out:
             raise bad("out", "is required by the train phase (the exported head folder)", self.out)
         for name in ("num_prompts", "max_tokens", "gen_batch_size", "capture_tokens",
-                     "shard_tokens", "ttt_steps", "epochs", "batch_tokens",
+                     "shard_tokens", "draft_vocab_size", "ttt_steps", "epochs", "batch_tokens",
                      "log_every"):  # fmt: skip
             _check_int(self, name, 1)
         for name in ("eval_every", "save_every"):
             _check_int(self, name, 0)
-        for name in ("max_steps", "head_intermediate_size", "draft_vocab_size"):
+        for name in ("max_steps", "head_intermediate_size"):
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
-        if self.share_lm_head and self.draft_vocab_size is not None:
-            raise bad("draft_vocab_size", "cannot be combined with --share-lm-head (which drafts "
-                      "over the target's whole vocabulary)", self.draft_vocab_size)  # fmt: skip
         for name, low, high in (("self_prompt_fraction", 0.0, 1.0),
                                 ("raw_prompt_fraction", 0.0, 1.0), ("eval_fraction", 0.0, 0.5),
                                 ("warmup_ratio", 0.0, 1.0), ("step_decay", 1e-6, 1.0),
@@ -163,14 +158,8 @@ def add_train_eagle3_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard-tokens", type=int, default=default["shard_tokens"],
                    help="tokens per data shard (one shard is in memory at a time in training)")
     g = p.add_argument_group("train")
-    g.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft vocabulary: the N most frequent target tokens of the responses "
-                        f"(default {DEFAULT_DRAFT_VOCAB})")
-    g.add_argument("--share-lm-head", action="store_true",
-                   help="draft over the target's whole vocabulary through the target's own LM "
-                        "head (frozen, not saved): no token is out of the draft's reach and the "
-                        "head is smaller, but each training step computes its loss over the "
-                        "whole vocabulary")
+    g.add_argument("--draft-vocab-size", type=int, default=default["draft_vocab_size"],
+                   help="draft vocabulary: the N most frequent target tokens of the responses")
     g.add_argument("--head-intermediate-size", type=int, default=None,
                    help="MLP width of the head's decoder layer (default: the target's)")
     g.add_argument("--ttt-steps", type=int, default=default["ttt_steps"],

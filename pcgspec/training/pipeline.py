@@ -15,7 +15,7 @@ import torch
 
 from pcgspec.config import EngineConfig
 from pcgspec.training.data import draft_vocabulary, read_index, split_sizes
-from pcgspec.training.options import DEFAULT_DRAFT_VOCAB, TrainOptions
+from pcgspec.training.options import TrainOptions
 from pcgspec.training.prompts import PROMPTS_FILE, build_prompts, load_prompts, save_prompts
 
 if TYPE_CHECKING:
@@ -101,13 +101,9 @@ def train_head(opts: TrainOptions, data_dir: Path, ckpt_dir: Path) -> dict:
     target = load_model(meta["target"], dtype, device)
     if target.hidden_size != meta["hidden_size"] or target.vocab_size != meta["vocab_size"]:
         raise ValueError(f"{meta['target']} is not the target {data_dir} was captured from")
-    if opts.share_lm_head:
-        draft_ids = torch.arange(target.vocab_size)
-    else:
-        size = opts.draft_vocab_size or DEFAULT_DRAFT_VOCAB
-        draft_ids = draft_vocabulary(data_dir, index, size, target.vocab_size)
+    draft_ids = draft_vocabulary(data_dir, index, opts.draft_vocab_size, target.vocab_size)
     head = build_trainable_head(target, draft_ids, meta["aux_hidden_state_layers"], opts.seed,
-                                opts.head_intermediate_size, opts.share_lm_head)
+                                opts.head_intermediate_size)
     trainer = Trainer(head, opts, data_dir, index, ckpt_dir)
     if opts.resume:
         trainer.resume()
