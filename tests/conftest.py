@@ -43,3 +43,14 @@ def hf_model(smollm2_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def plain_llm(smollm2_path):
+    """The plain SmolLM2 engine (float32, CPU, piecewise prefill by the session's default),
+    built once for the modules that only generate with it (test_engine, test_spec_engine,
+    test_spec_models): a build traces the 30-layer target (~8 s on the CI machine).
+    """
+    from pcgspec import LLM
+
+    return LLM(str(smollm2_path), dtype="float32", device="cpu")

@@ -98,7 +98,9 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
     assert not any(v for k, v in stats.items() if k.startswith("fallback"))
 
 
-def test_bench_spec_writes_json(tmp_path, smollm2_path):
+def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
+    # NOTE: the rows, not the piecewise path (traced twice, one per engine): prefill eager
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
     bench = _load_script("bench_spec")
     out = tmp_path / "spec.json"
     result = bench.main([

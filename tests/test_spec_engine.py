@@ -25,8 +25,8 @@ PROMPTS = ALL_PROMPTS[:8] + REPEAT_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_path) -> LLM:
-    return LLM(str(smollm2_path), dtype="float32", device="cpu")
+def llm(plain_llm) -> LLM:
+    return plain_llm  # conftest: one build for the session
 
 
 @pytest.fixture(scope="module")

@@ -67,9 +67,31 @@ def spec_llm(smollm2_path, algorithm: str, draft, **kw) -> LLM:
                speculative_policy="always", **kw)
 
 
+class MemoizedPlain:
+    """A plain engine whose ``generate`` is memoized by prompts and sampling parameters where
+    its output is deterministic (greedy, or sampled with a seed): several tests, and each
+    algorithm's run of one, compare with the same plain outputs.
+    """
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.outputs = llm, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.llm, name)
+
+    def generate(self, prompts, params, use_tqdm: bool = False) -> list:
+        many = params if isinstance(params, list) else [params]
+        if any(p.temperature > 0 and p.seed is None for p in many):
+            return self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+        key = repr((prompts, params))
+        if key not in self.outputs:
+            self.outputs[key] = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.outputs[key]
+
+
 @pytest.fixture(scope="module")
-def llm(smollm2_path) -> LLM:
-    return LLM(str(smollm2_path), dtype="float32", device="cpu")
+def llm(plain_llm) -> MemoizedPlain:
+    return MemoizedPlain(plain_llm)  # conftest: one build for the session
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +456,7 @@ def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts,
     draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
     spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
                speculative_num_steps=K, speculative_policy="always", disable_overlap_schedule=False,
-               max_running_requests=4, **draft)  # fmt: skip
+               max_running_requests=4, disable_piecewise_cuda_graph=True, **draft)  # fmt: skip
     engine, tok = spec.engine, spec.get_tokenizer()
     prompts = PROMPTS[:8]
     params = [_greedy(12 + 4 * (i % 3)) for i in range(len(prompts))]
