@@ -12,6 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PCGSPEC_CPU_PIECEWISE", "1")
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # NOTE: pytest-xdist workers share the cores: each takes its part
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 import pytest  # noqa: E402
 
