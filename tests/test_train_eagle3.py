@@ -1,4 +1,5 @@
-"""``pcgspec train-eagle3`` on CPU: the TTT loss falls on a tiny random Llama; the whole
+"""``pcgspec train-eagle3`` on CPU: the TTT loss falls on a tiny random Llama; packed lines give
+the loss of one sequence per line, and the compiled loss the eager one; the whole
 pipeline (prompts -> generate + capture -> train -> export) on a tiny counting target gives a
 head that ``load_eagle3_head`` reads and that pcgspec's engine accepts drafts from (accept
 length above 1, output equal to plain decoding); resume; bad flags; the everyday requests
@@ -14,6 +15,7 @@ import random
 import re
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,15 @@ from pcgspec.models.loader import load_config, load_model
 from pcgspec.models.random_weights import random_model
 from pcgspec.runners.batch_builder import SeqChunk
 from pcgspec.training.chat_requests import ARITHMETIC, KINDS, all_requests, sample_requests
-from pcgspec.training.data import ShardWriter, chat_flags, write_index
+from pcgspec.training.data import (
+    BatchShape,
+    ShardWriter,
+    batch_shape,
+    chat_flags,
+    make_batch,
+    plan_batches,
+    write_index,
+)
 from pcgspec.training.loss import Batch, ttt_loss
 from pcgspec.training.model import build_trainable_head, unroll
 from pcgspec.training.options import TrainOptions
@@ -154,25 +164,93 @@ def test_unrolled_steps_equal_chain_drafting_through_the_kv_cache() -> None:
     """TTT step ``i`` at row ``t`` equals inference: the head catches up over rows ``0..t`` in
     the paged KV cache (tokens ``1..t+1``, the target's aux states), then takes ``i`` one-token
     draft steps on its own ``next_hidden`` with tokens ``t+2..t+1+i`` at positions ``t+1..t+i``.
+    Two sequences are packed in one line (then padding): each sees only itself.
     """
     target, head = _tiny_target_and_head()
     head.requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (1, 12), generator=gen)
-    aux = torch.randn(1, 12, 3 * target.hidden_size, generator=gen)
+    ids = torch.randint(0, target.vocab_size, (1, 24), generator=gen)
+    aux = torch.randn(1, 24, 3 * target.hidden_size, generator=gen)
+    seq = torch.tensor([[0] * 12 + [1] * 9 + [-1] * 3])
+    positions = torch.tensor([[*range(12), *range(9), 0, 0, 0]])
     with torch.no_grad():
-        steps = list(unroll(head, ids, aux, num_steps=4))  # each [1, 11, draft_vocab]
-    for t in (0, 4, 9):
-        driver = HeadDriver(head)
-        chunk = SeqChunk(ids[0, 1 : t + 2].tolist(), 0, range(4))
-        logits_h, next_h = driver.step([chunk], aux[0, : t + 1])
-        got, hidden = [head.lm_head(logits_h[t])], next_h[t : t + 1]
-        for i in range(1, min(4, 11 - t)):
-            logits_h, hidden = driver.step([SeqChunk([int(ids[0, t + 1 + i])], t + i, range(4))],
-                                           hidden)  # fmt: skip
-            got.append(head.lm_head(logits_h[0]))
-        for i, logits in enumerate(got):
-            torch.testing.assert_close(logits, steps[i][0, t], atol=1e-4, rtol=1e-4)
+        steps = list(unroll(head, ids, aux, seq, positions, num_steps=4))  # [1, 23, vocab]
+    for start, length, rows in ((0, 12, (0, 4, 9)), (12, 9, (0, 5))):
+        own_ids, own_aux = ids[0, start : start + length], aux[0, start : start + length]
+        for t in rows:
+            driver = HeadDriver(head)
+            chunk = SeqChunk(own_ids[1 : t + 2].tolist(), 0, range(4))
+            logits_h, next_h = driver.step([chunk], own_aux[: t + 1])
+            got, hidden = [head.lm_head(logits_h[t])], next_h[t : t + 1]
+            for i in range(1, min(4, length - 1 - t)):
+                token = int(own_ids[t + 1 + i])
+                logits_h, hidden = driver.step([SeqChunk([token], t + i, range(4))], hidden)
+                got.append(head.lm_head(logits_h[0]))
+            for i, logits in enumerate(got):
+                torch.testing.assert_close(logits, steps[i][0, start + t], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_lines_give_the_loss_of_one_sequence_per_line() -> None:
+    """Sequences packed two to a line (``plan_batches``, ``make_batch``) give the per-step
+    loss, correct and counted rows of the same sequences one per line; every sequence lands in
+    exactly one line of the planned shape.
+    """
+    target, head = _tiny_target_and_head()
+    head.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [30, 17, 25, 12, 9, 28]
+    total, hidden = sum(lengths), target.hidden_size
+    tensors = {"input_ids": torch.randint(0, target.vocab_size, (total,), generator=gen,
+                                          dtype=torch.int32),
+               "loss_mask": (torch.rand(total, generator=gen) > 0.3).to(torch.uint8),
+               "aux": torch.randn(total, 3 * hidden, generator=gen),
+               "final": torch.randn(total, hidden, generator=gen),
+               "offsets": torch.tensor([0, *lengths]).cumsum(0)}  # fmt: skip
+    shape = batch_shape([{"lengths": lengths}], batch_tokens=200)
+    assert shape == BatchShape(lines=3, line_tokens=64)
+    plan = plan_batches([{"lengths": lengths}], shape, seed=3)
+    assert all(len(lines) == 3 for _, lines in plan)
+    placed = [i for _, lines in plan for line in lines for i in line]
+    assert sorted(placed) == list(range(6))
+    assert all(sum(lengths[i] for i in line) <= 64 for _, lines in plan for line in lines)
+    chat = [True] * 6
+    with torch.no_grad():
+        packed = [ttt_loss(head, make_batch(tensors, chat, lines, 64, torch.device("cpu")), 3,
+                           0.8) for _, lines in plan]  # fmt: skip
+        alone = ttt_loss(head, make_batch(tensors, chat, [[i] for i in range(6)], 32,
+                                          torch.device("cpu")), 3, 0.8)  # fmt: skip
+    count = sum(counts.count for _, counts in packed)
+    assert count.tolist() == alone[1].count.tolist() and count[0] > 0
+    assert sum(counts.correct for _, counts in packed).tolist() == alone[1].correct.tolist()
+    loss_sum = sum(counts.loss * counts.count for _, counts in packed)
+    torch.testing.assert_close(loss_sum, alone[1].loss * alone[1].count, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_loss_equals_eager() -> None:
+    """``ttt_loss(compiled=True)`` (torch.compile, as the trainer runs it on CUDA) gives the
+    eager loss, counts and gradients on a packed batch.
+    """
+    target, head = _tiny_target_and_head()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (2, 32), generator=gen)
+    aux = torch.randn(2, 32, 3 * target.hidden_size, generator=gen)
+    final = torch.randn(2, 32, target.hidden_size, generator=gen)
+    seq = torch.tensor([[0] * 20 + [1] * 12, [0] * 28 + [-1] * 4])
+    positions = torch.tensor([[*range(20), *range(12)], [*range(28), 0, 0, 0, 0]])
+    batch = Batch(ids, seq >= 0, aux, final, seq, positions)
+    results = []
+    for compiled in (False, True):
+        head.zero_grad(set_to_none=True)
+        loss, counts = ttt_loss(head, batch, num_steps=2, decay=0.8, compiled=compiled)
+        loss.backward()
+        results.append((loss.detach(), counts, [p.grad.clone() for p in head.parameters()
+                                                if p.grad is not None]))  # fmt: skip
+    (eager, eager_counts, eager_grads), (fused, fused_counts, fused_grads) = results
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-5)
+    assert fused_counts.correct.tolist() == eager_counts.correct.tolist()
+    assert fused_counts.count.tolist() == eager_counts.count.tolist()
+    for got, want in zip(fused_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 
 
 def load_model_from_hf(hf: torch.nn.Module) -> torch.nn.Module:
@@ -370,33 +448,39 @@ def test_no_prompt_is_a_benchmark_chat_question() -> None:
     assert not [t for t in texts if specific.search(t)]
 
 
-def test_chat_window_counts_the_start_of_chosen_responses() -> None:
-    """``Batch.response_window`` keeps the chosen rows and their first ``tokens`` response
-    tokens: the TTT counts on it equal those of the whole batch with every other token masked
-    out (the columns it drops change nothing, attention being causal).
+def test_chat_window_counts_the_start_of_chat_responses() -> None:
+    """``Batch.chat_window`` keeps the loss mask on the first ``tokens`` response tokens of
+    each chat-template sequence, also of one packed after another in a line: its TTT counts
+    equal those of the batch with every other token masked out.
     """
     target, head = _tiny_target_and_head()
     head.requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (3, 90), generator=gen)
-    aux = torch.randn(3, 90, 3 * target.hidden_size, generator=gen)
-    final = torch.randn(3, 90, target.hidden_size, generator=gen)
-    mask = torch.zeros(3, 90, dtype=torch.bool)
-    mask[0, 10:] = True  # 80 response tokens
-    mask[1, 5:] = True  # not chosen (a raw prompt)
-    mask[2, 6:36] = True  # 30 response tokens, then padding
-    window = Batch(ids, mask, aux, final).response_window(torch.tensor([True, False, True]), 64)
-    assert window.input_ids.shape == (2, 10 + 64)
-    assert window.loss_mask.sum(dim=1).tolist() == [64, 30]
+    ids = torch.randint(0, target.vocab_size, (2, 90), generator=gen)
+    aux = torch.randn(2, 90, 3 * target.hidden_size, generator=gen)
+    final = torch.randn(2, 90, target.hidden_size, generator=gen)
+    seq = torch.tensor([[0] * 90, [0] * 40 + [1] * 40 + [-1] * 10])
+    positions = torch.tensor([[*range(90)], [*range(40), *range(40), *[0] * 10]])
+    chat = torch.tensor([[True] * 90, [False] * 40 + [True] * 50])
+    mask = torch.zeros(2, 90, dtype=torch.bool)
+    mask[0, 10:] = True  # 80 response tokens: 64 kept
+    mask[1, 5:40] = True  # not a chat sequence (a raw prompt)
+    mask[1, 46:80] = True  # 34 response tokens: 30 kept with tokens=30
+    batch = Batch(ids, mask, aux, final, seq, positions, chat)
+    window = batch.chat_window(64)
+    assert window.input_ids.shape == (2, 90)
+    assert window.loss_mask.sum(dim=1).tolist() == [64, 34]
+    assert batch.chat_window(30).loss_mask.sum(dim=1).tolist() == [30, 30]
     masked = mask.clone()
-    masked[0, 10 + 64 :] = masked[1] = False
+    masked[0, 10 + 64 :] = False
+    masked[1, :40] = False
     with torch.no_grad():
         _, got = ttt_loss(head, window, num_steps=3, decay=0.8)
-        _, want = ttt_loss(head, Batch(ids, masked, aux, final), num_steps=3, decay=0.8)
-    assert got.count.tolist() == want.count.tolist() == [64 + 30] * 3
+        _, want = ttt_loss(head, replace(batch, loss_mask=masked), num_steps=3, decay=0.8)
+    assert got.count.tolist() == want.count.tolist()
     assert got.correct.tolist() == want.correct.tolist()
     torch.testing.assert_close(got.loss, want.loss)
-    assert Batch(ids, mask, aux, final).response_window(torch.tensor([0, 1, 0]) > 0, 0) is None
+    assert Batch(ids, mask, aux, final).chat_window(64).loss_mask.sum() == 0
 
 
 def test_evaluation_reports_the_chat_window(tmp_path) -> None:

@@ -6,15 +6,20 @@ final normed hidden state), ``offsets [S + 1]`` int64. ``index.json`` lists the 
 their split, sequence lengths (enough to plan batches without opening a shard) and whether each
 sequence went through the chat template, and the metadata of the run (target, aux layers,
 prompt sources, sampling).
+
+Training batches all have one shape (``batch_shape``): whole sequences of a shard packed best fit
+into lines as long as the longest sequence (``plan_batches``), so a compiled loss compiles once.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -23,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from pcgspec.training.loss import Batch
 
 INDEX_FILE = "index.json"
+LINE_MULTIPLE = 64  # a batch line's length is a multiple of this
 SPLITS = ("train", "eval")
 
 
@@ -102,65 +108,116 @@ def split_sizes(index: dict) -> dict[str, dict[str, int]]:
     return sizes
 
 
-def plan_batches(
-    shards: Sequence[dict], batch_tokens: int, seed: int | None
-) -> list[tuple[int, list[int]]]:
-    """``(shard index, sequence indices)`` per batch: within a shard, sequences of similar
-    length share a batch of at most ``batch_tokens`` padded tokens (one sequence at least);
-    ``seed`` shuffles shards, sequences and batches (None: file order, for evaluation).
+class BatchShape(NamedTuple):
+    """Every batch's shape: ``lines`` lines of ``line_tokens`` tokens."""
+
+    lines: int
+    line_tokens: int
+
+
+def batch_shape(shards: Sequence[dict], batch_tokens: int) -> BatchShape:
+    """A line holds the longest sequence of ``shards`` (rounded up to a multiple of
+    ``LINE_MULTIPLE``); a batch holds ``batch_tokens // line_tokens`` lines, one at least.
     """
-    rng = random.Random(seed)
-    order = list(range(len(shards)))
-    if seed is not None:
+    longest = max(max(s["lengths"], default=1) for s in shards)
+    line_tokens = -(-longest // LINE_MULTIPLE) * LINE_MULTIPLE
+    return BatchShape(max(1, batch_tokens // line_tokens), line_tokens)
+
+
+def pack(lengths: Sequence[int], line_tokens: int, rng: random.Random | None) -> list[list[int]]:
+    """Sequence indices per line, packed best fit, longest first (ties in ``rng``'s order)."""
+    order = list(range(len(lengths)))
+    if rng is not None:
         rng.shuffle(order)
-    plan: list[tuple[int, list[int]]] = []
+    order.sort(key=lambda i: -lengths[i])
+    lines: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens left, line), sorted
+    for i in order:
+        at = bisect.bisect_left(room, (lengths[i], -1))
+        if at == len(room):
+            lines.append([i])
+            left, line = line_tokens - lengths[i], len(lines) - 1
+        else:
+            left, line = room.pop(at)
+            lines[line].append(i)
+            left -= lengths[i]
+        if left > 0:
+            bisect.insort(room, (left, line))
+    return lines
+
+
+def plan_batches(
+    shards: Sequence[dict], shape: BatchShape, seed: int | None
+) -> list[tuple[int, list[list[int]]]]:
+    """``(shard index, sequence indices per line)`` per batch of ``shape`` (a shard's last
+    batch filled up with empty lines); ``seed`` shuffles shards, sequences and lines (None:
+    file order, for evaluation).
+    """
+    rng = random.Random(seed) if seed is not None else None
+    order = list(range(len(shards)))
+    if rng is not None:
+        rng.shuffle(order)
+    plan: list[tuple[int, list[list[int]]]] = []
     for s in order:
-        lengths = shards[s]["lengths"]
-        seqs = list(range(len(lengths)))
-        if seed is not None:
-            rng.shuffle(seqs)  # NOTE: ties in length land in a random batch
-        seqs.sort(key=lambda i: lengths[i])
-        batches: list[list[int]] = []
-        for i in seqs:
-            current = batches[-1] if batches else None
-            if current and (len(current) + 1) * lengths[i] <= batch_tokens:
-                current.append(i)
-            else:
-                batches.append([i])
-        if seed is not None:
-            rng.shuffle(batches)
-        plan += [(s, b) for b in batches]
+        lines = pack(shards[s]["lengths"], shape.line_tokens, rng)
+        if rng is not None:
+            rng.shuffle(lines)
+        for first in range(0, len(lines), shape.lines):
+            batch = lines[first : first + shape.lines]
+            plan.append((s, batch + [[] for _ in range(shape.lines - len(batch))]))
     return plan
 
 
 def iter_batches(
-    data_dir: Path, shards: Sequence[dict], plan: Sequence[tuple[int, list[int]]],
-    device: torch.device,
+    data_dir: Path, index: dict, shards: Sequence[dict],
+    plan: Sequence[tuple[int, list[list[int]]]], shape: BatchShape, device: torch.device,
 ) -> Iterator[Batch]:  # fmt: skip
-    """The planned batches, padded, on ``device``; one shard in memory at a time."""
-    loaded, tensors = -1, {}
-    for shard, seqs in plan:
+    """The planned batches on ``device``; one shard in memory at a time."""
+    loaded, tensors, chat = -1, {}, []
+    for shard, lines in plan:
         if shard != loaded:
             tensors, loaded = load_file(data_dir / shards[shard]["file"]), shard
-        yield make_batch(tensors, seqs, device)
+            chat = chat_flags(index, shards[shard])
+        yield make_batch(tensors, chat, lines, shape.line_tokens, device)
 
 
 def make_batch(
-    tensors: dict[str, torch.Tensor], seqs: Sequence[int], device: torch.device
-) -> Batch:
+    tensors: dict[str, torch.Tensor], chat: Sequence[bool], lines: Sequence[Sequence[int]],
+    line_tokens: int, device: torch.device,
+) -> Batch:  # fmt: skip
+    """The sequences ``lines`` names, each line's one after another, then padding. For CUDA
+    it is built in pinned memory, so the copy to the device does not wait for the step before.
+    """
     offsets = tensors["offsets"].tolist()
-    spans = [(offsets[i], offsets[i + 1]) for i in seqs]
-    longest = max(end - start for start, end in spans)
+    shape = (len(lines), line_tokens)
+    pin = device.type == "cuda"
 
-    def padded(name: str) -> torch.Tensor:
-        src = tensors[name]
-        out = src.new_zeros((len(spans), longest, *src.shape[1:]))
-        for row, (start, end) in enumerate(spans):
-            out[row, : end - start] = src[start:end]
-        return out.to(device, non_blocking=True)
+    def empty(dtype: torch.dtype, *inner: int, fill: int = 0) -> torch.Tensor:
+        return torch.full((*shape, *inner), fill, dtype=dtype, pin_memory=pin)
 
-    return Batch(padded("input_ids").long(), padded("loss_mask").bool(), padded("aux"),
-                 padded("final"))  # fmt: skip
+    parts = {name: empty(tensors[name].dtype, *tensors[name].shape[1:])
+             for name in ("input_ids", "loss_mask", "aux", "final")}  # fmt: skip
+    seq = empty(torch.long, fill=-1)
+    positions = empty(torch.long)
+    is_chat = empty(torch.bool)
+    for b, line in enumerate(lines):
+        at = 0
+        for k, i in enumerate(line):
+            start, end = offsets[i], offsets[i + 1]
+            span = slice(at, at + end - start)
+            for name, out in parts.items():
+                out[b, span] = tensors[name][start:end]
+            seq[b, span] = k
+            positions[b, span] = torch.arange(end - start)
+            is_chat[b, span] = chat[i]
+            at = span.stop
+
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return Batch(moved(parts["input_ids"]).long(), moved(parts["loss_mask"]).bool(),
+                 moved(parts["aux"]), moved(parts["final"]), moved(seq), moved(positions),
+                 moved(is_chat))  # fmt: skip
 
 
 def draft_vocabulary(data_dir: Path, index: dict, size: int, vocab_size: int) -> torch.Tensor:

@@ -4,42 +4,55 @@ over the draft vocabulary, on response tokens only, plus per-step accuracy count
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pcgspec.models.eagle3 import Eagle3Head
-from pcgspec.training.model import shifted, unroll
+from pcgspec.training.model import unroll
 
 TARGET_CHUNK_ROWS = 4096  # rows of target logits [rows, V] materialized at once
 
 
 @dataclass(frozen=True)
 class Batch:
-    """Padded sequences on the training device."""
+    """Packed sequences on the training device: each of the ``B`` lines holds one or more
+    whole sequences, one after another, then padding. Attention, positions and the loss stay
+    within a sequence.
+    """
 
     input_ids: torch.Tensor  # [B, T] int64
     loss_mask: torch.Tensor  # [B, T] bool: response tokens (never padding)
     aux: torch.Tensor  # [B, T, 3H] the target's aux hidden states
     final: torch.Tensor  # [B, T, H] the target's final normed hidden state
+    # [B, T] int64: which sequence of its line a token belongs to (0, 1, ...; padding -1);
+    # None: one sequence per line
+    seq: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # [B, T] int64, within the sequence; None: 0, 1, ...
+    chat: torch.Tensor | None = None  # [B, T] bool: of a chat-template sequence; None: none is
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
+    def __post_init__(self) -> None:
+        shape, device = self.input_ids.shape, self.input_ids.device
+        if self.seq is None:
+            object.__setattr__(self, "seq", torch.zeros(shape, dtype=torch.long, device=device))
+        if self.positions is None:
+            columns = torch.arange(shape[1], device=device)
+            object.__setattr__(self, "positions", columns.expand(shape))
+        if self.chat is None:
+            object.__setattr__(self, "chat", torch.zeros(shape, dtype=torch.bool, device=device))
 
-    def response_window(self, rows: torch.Tensor, tokens: int) -> Batch | None:
-        """The sequences ``rows [B]`` (bool) picks, with the loss mask ending after their first
-        ``tokens`` response tokens and the columns past its end dropped (attention is causal:
-        a kept row sees what it saw in the whole batch); None when no response token is left.
+    def chat_window(self, tokens: int) -> Batch:
+        """The same lines with the loss mask kept on the first ``tokens`` response tokens of
+        chat-template sequences only (the same shapes: a compiled loss runs it as it is).
         """
-        mask = self.loss_mask[rows]
-        mask = mask & (mask.cumsum(dim=1) <= tokens)  # [b, T]
-        columns = mask.any(dim=0).nonzero()
-        if not len(columns):
-            return None
-        end = int(columns[-1]) + 1
-        return Batch(self.input_ids[rows, :end], mask[:, :end], self.aux[rows, :end],
-                     self.final[rows, :end])  # fmt: skip
+        mask = self.loss_mask & self.chat
+        counted = mask.long().cumsum(dim=1)  # [B, T] response tokens up to here, in the line
+        columns = torch.arange(mask.shape[1], device=mask.device)
+        starts = torch.ones_like(mask)
+        starts[:, 1:] = self.seq[:, 1:] != self.seq[:, :-1]
+        first = torch.where(starts, columns, 0).cummax(dim=1).values  # the sequence's start
+        before = (counted - mask.long()).gather(1, first)  # counted before the sequence
+        return replace(self, loss_mask=mask & (counted - before <= tokens))
 
 
 @dataclass(frozen=True)
@@ -58,26 +71,55 @@ def step_weights(num_steps: int, decay: float) -> list[float]:
 
 
 def ttt_loss(
-    head: Eagle3Head, batch: Batch, num_steps: int, decay: float
+    head: Eagle3Head, batch: Batch, num_steps: int, decay: float, compiled: bool = False
 ) -> tuple[torch.Tensor, StepCounts]:
-    """The weighted TTT loss of ``batch`` and its per-step counts."""
-    n = batch.input_ids.shape[1] - 1
+    """The weighted TTT loss of ``batch`` and its per-step counts; ``compiled``: the unrolled
+    steps and their losses through ``torch.compile``, fused kernels instead of eager ones (one
+    graph per grad mode and batch shape: the trainer's batches all have one shape).
+    """
     target_logits, target_ids = target_view(head, batch.final)
+    loss_fn = _compiled_unrolled_loss if compiled else unrolled_loss
+    weights = torch.tensor(step_weights(num_steps, decay), device=target_ids.device)
+    loss, counts = loss_fn(head, batch.input_ids, batch.loss_mask, batch.aux, batch.seq,
+                           batch.positions, target_logits, target_ids, weights)  # fmt: skip
+    return loss, StepCounts(*counts)
+
+
+def unrolled_loss(
+    head: Eagle3Head,
+    input_ids: torch.Tensor,  # [B, T]
+    loss_mask: torch.Tensor,  # [B, T]
+    aux: torch.Tensor,  # [B, T, 3H]
+    seq: torch.Tensor,  # [B, T] which sequence of its line
+    positions: torch.Tensor,  # [B, T] within the sequence
+    target_logits: torch.Tensor,  # [B, T, Vd]
+    target_ids: torch.Tensor,  # [B, T]
+    weights: torch.Tensor,  # [S] the steps' loss weights
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The weighted loss of ``len(weights)`` unrolled steps and their per-step loss, correct
+    and counted rows (``StepCounts``' fields).
+    """
+    n = input_ids.shape[1] - 1
+    target_probs = target_logits.float().softmax(dim=-1)  # [B, T, Vd]
     losses, correct, count = [], [], []
-    for step, logits in enumerate(unroll(head, batch.input_ids, batch.aux, num_steps)):
-        # row t of step i predicts token t+2+i; the target's distribution of it is at t+1+i
-        mask = shifted(batch.loss_mask, 2 + step, n)  # [B, n]
-        probs = shifted(target_logits, 1 + step, n).float().softmax(dim=-1)  # [B, n, Vd]
-        ce = -(probs * logits.float().log_softmax(dim=-1)).sum(dim=-1)  # [B, n]
+    for step, logits in enumerate(unroll(head, input_ids, aux, seq, positions, len(weights))):
+        # row t of step i predicts token t+2+i (rows t < m have one) where it is of the same
+        # sequence; the target's distribution of it is at t+1+i
+        m = max(0, n - 1 - step)
+        ahead = slice(2 + step, 2 + step + m)
+        mask = loss_mask[:, ahead] & (seq[:, :m] == seq[:, ahead])  # [B, m]
+        probs = target_probs[:, 1 + step : 1 + step + m]  # [B, m, Vd]
+        ce = -(probs * logits[:, :m].float().log_softmax(dim=-1)).sum(dim=-1)  # [B, m]
         rows = mask.sum()
         losses.append((ce * mask).sum() / rows.clamp(min=1))
-        hit = head.draft_to_target[logits.argmax(dim=-1)] == shifted(target_ids, 1 + step, n)
-        correct.append((hit & mask).sum())
+        drafted = head.draft_to_target[logits[:, :m].argmax(dim=-1)]
+        correct.append((drafted == target_ids[:, 1 + step : 1 + step + m]).logical_and(mask).sum())
         count.append(rows)
     loss = torch.stack(losses)
-    weights = torch.tensor(step_weights(num_steps, decay), device=loss.device)
-    counts = StepCounts(loss.detach(), torch.stack(correct), torch.stack(count))
-    return (loss * weights).sum(), counts
+    return (loss * weights).sum(), (loss.detach(), torch.stack(correct), torch.stack(count))
+
+
+_compiled_unrolled_loss = torch.compile(unrolled_loss, dynamic=False)
 
 
 @torch.no_grad()

@@ -77,23 +77,29 @@ def export_head(head: Eagle3Head, out_dir: str | Path) -> Path:
 
 
 def unroll(
-    head: Eagle3Head, input_ids: torch.Tensor, aux: torch.Tensor, num_steps: int
+    head: Eagle3Head,
+    input_ids: torch.Tensor,  # [B, T]
+    aux: torch.Tensor,  # [B, T, 3H]
+    seq: torch.Tensor,  # [B, T] which sequence of its line
+    positions: torch.Tensor,  # [B, T] within the sequence
+    num_steps: int,
 ) -> Iterator[torch.Tensor]:
-    """Yield the draft logits ``[B, n, draft_vocab]`` of TTT steps ``0..num_steps-1`` for
-    padded sequences ``input_ids [B, T]`` with aux states ``aux [B, T, 3H]``; ``n = T - 1``
-    rows; a row whose token runs past the sequence reads token 0 (masked out by the loss).
+    """Yield the draft logits ``[B, n, draft_vocab]`` of TTT steps ``0..num_steps-1`` for lines
+    of packed sequences ``input_ids`` with the target's aux states ``aux``; ``n = T - 1``
+    rows. A row whose token runs past its sequence reads the next sequence's token (or token
+    0 past the line's end), which the loss masks out.
     """
     batch, n = input_ids.shape[0], input_ids.shape[1] - 1
     hidden = head.fc(aux[:, :n].to(head.fc.weight.dtype))  # [B, n, H]
     rows = torch.arange(n, device=input_ids.device)
-    causal = rows[:, None] >= rows[None, :]  # [n, n] step-0 keys of rows <= t
+    # [B, n, n] step-0 keys of rows <= t of the same sequence
+    causal = (rows[:, None] >= rows[None, :]) & (seq[:, :n, None] == seq[:, None, :n])
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
     layer = head.midlayer
     for step in range(num_steps):
         tokens = shifted(input_ids, 1 + step, n)  # [B, n]
         embeds = head.shared.embed_tokens(tokens).to(hidden.dtype)
-        positions = (rows + step).repeat(batch)  # [B * n]
-        cos, sin = head.rotary_emb(positions)
+        cos, sin = head.rotary_emb((positions[:, :n] + step).reshape(-1))  # [B * n]
         flat_hidden = hidden.reshape(batch * n, -1)
         x = layer.attention_input(embeds.reshape(batch * n, -1), flat_hidden)
         q, k, v = layer.self_attn.project(x, cos.to(x.dtype), sin.to(x.dtype))
@@ -107,28 +113,30 @@ def unroll(
 def ttt_attention(
     q: torch.Tensor,  # [B, n, heads, D]
     kv: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per step: k, v [B, n, kv_heads, D]
-    causal: torch.Tensor,  # [n, n] bool
+    causal: torch.Tensor,  # [B, n, n] bool
     scale: float,
 ) -> torch.Tensor:
-    """``[B * n, heads * D]``: row ``t`` attends to step 0's rows ``<= t`` (causal) and to row
-    ``t`` of every later step (the diagonal), one softmax over both.
+    """``[B * n, heads * D]``: row ``t`` attends to step 0's rows ``causal[:, t]`` and to row
+    ``t`` of every later step (the diagonal), one softmax over both. Query heads are grouped
+    over their KV head (a view: no key is repeated), the later steps' keys stacked.
     """
     batch, n, heads, dim = q.shape
-    groups = heads // kv[0][0].shape[2]
-
-    def per_head(x: torch.Tensor) -> torch.Tensor:  # [B, n, KV, D] -> [B, heads, n, D]
-        return x.repeat_interleave(groups, dim=2).transpose(1, 2)
-
-    qh = q.transpose(1, 2)  # [B, heads, n, D]
-    k0, v0 = per_head(kv[0][0]), per_head(kv[0][1])
-    scores = (qh @ k0.transpose(-1, -2)) * scale  # [B, heads, n, n]
-    scores = scores.masked_fill(~causal, float("-inf"))
-    diag = [(qh * per_head(k)).sum(-1, keepdim=True) * scale for k, _ in kv[1:]]  # [B, h, n, 1]
-    probs = torch.cat([scores, *diag], dim=-1).float().softmax(dim=-1).to(q.dtype)
-    out = probs[..., :n] @ v0  # [B, heads, n, D]
-    for j, (_, v) in enumerate(kv[1:]):
-        out = out + probs[..., n + j, None] * per_head(v)
-    return out.transpose(1, 2).reshape(batch * n, heads * dim)
+    kv_heads = kv[0][0].shape[2]
+    qg = q.view(batch, n, kv_heads, heads // kv_heads, dim)  # [B, n, KV, G, D]
+    k0, v0 = kv[0]
+    scores = torch.einsum("bikgd,bjkd->bkgij", qg, k0) * scale  # [B, KV, G, n, n]
+    scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
+    later = len(kv) - 1
+    if later:
+        ks = torch.stack([k for k, _ in kv[1:]], dim=3)  # [B, n, KV, S, D]
+        vs = torch.stack([v for _, v in kv[1:]], dim=3)
+        diag = torch.einsum("bikgd,biksd->bkgis", qg, ks) * scale  # [B, KV, G, n, S]
+        scores = torch.cat([scores, diag], dim=-1)
+    probs = scores.float().softmax(dim=-1).to(q.dtype)
+    out = torch.einsum("bkgij,bjkd->bikgd", probs[..., :n], v0)  # [B, n, KV, G, D]
+    if later:
+        out = out + torch.einsum("bkgis,biksd->bikgd", probs[..., n:], vs)
+    return out.reshape(batch * n, heads * dim)
 
 
 def shifted(x: torch.Tensor, offset: int, length: int) -> torch.Tensor:

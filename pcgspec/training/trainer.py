@@ -16,13 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from pcgspec.models.eagle3 import Eagle3Head
-from pcgspec.training.data import chat_flags, iter_batches, plan_batches, split_shards
+from pcgspec.training.data import batch_shape, iter_batches, plan_batches, split_shards
 from pcgspec.training.loss import Batch, StepCounts, ttt_loss
 from pcgspec.training.options import TrainOptions
 
 logger = logging.getLogger("pcgspec")
 KEEP_CHECKPOINTS = 2
 REFIT_EVERY = 5  # steps between fits of the schedule to --max-train-seconds (no sync)
+STEADY_AFTER = 10  # steps of a run before its seconds per step are measured (compilation)
 CHAT_EVAL_TOKENS = 64  # scripts/bench_spec.py's chat set: 64 output tokens, chat template
 
 
@@ -72,7 +73,7 @@ class EvalSums:
         self.count += counts.count
 
     def result(self) -> EvalResult | None:
-        if not self.batches:
+        if not self.batches or not self.count.any():
             return None
         return EvalResult.from_counts(self.loss / self.batches, self.correct.cpu(),
                                       self.count.cpu())  # fmt: skip
@@ -109,7 +110,10 @@ class Trainer:
         self.eval_shards = split_shards(index, "eval")
         if not self.train_shards:
             raise ValueError(f"{data_dir}: no training shards")
-        self.steps_per_epoch = len(plan_batches(self.train_shards, opts.batch_tokens, opts.seed))
+        # one shape for every batch, train and eval: a compiled loss compiles once per mode
+        self.shape = batch_shape(index["shards"], opts.batch_tokens)
+        self.compiled = opts.compile if opts.compile is not None else self.device.type == "cuda"
+        self.steps_per_epoch = len(plan_batches(self.train_shards, self.shape, opts.seed))
         total = opts.epochs * self.steps_per_epoch
         self.total_steps = min(total, opts.max_steps) if opts.max_steps else total
         self.planned_steps = self.total_steps  # before any fit to --max-train-seconds
@@ -129,13 +133,18 @@ class Trainer:
     def train(self) -> dict:
         """Run to ``total_steps`` (or the time limit); returns the run's numbers."""
         opts, start, first = self.opts, time.perf_counter(), self.step
+        # (time, step) from which seconds per step are measured: past the first steps and the
+        # first evaluation, which compile their graphs
+        steady, evaluated = None, False
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step")
         sums = self._zero_sums()
         stopped = None
         while self.step < self.total_steps and stopped is None:
             epoch, skip = divmod(self.step, self.steps_per_epoch)
-            plan = plan_batches(self.train_shards, opts.batch_tokens, opts.seed + epoch)[skip:]
-            for batch in iter_batches(self.data_dir, self.train_shards, plan, self.device):
+            plan = plan_batches(self.train_shards, self.shape, opts.seed + epoch)[skip:]
+            batches = iter_batches(self.data_dir, self.index, self.train_shards, plan,
+                                   self.shape, self.device)  # fmt: skip
+            for batch in batches:
                 self._train_step(batch, sums)
                 bar.update(1)
                 if self.step % opts.log_every == 0:
@@ -143,10 +152,14 @@ class Trainer:
                     sums = self._zero_sums()
                 if opts.eval_every and self.step % opts.eval_every == 0:
                     self._record_eval(bar)
+                    if not evaluated:
+                        steady, evaluated = (time.perf_counter(), self.step), True
                 if opts.save_every and self.step % opts.save_every == 0:
                     self.save()
+                if self.step - first == STEADY_AFTER and steady is None:
+                    steady = (time.perf_counter(), self.step)
                 if opts.max_train_seconds and (self.step - first) % REFIT_EVERY == 0:
-                    self._fit_to_time(time.perf_counter() - start, self.step - first, bar)
+                    self._fit_to_time((start, first), steady, bar)
                 if opts.max_train_seconds and time.perf_counter() - start > opts.max_train_seconds:
                     stopped = "max_train_seconds"
                 if self.step >= self.total_steps or stopped:
@@ -159,13 +172,19 @@ class Trainer:
                 "train_s": time.perf_counter() - start, "final_eval": final,
                 "evals": self.evals}  # fmt: skip
 
-    def _fit_to_time(self, elapsed: float, steps: int, bar: tqdm) -> None:
+    def _fit_to_time(
+        self, begun: tuple[float, int], steady: tuple[float, int] | None, bar: tqdm
+    ) -> None:
         """Set ``total_steps`` (at most the planned steps) so that the cosine decay ends when
-        ``--max-train-seconds`` runs out, at the seconds per step measured so far in this run
-        (evaluations and checkpoints included).
+        ``--max-train-seconds`` runs out (counted from ``begun``, ``(time, step)``), at the
+        seconds per step measured since ``steady`` (evaluations and checkpoints included;
+        before it, since ``begun``).
         """
-        left = self.opts.max_train_seconds - elapsed
-        fits = min(self.planned_steps, self.step + max(1, int(left * steps / elapsed)))
+        now = time.perf_counter()
+        since = steady if steady is not None and self.step > steady[1] else begun
+        per_step = (now - since[0]) / max(1, self.step - since[1])
+        left = self.opts.max_train_seconds - (now - begun[0])
+        fits = min(self.planned_steps, self.step + max(1, int(left / per_step)))
         if fits != self.total_steps:
             self.total_steps = fits
             bar.total = fits
@@ -173,7 +192,8 @@ class Trainer:
 
     def _train_step(self, batch, sums: list[torch.Tensor]) -> None:
         with self.autocast():
-            loss, counts = ttt_loss(self.head, batch, self.opts.ttt_steps, self.opts.step_decay)
+            loss, counts = ttt_loss(self.head, batch, self.opts.ttt_steps, self.opts.step_decay,
+                                    self.compiled)  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"],
                                        self.opts.max_grad_norm)  # fmt: skip
@@ -207,15 +227,11 @@ class Trainer:
             return None
         self.head.eval()
         whole, chat = (EvalSums(self.opts.ttt_steps, self.device) for _ in range(2))
-        plan = plan_batches(self.eval_shards, self.opts.batch_tokens, None)
-        batches = iter_batches(self.data_dir, self.eval_shards, plan, self.device)
-        for (shard, seqs), batch in zip(plan, batches):
+        plan = plan_batches(self.eval_shards, self.shape, None)
+        for batch in iter_batches(self.data_dir, self.index, self.eval_shards, plan, self.shape,
+                                  self.device):  # fmt: skip
             whole.add(*self._eval_loss(batch))
-            flags = chat_flags(self.index, self.eval_shards[shard])
-            rows = torch.tensor([flags[i] for i in seqs], device=self.device)
-            window = batch.response_window(rows, CHAT_EVAL_TOKENS)
-            if window is not None:
-                chat.add(*self._eval_loss(window))
+            chat.add(*self._eval_loss(batch.chat_window(CHAT_EVAL_TOKENS)))
         self.head.train()
         result = whole.result()
         result.chat64 = chat.result()
@@ -223,7 +239,8 @@ class Trainer:
 
     def _eval_loss(self, batch: Batch) -> tuple[torch.Tensor, StepCounts]:
         with self.autocast():
-            return ttt_loss(self.head, batch, self.opts.ttt_steps, self.opts.step_decay)
+            return ttt_loss(self.head, batch, self.opts.ttt_steps, self.opts.step_decay,
+                            self.compiled)  # fmt: skip
 
     def _record_eval(self, bar: tqdm | None) -> dict | None:
         result = self.evaluate()
