@@ -129,3 +129,30 @@ def test_overlap_schedules_one_step_ahead_of_the_tokens():
     assert batches == [(extend, ["a"]), (extend, ["a", "b"]), (decode, ["a", "b"]),
                        (decode, ["a"]), (decode, ["a"])]  # fmt: skip
     assert sched.pages.num_free == 64
+
+
+def test_a_queue_is_admitted_in_groups():
+    """With more requests waiting than slots, finished requests are replaced a sixteenth of the
+    running limit at a time: decode steps go on until that many slots are free. Fewer waiting
+    ones are admitted at once, as is anything while nothing runs.
+    """
+    sched = Scheduler(PagePool(512), page_size=4, max_running_requests=32,
+                      prefill_token_budget=10_000)  # fmt: skip
+    assert sched.admission_group == 2
+    for i in range(39):
+        sched.add(_request(f"r{i}", 4, max_tokens=i + 2 if i < 3 else 50))
+    assert _step(sched).mode is ForwardMode.EXTEND and len(sched.running) == 32
+    # r0 finishes with the first decode step; one slot free is not enough
+    assert [_step(sched).mode for _ in range(2)] == [ForwardMode.DECODE] * 2
+    admitted = _step(sched)  # r1 finished with the second: two free
+    assert admitted.mode is ForwardMode.EXTEND and len(admitted.requests) == 2
+    sched = Scheduler(PagePool(512), page_size=4, max_running_requests=32,
+                      prefill_token_budget=10_000)  # fmt: skip
+    for i in range(33):
+        sched.add(_request(f"s{i}", 4, max_tokens=50))
+    _step(sched)
+    victim = sched.running[0]
+    victim.finish("abort")
+    sched.release(victim)
+    last = _step(sched)  # the one request waiting takes the one free slot at once
+    assert last.mode is ForwardMode.EXTEND and [r.request_id for r in last.requests] == ["s32"]

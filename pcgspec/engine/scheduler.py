@@ -1,6 +1,8 @@
 """SGLang-style scheduling: a step is either a prefill (EXTEND) batch or a decode batch.
 
 Prefill has priority and is chunked to a token budget; decode runs every running request.
+Under a queue, new requests are admitted in groups (a sixteenth of the running limit), not one
+extend step per few finished requests.
 When the KV pool runs dry, unreferenced cached prefixes are evicted first (``RadixCache``),
 then the newest running request is preempted: its pages are freed and it is queued again to be
 recomputed from its tokens so far (a prefix-cache hit where its pages are still cached).
@@ -33,6 +35,7 @@ from pcgspec.engine.request import Request, RequestStatus
 from pcgspec.runners.forward_batch import ForwardMode
 
 logger = logging.getLogger("pcgspec")
+ADMISSION_GROUPS = 16  # under a queue, admit max_running_requests // this at a time
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Scheduler:
         self.pages = pages
         self.page_size = page_size
         self.max_running_requests = max_running_requests
+        self.admission_group = max(1, max_running_requests // ADMISSION_GROUPS)
         self.prefill_token_budget = prefill_token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -120,6 +124,8 @@ class Scheduler:
         return max(0, -(-num_tokens // self.page_size) - len(req.pages))
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        if self._admits_later():
+            return None
         budget = self.prefill_token_budget
         picked: list[Request] = []
         sizes: list[int] = []
@@ -151,6 +157,17 @@ class Scheduler:
         if self.slots is not None:
             self.slots.admit(*picked)
         return ScheduledBatch.of(ForwardMode.EXTEND, picked, sizes)
+
+    def _admits_later(self) -> bool:
+        """Whether new requests wait for more running ones to finish: under a queue they are
+        admitted ``admission_group`` at a time, so a full batch does not pay a step (an extend
+        step of the few prompts that replace the few requests just finished) between every
+        two decode steps. Never while fewer wait, nothing decodes, or a prefill is underway.
+        """
+        if not self.running or not self.waiting or self.waiting[0].pages:
+            return False
+        free = self.max_running_requests - len(self.running)
+        return free < min(len(self.waiting), self.admission_group)
 
     def _defer_sibling(self, req: Request, groups: set[str]) -> bool:
         """With a prefix cache, a fresh sequence of an ``n`` > 1 group waits while an earlier one
