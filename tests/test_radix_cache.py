@@ -292,3 +292,34 @@ def test_1000_requests_with_aborts_through_the_engine(tmp_path, smollm2_path):
     assert stats["hit_rate"] > 0.3 and engine.runner.piecewise.stats()["piecewise_runs"] > 0
     assert engine.slots.num_free == engine.slots.num_slots
     assert_pool_whole(engine)
+
+
+def test_held_leaves_are_not_popped_at_every_eviction():
+    """A leaf a request holds counts as used when an eviction passes it: 5,000 one-page
+    evictions with 2,000 held leaves older than every other pop each held leaf about once,
+    not once per eviction (10 M pops)."""
+    import heapq
+    from unittest import mock
+
+    held_n, free_n = 2_000, 5_000
+    pool, cache = _cache(num_pages=held_n + free_n)
+    held = [_insert(pool, cache, [i] * P) for i in range(held_n)]
+    for pages in held:
+        pool.incref(pages)
+    for i in range(free_n):
+        _insert(pool, cache, [held_n + i] * P)
+    pops = 0
+    real_pop = heapq.heappop
+
+    def counting_pop(heap):
+        nonlocal pops
+        pops += 1
+        return real_pop(heap)
+
+    with mock.patch("pcgspec.engine.radix_cache.heapq.heappop", counting_pop):
+        assert sum(cache.evict(1) for _ in range(free_n)) == free_n
+    assert pops < 3 * (held_n + free_n), pops
+    assert cache.num_pages == held_n  # every held page stays
+    for pages in held:
+        pool.free(pages)
+    assert cache.evict(held_n) == held_n and pool.num_free == held_n + free_n

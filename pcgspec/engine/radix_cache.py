@@ -156,12 +156,11 @@ class RadixCache:
         """
         freed, held = 0, []
         while self._heap and freed < num_pages:
-            entry = heapq.heappop(self._heap)
-            last_access, _, node = entry
+            last_access, _, node = heapq.heappop(self._heap)
             if node.parent is None or node.children or last_access != node.last_access:
                 continue  # evicted, no longer a leaf, or used since: a newer entry stands
             if self.pool.refcount(node.page) > 1:
-                held.append(entry)  # a request holds it: a candidate again later
+                held.append(node)  # a request holds it: in use, so as recent as now
                 continue
             parent = node.parent
             del parent.children[node.key]
@@ -172,8 +171,11 @@ class RadixCache:
             freed += 1
             if parent is not self.root and not parent.children:
                 heapq.heappush(self._heap, (parent.last_access, id(parent), parent))
-        for entry in held:
-            heapq.heappush(self._heap, entry)
+        # NOTE: behind every older leaf, so the next evictions do not pop these again first
+        now = next(self._clock)
+        for node in held:
+            node.last_access = now
+            heapq.heappush(self._heap, (now, id(node), node))
         return freed
 
     def _compact(self) -> None:
