@@ -234,7 +234,8 @@ class Trainer:
             chat.add(*self._eval_loss(batch.chat_window(CHAT_EVAL_TOKENS)))
         self.head.train()
         result = whole.result()
-        result.chat64 = chat.result()
+        if result is not None:
+            result.chat64 = chat.result()
         return result
 
     def _eval_loss(self, batch: Batch) -> tuple[torch.Tensor, StepCounts]:
