@@ -64,10 +64,13 @@ class StepCounts:
     count: torch.Tensor  # [S] rows counted
 
 
-def step_weights(num_steps: int, decay: float) -> list[float]:
-    """Loss weight of each step, ``decay ** i``, normalized to sum to 1."""
-    raw = [decay**i for i in range(num_steps)]
-    return [w / sum(raw) for w in raw]
+def step_weights(num_steps: int, decay: float, device: torch.device) -> torch.Tensor:
+    """``[num_steps]`` float32: the loss weight of each step, ``decay ** i``, normalized to sum
+    to 1. Computed on ``device``: a tensor built from host values would be a blocking copy,
+    which waits for the step before on every step.
+    """
+    raw = decay ** torch.arange(num_steps, dtype=torch.float64, device=device)
+    return (raw / raw.sum()).float()
 
 
 def ttt_loss(
@@ -79,7 +82,7 @@ def ttt_loss(
     """
     target_logits, target_ids = target_view(head, batch.final)
     loss_fn = _compiled_unrolled_loss if compiled else unrolled_loss
-    weights = torch.tensor(step_weights(num_steps, decay), device=target_ids.device)
+    weights = step_weights(num_steps, decay, target_ids.device)
     loss, counts = loss_fn(head, batch.input_ids, batch.loss_mask, batch.aux, batch.seq,
                            batch.positions, target_logits, target_ids, weights)  # fmt: skip
     return loss, StepCounts(*counts)
@@ -106,14 +109,14 @@ def unrolled_loss(
         # row t of step i predicts token t+2+i (rows t < m have one) where it is of the same
         # sequence; the target's distribution of it is at t+1+i
         m = max(0, n - 1 - step)
-        ahead = slice(2 + step, 2 + step + m)
+        ahead, behind = slice(2 + step, 2 + step + m), slice(1 + step, 1 + step + m)
         mask = loss_mask[:, ahead] & (seq[:, :m] == seq[:, ahead])  # [B, m]
-        probs = target_probs[:, 1 + step : 1 + step + m]  # [B, m, Vd]
+        probs = target_probs[:, behind]  # [B, m, Vd]
         ce = -(probs * logits[:, :m].float().log_softmax(dim=-1)).sum(dim=-1)  # [B, m]
         rows = mask.sum()
         losses.append((ce * mask).sum() / rows.clamp(min=1))
         drafted = head.draft_to_target[logits[:, :m].argmax(dim=-1)]
-        correct.append((drafted == target_ids[:, 1 + step : 1 + step + m]).logical_and(mask).sum())
+        correct.append((drafted == target_ids[:, behind]).logical_and(mask).sum())
         count.append(rows)
     loss = torch.stack(losses)
     return (loss * weights).sum(), (loss.detach(), torch.stack(correct), torch.stack(count))
