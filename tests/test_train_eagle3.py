@@ -54,9 +54,9 @@ from pcgspec.training.prompts import (
     Prompt,
     build_prompts,
     describe,
-    subjects,
     template_prompts,
     topic_pools,
+    vocabulary_words,
 )
 from pcgspec.training.trainer import CHAT_EVAL_TOKENS, Trainer, accept_length_estimate
 
@@ -424,8 +424,8 @@ def test_everyday_requests_are_varied_and_deterministic() -> None:
 
 def test_no_prompt_is_a_benchmark_chat_question() -> None:
     """scripts/bench_spec.py's chat questions stay unseen: no built-in prompt equals or
-    contains one, no everyday request or WordNet subject names one of their subjects, and no
-    built-in prompt names their most specific ones.
+    contains one, no everyday request names one of their subjects, and no built-in prompt names
+    their most specific ones.
     """
     spec = importlib.util.spec_from_file_location("bench_spec", SCRIPTS / "bench_spec.py")
     bench = importlib.util.module_from_spec(spec)
@@ -438,12 +438,10 @@ def test_no_prompt_is_a_benchmark_chat_question() -> None:
     texts += [t.lower() for t in requests + sample_requests(random.Random(0), 5000)]
     texts += [p.text.lower() for p in template_prompts(5000, seed=0)]
     assert not [(q, t) for t in texts for q in questions if q in t]
-    bench_subjects = re.compile(
-        r"\b(basil|purrs?|job interviews?|climate|lighthouse|refrigerator|bakery|api|hike|"
-        r"cinderella|palindromes?|salty|remembering names|solar system|planets?|sunsets?|"
-        r"trains?)\b")  # fmt: skip
-    assert not [t for t in requests if bench_subjects.search(t.lower())]
-    assert not [t for t in subjects() if bench_subjects.search(t)]
+    subjects = re.compile(r"\b(basil|purrs?|job interviews?|climate|lighthouse|refrigerator|"
+                          r"bakery|api|hike|cinderella|palindromes?|salty|remembering names|"
+                          r"solar system|planets?|sunsets?|trains?)\b")  # fmt: skip
+    assert not [t for t in requests if subjects.search(t.lower())]
     # the benchmark's most specific subjects appear in no built-in prompt at all
     specific = re.compile(r"\b(basil|purrs?|job interviews?|lighthouse|bakery|cinderella|"
                           r"palindromes?)\b")  # fmt: skip
@@ -516,16 +514,12 @@ def test_evaluation_reports_the_chat_window(tmp_path) -> None:
     assert chat_flags(old, {"lengths": [5, 7]}) == [True, True]
 
 
-def test_subjects_are_everyday_wordnet_nouns() -> None:
-    """``subjects.txt`` carries WordNet's notice and tens of thousands of lowercase subjects of
-    one or two words, the common kept and the obscure dropped by scripts/build_subjects.py."""
-    from pcgspec.training.prompts import SUBJECTS_FILE
+def test_vocabulary_words_are_whole_lowercase_words(smollm2_path) -> None:
+    from transformers import AutoTokenizer
 
-    assert "WordNet 3.0 Copyright 2006 by Princeton University" in SUBJECTS_FILE.read_text()
-    words = set(subjects())
-    assert len(words) > 20_000 and {"frying pan", "lumber", "herbal tea", "tailor"} <= words
-    assert not {"laelia", "abruption", "arc cosine"} & words
-    assert all(re.fullmatch(r"[a-z]+( [a-z]+)?", w) for w in words)
+    words = vocabulary_words(AutoTokenizer.from_pretrained(smollm2_path))
+    assert len(words) > 10_000 and {"school", "flowers", "geology"} <= set(words)
+    assert all(w.isalpha() and w.islower() and len(w) >= 5 for w in words)
 
 
 def test_accept_length_estimate_is_a_chain() -> None:

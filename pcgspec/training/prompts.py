@@ -1,15 +1,12 @@
 """The prompt set: everyday requests as chat users write them (``chat_requests.py``) and built-in
 topics x templates (chat questions, instructions, code, maths, prose continuation), optionally
-extended by questions the target writes itself; a share goes to the target without the chat
-template (raw completion), as ``LLM.generate`` sends text. The topics are a short hand-written
-list and some 28,000 everyday subjects from WordNet's nouns (``subjects.txt``, built by
-``scripts/build_subjects.py``): varied subjects are what lets the head draft for questions
-about things its training prompts never named.
+extended by questions the target writes itself about built-in topics and about words of its own
+vocabulary; a share goes to the target without the chat template (raw completion), as
+``LLM.generate`` sends text.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 from collections import Counter
@@ -67,7 +64,7 @@ SELF_TEMPLATES = (
     "Write one question that compares {t} with something else. Reply with the question only.",
     "Write one 'why' question about {t}. Reply with the question only.",
 )  # fmt: skip
-SUBJECTS_FILE = Path(__file__).with_name("subjects.txt")
+MIN_WORD_LETTERS = 5  # vocabulary words used as topics: whole lowercase words this long at least
 # share of each category among the template prompts ("request": everyday chat requests)
 MIX = {"request": 0.45, "chat": 0.2, "instruction": 0.1, "code": 0.12, "math": 0.05, "prose": 0.08}
 
@@ -98,16 +95,9 @@ def template_prompts(num: int, seed: int) -> list[Prompt]:
     return prompts
 
 
-@functools.cache
-def subjects() -> tuple[str, ...]:
-    """The WordNet subjects of ``subjects.txt`` (its ``#`` lines are WordNet's notice)."""
-    lines = SUBJECTS_FILE.read_text().splitlines()
-    return tuple(line for line in lines if line and not line.startswith("#"))
-
-
 def topic_pools() -> dict[str, list[str]]:
     """Every prompt of the topic-based categories (chat, instruction, code, prose)."""
-    topics = items(TOPICS) + list(subjects())
+    topics = items(TOPICS)
     prose = [t.format(t=topic) for topic in topics for t in TOPIC_PROSE_TEMPLATES]
     return {"chat": [t.format(t=topic) for topic in topics for t in CHAT_TEMPLATES],
             "instruction": items(INSTRUCTIONS) + [t.format(t=topic) for topic in topics
@@ -120,19 +110,28 @@ def topic_pools() -> dict[str, list[str]]:
 
 def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) -> list[Prompt]:
     """``num`` questions/instructions the target writes (sampled at temperature 0.8), half
-    about the hand-written topics, half about WordNet subjects; empty or very short answers are
+    about built-in topics, half about words of its vocabulary; empty or very short answers are
     dropped.
     """
     from pcgspec.sampling_params import SamplingParams
 
     rng = random.Random(seed + 1)
-    pools = (items(TOPICS), subjects())
+    pools = (items(TOPICS), vocabulary_words(llm.get_tokenizer()) or items(TOPICS))
     asks = [rng.choice(SELF_TEMPLATES).format(t=rng.choice(pools[i % 2])) for i in range(num)]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
               for i in range(num)]  # fmt: skip
     outs = llm.chat([[{"role": "user", "content": a}] for a in asks], params)
     texts = [" ".join(o.outputs[0].text.split()) for o in outs]
     return [Prompt(t, "self", "self") for t in texts if len(t) >= 12]
+
+
+def vocabulary_words(tokenizer) -> list[str]:
+    """Whole lowercase words of the tokenizer's vocabulary (a token that decodes to a space and
+    at least ``MIN_WORD_LETTERS`` letters): thousands of topics no list here names.
+    """
+    words = (tokenizer.decode([i]) for i in range(len(tokenizer)))
+    return sorted({w[1:] for w in words if w[:1] == " " and w[1:].isalpha() and w[1:].islower()
+                   and len(w) > MIN_WORD_LETTERS and w[1:].isascii()})  # fmt: skip
 
 
 def build_prompts(
@@ -171,8 +170,7 @@ def describe(prompts: Sequence[Prompt]) -> dict:
             "builtin": "pcgspec.training.topics: topics x templates; request: "
                        f"pcgspec.training.chat_requests, {len(KINDS)} kinds of everyday "
                        "requests, templates x word lists; no hub access",
-            "subjects": f"{len(subjects())} WordNet 3.0 nouns (subjects.txt)",
-            "self": "written by the target about built-in topics and WordNet subjects"}  # fmt: skip
+            "self": "written by the target about built-in topics and vocabulary words"}  # fmt: skip
 
 
 def _math_problems(rng: random.Random, num: int) -> list[str]:
