@@ -72,35 +72,84 @@ def test_lru_eviction_spares_referenced_pages_and_inner_nodes():
     assert cache.stats.evicted_tokens == 6 * P
 
 
-def test_eviction_order_is_lru_under_random_traffic():
-    """The tree's heap evicts what a full scan of the leaves would: the least recently used
-    unheld leaf, through matches, branching inserts, held pages and parents turned leaves.
+def _check_tree(cache: RadixCache) -> None:
+    """Every node is a run of whole pages, keyed under its parent by its first page."""
+    for node in cache._nodes():
+        assert node.pages and len(node.tokens) == len(node.pages) * P
+        assert node.parent.children[tuple(node.tokens[:P])] is node
+        assert 0 <= node.draft_pages <= len(node.pages)
+    assert sum(len(n.pages) for n in cache._nodes()) == cache.num_pages
+
+
+def test_compressed_tree_matches_a_page_by_page_oracle():
+    """Random inserts (from the root and past a held hit), matches that split runs, frees and
+    evictions: every match returns what a map of each cached page's whole-token prefix gives,
+    the tree stays runs of whole pages, and eviction starts where a full scan of the leaves
+    would: at the last page of the least recently used leaf that no request holds.
     """
-    rng = random.Random(0)
-    pool, cache = _cache(num_pages=400)
+    rng = random.Random(1)
+    pool, cache = _cache(num_pages=300)
+    oracle: dict[tuple[int, ...], int] = {}  # a cached page's prefix (whole pages) -> page
     held: list[list[int]] = []
-    for _ in range(600):
+
+    def expected(tokens: list[int], limit: int) -> list[int]:
+        pages = []
+        while (len(pages) + 1) * P <= limit and tuple(tokens[: (len(pages) + 1) * P]) in oracle:
+            pages.append(oracle[tuple(tokens[: (len(pages) + 1) * P])])
+        return pages
+
+    stems = [[rng.randrange(4) for _ in range(rng.randrange(2, 9) * P)] for _ in range(4)]
+    for _ in range(1500):
+        tokens = rng.choice(stems)[: rng.randrange(0, 9) * P] + [
+            rng.randrange(4) for _ in range(rng.randrange(1, 4) * P + rng.randrange(P))]
         op = rng.random()
-        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 4) * P)]
-        if op < 0.4 and pool.num_free >= 4:
-            _insert(pool, cache, tokens)
-        elif op < 0.6:
-            hit = cache.match(tokens, len(tokens))
+        if op < 0.35 and pool.num_free >= 12:
+            hit = cache.match(tokens, len(tokens)) if rng.random() < 0.5 else None
+            if hit is not None:
+                pool.incref(hit.pages)
+            own = pool.alloc(len(tokens) // P - (len(hit.pages) if hit else 0))
+            pages = (hit.pages if hit else []) + own
+            cache.insert(tokens, pages, len(tokens), after=hit)
+            for i in range(len(tokens) // P):
+                oracle.setdefault(tuple(tokens[: (i + 1) * P]), pages[i])
+            pool.free(pages)
+        elif op < 0.75:
+            limit = rng.randrange(len(tokens) + 1)
+            hit = cache.match(tokens, limit)
+            assert hit.pages == expected(tokens, limit)
             if rng.random() < 0.3:
                 pool.incref(hit.pages)
                 held.append(hit.pages)
-        elif op < 0.7 and held:
+        elif op < 0.85 and held:
             pool.free(held.pop(rng.randrange(len(held))))
         else:
-            leaves = [n for n in cache._nodes() if not n.children and pool.refcount(n.page) == 1]
-            expected = min(leaves, key=lambda n: n.last_access).page if leaves else None
+            leaves = [n for n in cache._nodes()
+                      if not n.children and pool.refcount(n.pages[-1]) == 1]  # fmt: skip
+            oldest = min((n.last_access for n in leaves), default=None)
+            first = {n.pages[-1] for n in leaves if n.last_access == oldest}
             before = set(cache.pages())
-            assert cache.evict(1) == (expected is not None)
-            assert before - set(cache.pages()) == ({expected} if leaves else set())
+            assert cache.evict(rng.randrange(1, 6)) == len(before) - cache.num_pages
+            gone = before - set(cache.pages())
+            assert bool(gone) == bool(leaves) and (not leaves or gone & first)
+            assert all(pool.refcount(page) == 0 for page in gone)
+            oracle = {k: v for k, v in oracle.items() if v not in gone}
+        _check_tree(cache)
     for pages in held:
         pool.free(pages)
     cache.evict(10**6)
-    assert cache.num_pages == 0 and pool.num_free == 400
+    assert cache.num_pages == 0 and pool.num_free == 300
+
+
+def test_a_long_prefix_is_one_run_split_where_prompts_part():
+    pool, cache = _cache(num_pages=64)
+    shared = list(range(40))  # 10 pages
+    _insert(pool, cache, shared + [100, 101, 102, 103])
+    assert len(cache._nodes()) == 1 and cache.num_pages == 11
+    hit = cache.match(shared + [7] * 8, 48)  # parts after 10 pages: the run splits there
+    assert hit.num_tokens == 40 and len(cache._nodes()) == 2 and hit.node.children
+    _insert(pool, cache, shared + [7] * 8)
+    assert sorted(len(n.pages) for n in cache._nodes()) == [1, 2, 10]
+    _check_tree(cache)
 
 
 def test_eviction_cost_does_not_grow_with_the_tree():
@@ -134,7 +183,7 @@ def test_insert_goes_on_past_the_hit_it_holds():
     prefix at every step); the tree ends the same as after a walk from the root. A hit whose
     nodes were dropped since (a reset) walks from the root again."""
     pool, cache = _cache()
-    _insert(pool, cache, list(range(16)))  # 4 pages
+    _insert(pool, cache, list(range(16)))  # 4 pages, one node
     tokens = [*range(16), 90, 91, 92, 93, 94]
     hit = cache.match(tokens, len(tokens) - 1)
     pool.incref(hit.pages)
@@ -142,7 +191,7 @@ def test_insert_goes_on_past_the_hit_it_holds():
     touched, touch = [], cache._touch
 
     def recorded(node, now):
-        touched.append(node.key)
+        touched.append(tuple(node.tokens))
         touch(node, now)
 
     cache._touch = recorded
@@ -152,7 +201,7 @@ def test_insert_goes_on_past_the_hit_it_holds():
     cache.reset()
     touched.clear()
     cache.insert(tokens, pages, len(tokens), after=hit)  # its nodes are gone: from the root
-    assert len(touched) == 5 and cache.num_pages == 5
+    assert touched == [tuple(tokens[:20])] and cache.num_pages == 5
     assert cache.match(tokens, len(tokens)).pages == pages[:5]
     pool.free(pages)
     assert pool.num_free + cache.num_pages == 32

@@ -1,10 +1,15 @@
-"""Prefix caching: a radix tree of KV pages keyed by token ids, one node per whole page.
+"""Prefix caching: a radix tree of KV pages keyed by token ids, compressed into runs of whole
+pages.
 
-Each node is one page of ``page_size`` tokens; its key is those tokens, so a path from the root
-spells a token prefix and lists the pages holding its K/V. The tree holds one reference to
-each of its pages in the ``PagePool``; a request that hits a prefix holds the same pages by
-reference too, so a page returns to the pool only when the tree evicts it and no request holds
-it.
+Each node holds a run of whole pages and their tokens (``page_size`` per page), so a path from
+the root spells a token prefix and lists the pages holding its K/V. A node's children are keyed
+by their first page's tokens; a shared prefix of a hundred pages is one node, and a match
+compares it in one list comparison instead of walking a hundred nodes (SGLang's tree is
+compressed the same way). A match or an insert that ends inside a node splits it there
+(``_split``: the node keeps its tail, so a hit that ends with a node still does). The tree
+holds one reference to each of its pages in the ``PagePool``; a request that hits a prefix
+holds the same pages by reference too, so a page returns to the pool only when the tree evicts
+it and no request holds it.
 
 - ``match`` finds the longest cached prefix of whole pages. The partial last page of a prompt
   is never shared: it is recomputed (its page is the request's own, so the request's writes
@@ -14,23 +19,24 @@ it.
   concurrent requests and the ``n`` sequences of one prompt share a prompt at once) and when the
   request finishes or is preempted (prompt + output tokens). A page already in the tree keeps
   its node's page; the request keeps its duplicate until it releases it.
-- ``evict`` drops unreferenced leaves (only the tree holds their page), least recently used
+- ``evict`` frees pages of unreferenced leaves, from a leaf's end, least recently used leaf
   first; the scheduler calls it when the pool runs short, before preempting anything. The
   leaves wait in one heap ordered by last use that lives with the tree (an entry whose node
   was used again, or is gone, is skipped when it surfaces), so an eviction costs O(log n) per
-  page however many requests the tree remembers.
+  leaf however many requests the tree remembers.
 
 Model drafters (EAGLE3, NEXTN, STANDALONE) keep their own K/V in the same page ids (the draft
 cache shares the target's page table), so a cached page also carries the draft's K/V of its
 positions if the request that wrote it had caught its draft up over them. With
-``track_draft`` each node records that (``draft_valid``, set at insert from the draft's
-progress, and upgraded when a later request inserts the same tokens with a caught-up draft), and
-``match`` stops at the first page without it: a hit then gives valid target *and* draft K/V, and
-the draft starts from the hit length instead of position 0. Output stays lossless regardless:
-verification accepts only the target's own tokens; the draft's K/V only shape acceptance. (A
-head fed by the target, EAGLE3 / MTP, computed its K/V of a page's last position from the token
-that followed it in the writer's sequence; a request that continues differently sees one stale
-draft position there.) NGRAM keeps no K/V and needs nothing.
+``track_draft`` each node counts its leading pages that hold it (``draft_pages``, set at insert
+from the draft's progress, and raised when a later request inserts the same tokens with a
+caught-up draft: its pages take the place of the node's), and ``match`` stops at the first page
+without it: a hit then gives valid target *and* draft K/V, and the draft starts from the hit
+length instead of position 0. Output stays lossless regardless: verification accepts only the
+target's own tokens; the draft's K/V only shape acceptance. (A head fed by the target, EAGLE3 /
+MTP, computed its K/V of a page's last position from the token that followed it in the writer's
+sequence; a request that continues differently sees one stale draft position there.) NGRAM
+keeps no K/V and needs nothing.
 """
 
 from __future__ import annotations
@@ -45,12 +51,12 @@ from pcgspec.engine.kv_pool import PagePool
 
 @dataclass(eq=False)
 class _Node:
-    key: tuple[int, ...]  # the page's tokens; () at the root
-    page: int  # -1 at the root
+    tokens: list[int]  # the run's tokens, page_size per page; [] at the root
+    pages: list[int]  # the run's pages, in order
     parent: _Node | None
-    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # by first page
     last_access: int = 0
-    draft_valid: bool = False
+    draft_pages: int = 0  # the leading pages that also hold the draft's K/V
 
 
 @dataclass
@@ -69,7 +75,7 @@ class CacheStats:
 class PrefixHit:
     pages: list[int]  # whole pages, in order
     num_tokens: int  # len(pages) * page_size
-    node: _Node | None = None  # the last page's node: ``insert`` goes on from it
+    node: _Node | None = None  # the node it ends with (splits keep that): inserts go on from it
 
 
 class RadixCache:
@@ -77,7 +83,7 @@ class RadixCache:
         self.pool = pool
         self.page_size = page_size
         self.track_draft = track_draft
-        self.root = _Node((), -1, None)
+        self.root = _Node([], [], None)
         self.num_pages = 0  # pages the tree holds
         # NOTE: every leaf has an entry (last_access, node) here; stale ones are skipped lazily
         self._heap: list[tuple[int, int, _Node]] = []
@@ -88,21 +94,27 @@ class RadixCache:
         """The longest cached prefix of whole pages within ``token_ids[:max_tokens]``; marks
         its nodes used. Takes no references (the caller increfs the pages it keeps).
         """
-        now, node, pages, p = next(self._clock), self.root, [], self.page_size
-        children, track = self.root.children, self.track_draft
-        # NOTE: a hot loop (a long shared prompt is a hundred pages): keys are built as it goes
-        # and nodes marked inline; every node before the last has a child, so only the last
-        # can be a leaf that needs an eviction-heap entry (``_touch``).
-        for i in range(0, min(max_tokens, len(token_ids)) - p + 1, p):
-            child = children.get(tuple(token_ids[i : i + p]))
-            if child is None or (track and not child.draft_valid):
+        ids, p = _as_list(token_ids), self.page_size
+        limit = min(max_tokens, len(ids)) // p  # whole pages to look for
+        now, node, pages = next(self._clock), self.root, []
+        while len(pages) < limit:
+            start = len(pages) * p
+            child = node.children.get(tuple(ids[start : start + p]))
+            if child is None:
                 break
+            n = self._common_pages(child, ids, start, limit - len(pages))
+            if self.track_draft:
+                n = min(n, child.draft_pages)
+            if n == 0:
+                break
+            if n < len(child.pages):
+                child = self._split(child, n)
             child.last_access = now
-            pages.append(child.page)
-            node, children = child, child.children
+            pages += child.pages
+            node = child
         if node is not self.root:
-            self._touch(node, now)
-        return PrefixHit(pages, len(pages) * self.page_size, node)
+            self._touch(node, now)  # NOTE: only the last node can be a leaf
+        return PrefixHit(pages, len(pages) * p, node)
 
     def record_lookup(self, num_tokens: int, num_cached: int) -> None:
         self.stats.prompt_tokens += num_tokens
@@ -119,30 +131,72 @@ class RadixCache:
         """Cache the whole pages of ``token_ids[:num_tokens]`` (their K/V written in ``pages``);
         the first ``draft_tokens`` positions also hold the draft's K/V. ``after``: the hit this
         request holds, whose pages are in the tree already (held, so never evicted; with
-        ``track_draft`` all draft-valid): the walk starts past them, which spares a request on
-        a long shared prompt a walk over every page of it at each step that inserts.
+        ``track_draft`` all draft-valid): the walk starts past them.
         """
-        node, start = self.root, 0
+        ids, p = _as_list(token_ids), self.page_size
+        node, i = self.root, 0  # i: pages of the request's prefix that the tree holds
         if after is not None and after.node is not None and after.node.parent is not None:
-            node, start = after.node, len(after.pages)  # NOTE: a reset or evicted node has none
-        now, p = next(self._clock), self.page_size
-        for i in range(start, num_tokens // p):
-            key = tuple(token_ids[i * p : (i + 1) * p])
-            draft = (i + 1) * p <= draft_tokens
+            node, i = after.node, len(after.pages)  # NOTE: a reset or evicted node has none
+        now, total = next(self._clock), num_tokens // p
+        # pages that hold the draft's K/V too
+        drafted = min(total, draft_tokens // p) if self.track_draft else 0
+        while i < total:
+            key = tuple(ids[i * p : (i + 1) * p])
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(key, pages[i], node, draft_valid=draft)
-                self.pool.cache_hold(pages[i])
-                self.num_pages += 1
-                self.stats.inserted_tokens += p
-            elif draft and not child.draft_valid:
-                if child.page != pages[i]:  # the same tokens, now with the draft's K/V too
-                    self.pool.cache_hold(pages[i])
-                    self.pool.cache_release(child.page)
-                    child.page = pages[i]
-                child.draft_valid = True
+                child = node.children[key] = _Node(ids[i * p : total * p], list(pages[i:total]),
+                                                   node, draft_pages=max(0, drafted - i))
+                for page in child.pages:
+                    self.pool.cache_hold(page)
+                self.num_pages += total - i
+                self.stats.inserted_tokens += (total - i) * p
+                self._touch(child, now)
+                return
+            n = self._common_pages(child, ids, i * p, total - i)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            for j in range(child.draft_pages, min(n, drafted - i)):
+                # the same tokens, now with the draft's K/V too: this request's page serves
+                if child.pages[j] != pages[i + j]:
+                    self.pool.cache_hold(pages[i + j])
+                    self.pool.cache_release(child.pages[j])
+                    child.pages[j] = pages[i + j]
+                child.draft_pages = j + 1
             self._touch(child, now)
-            node = child
+            node, i = child, i + n
+
+    def _common_pages(self, node: _Node, ids: list[int], start: int, limit: int) -> int:
+        """How many of ``node``'s leading pages ``ids[start:]`` repeats, at most ``limit``. Its
+        first page is known to match (its key led here); the rest compare as list slices, all
+        at once and else by bisection, in C rather than page by page.
+        """
+        p, n = self.page_size, min(len(node.pages), limit)
+        if ids[start : start + n * p] == node.tokens[: n * p]:
+            return n
+        lo, hi = 1, n - 1  # the answer: at least the first page, fewer than n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ids[start : start + mid * p] == node.tokens[: mid * p]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _split(self, node: _Node, n: int) -> _Node:
+        """Cut ``node`` after its first ``n`` pages: a new node takes them, in ``node``'s place
+        under its parent, and ``node`` keeps the rest as its child (so it keeps its end, and a
+        hit that ends with it still does). Returns the new node.
+        """
+        p, parent = self.page_size, node.parent
+        assert parent is not None
+        head = _Node(node.tokens[: n * p], node.pages[:n], parent, last_access=node.last_access,
+                     draft_pages=min(node.draft_pages, n))  # fmt: skip
+        parent.children[tuple(node.tokens[:p])] = head
+        node.tokens, node.pages = node.tokens[n * p :], node.pages[n:]
+        node.draft_pages = max(0, node.draft_pages - n)
+        node.parent = head
+        head.children[tuple(node.tokens[:p])] = node
+        return head
 
     def _touch(self, node: _Node, now: int) -> None:
         node.last_access = now
@@ -151,26 +205,34 @@ class RadixCache:
             self._compact()
 
     def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages of unreferenced leaves, least recently used first.
-        Returns how many pages went back to the pool.
+        """Free up to ``num_pages`` pages of unreferenced leaves, from the end of the least
+        recently used leaf first. Returns how many pages went back to the pool.
         """
-        freed, held = 0, []
+        freed, held, p = 0, [], self.page_size
         while self._heap and freed < num_pages:
             last_access, _, node = heapq.heappop(self._heap)
             if node.parent is None or node.children or last_access != node.last_access:
                 continue  # evicted, no longer a leaf, or used since: a newer entry stands
-            if self.pool.refcount(node.page) > 1:
-                held.append(node)  # a request holds it: in use, so as recent as now
-                continue
-            parent = node.parent
-            del parent.children[node.key]
-            node.parent = None
-            self.pool.cache_release(node.page)
-            self.num_pages -= 1
-            self.stats.evicted_tokens += self.page_size
-            freed += 1
-            if parent is not self.root and not parent.children:
-                heapq.heappush(self._heap, (parent.last_access, id(parent), parent))
+            key, trimmed = tuple(node.tokens[:p]), 0
+            while (node.pages and freed + trimmed < num_pages
+                   and self.pool.refcount(node.pages[-1]) == 1):  # fmt: skip
+                self.pool.cache_release(node.pages.pop())
+                del node.tokens[-p:]
+                trimmed += 1
+            freed += trimmed
+            self.num_pages -= trimmed
+            self.stats.evicted_tokens += trimmed * p
+            node.draft_pages = min(node.draft_pages, len(node.pages))
+            if not node.pages:
+                parent = node.parent
+                del parent.children[key]
+                node.parent = None
+                if parent is not self.root and not parent.children:
+                    heapq.heappush(self._heap, (parent.last_access, id(parent), parent))
+            elif freed < num_pages:
+                held.append(node)  # a request holds its last page: in use, so as recent as now
+            else:
+                heapq.heappush(self._heap, (last_access, id(node), node))  # pages left to evict
         # NOTE: behind every older leaf, so the next evictions do not pop these again first
         now = next(self._clock)
         for node in held:
@@ -179,7 +241,7 @@ class RadixCache:
         return freed
 
     def _compact(self) -> None:
-        """Rebuild the heap from the leaves once stale entries outnumber live nodes."""
+        """Rebuild the heap from the leaves once stale entries outnumber live pages."""
         if len(self._heap) > 2 * self.num_pages + 1024:
             self._heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children]
             heapq.heapify(self._heap)
@@ -187,7 +249,8 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every page the tree holds (requests keep theirs)."""
         for node in self._nodes():
-            self.pool.cache_release(node.page)
+            for page in node.pages:
+                self.pool.cache_release(page)
             node.parent = None
         self.root.children.clear()
         self._heap.clear()
@@ -195,7 +258,7 @@ class RadixCache:
 
     def pages(self) -> list[int]:
         """Every page the tree holds."""
-        return [n.page for n in self._nodes()]
+        return [page for node in self._nodes() for page in node.pages]
 
     def _nodes(self) -> list[_Node]:
         out, stack = [], list(self.root.children.values())
@@ -204,3 +267,8 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+
+def _as_list(token_ids: Sequence[int]) -> list[int]:
+    """``token_ids`` as a list: slices of it compare with a node's tokens."""
+    return token_ids if isinstance(token_ids, list) else list(token_ids)
