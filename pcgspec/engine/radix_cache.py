@@ -86,6 +86,7 @@ class RadixCache:
         self.root = _Node([], [], None)
         self.num_pages = 0  # pages the tree holds
         # NOTE: every leaf has an entry (last_access, node) here; stale ones are skipped lazily
+        # (a leaf may have two of the same time, which evicts nothing twice)
         self._heap: list[tuple[int, int, _Node]] = []
         self.stats = CacheStats()
         self._clock = itertools.count(1)
@@ -129,7 +130,8 @@ class RadixCache:
         after: PrefixHit | None = None,
     ) -> None:
         """Cache the whole pages of ``token_ids[:num_tokens]`` (their K/V written in ``pages``);
-        the first ``draft_tokens`` positions also hold the draft's K/V. ``after``: the hit this
+        the first ``draft_tokens`` positions also hold the draft's K/V (ignored without
+        ``track_draft``). ``after``: the hit this
         request holds, whose pages are in the tree already (held, so never evicted; with
         ``track_draft`` all draft-valid): the walk starts past them.
         """
@@ -222,7 +224,7 @@ class RadixCache:
             freed += trimmed
             self.num_pages -= trimmed
             self.stats.evicted_tokens += trimmed * p
-            node.draft_pages = min(node.draft_pages, len(node.pages))
+            node.draft_pages = min(node.draft_pages, len(node.pages))  # counts pages it holds
             if not node.pages:
                 parent = node.parent
                 del parent.children[key]
