@@ -18,7 +18,9 @@ new question of ``--question-len`` words, at most ``--max-concurrency`` chats at
 report adds the prompt tokens the cache served (``usage.prompt_tokens_details.cached_tokens``)
 and the prefill tokens computed. With ``--launch`` the run repeats per ``--cache-modes``
 (default: with the radix cache, then with ``--disable-radix-cache``) and prints both and
-their ratios.
+their ratios. ``--repeats N`` runs the load N times on one server, flushing the prefix cache
+between runs (each finds it as the first did); the report pools them (TTFT percentiles over
+every request, throughput over the whole time) and lists each run's TTFT p50 and requests/s.
 
 ``--compare-engine`` (with ``--launch``) then runs the same prompts with the same sampling
 through ``LLM.generate`` in this process, with the server's engine flags (``--server-args``;
@@ -325,6 +327,20 @@ def server_times(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return out
 
 
+def _post(base_url: str, path: str, api_key: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(base_url + path, data=b"", headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=60):
+        pass
+
+
+def _repeat_row(summary: dict[str, Any]) -> dict[str, float]:
+    """What a repeat's line in the JSON keeps: its spread shows the run-to-run noise."""
+    return {"ttft_p50_ms": summary["ttft"].get("p50_ms"), "duration_s": summary["duration_s"],
+            "request_throughput": summary["request_throughput"],
+            "cached_tokens": summary["total_cached_tokens"]}
+
+
 def print_report(summary: dict[str, Any]) -> None:
     print(f"{' Serving Benchmark Result ':=^60}")
     for key in (
@@ -344,6 +360,9 @@ def print_report(summary: dict[str, Any]) -> None:
     ):
         value = summary.get(key)
         print(f"{key:<44}{value:>16.2f}" if isinstance(value, float) else f"{key:<44}{value!s:>16}")
+    for i, row in enumerate(summary.get("repeats", [])):
+        print(f"repeat {i}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
+              f"{row['request_throughput']:.2f} requests/s")
     for name in ("ttft", "tpot", "itl", "e2e"):
         print(f"{' ' + name.upper() + ' ':-^60}")
         for stat, value in summary[name].items():
@@ -419,6 +438,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per server (cache flushed between them); reported pooled")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launch", action="store_true", help="start `pcgspec serve` first")
     p.add_argument("--server-args", default="", help="flags for the launched server")
@@ -442,6 +463,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 or args.dataset == "multi-turn"):  # fmt: skip
         p.error("--compare-engine needs --launch, the completions endpoint and a dataset "
                 "of single prompts")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     args.cache_modes = [m.strip() for m in args.cache_modes.split(",")]
     if not set(args.cache_modes) <= {"on", "off"} or not args.cache_modes:
         p.error(f"--cache-modes takes on and/or off, got {args.cache_modes}")
@@ -460,10 +483,14 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
         steps0, accepted0 = spec_counters(args.base_url, args.api_key)
         histograms = server_histograms(args.base_url)
         wall, cpu = time.perf_counter(), time.process_time()
-        if args.dataset == "multi-turn":
-            results, duration = asyncio.run(run_chats(args, model))
-        else:
-            results, duration = asyncio.run(run_load(args, model, load_prompts(args)))
+        repeats = []
+        for i in range(args.repeats):
+            if i:  # NOTE: each repeat finds the cache as the first did: nothing of its prompts
+                _post(args.base_url, "/flush_cache", args.api_key)
+            if args.dataset == "multi-turn":
+                repeats.append(asyncio.run(run_chats(args, model)))
+            else:
+                repeats.append(asyncio.run(run_load(args, model, load_prompts(args))))
         # NOTE: a client near 1.0 delays its own sends and reads: its TTFT is not the server's.
         client_busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
         counters = spec_counters(args.base_url, args.api_key)
@@ -473,7 +500,10 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
-    summary = summarize(results, duration)
+    summary = summarize([r for results, _ in repeats for r in results],
+                        sum(duration for _, duration in repeats))
+    if args.repeats > 1:
+        summary["repeats"] = [_repeat_row(summarize(*run)) for run in repeats]
     summary["model"] = model
     summary["avg_spec_accept_length"] = (accepted + steps) / steps if steps else None
     summary.update(times)

@@ -134,6 +134,8 @@ def test_max_tokens_wastes_no_step(engines, monkeypatch):
 
 
 def test_each_step_launches_before_the_previous_one_is_read(engines, monkeypatch):
+    """A decode step launches before the previous one is read; a prefill step that sampled
+    (first tokens) is read before anything else is launched."""
     engine, events = engines[True].engine, []
     forward, read = engine.runner.forward, LaunchedStep.read
 
@@ -148,7 +150,14 @@ def test_each_step_launches_before_the_previous_one_is_read(engines, monkeypatch
     monkeypatch.setattr(engine.runner, "forward", launch)
     monkeypatch.setattr(LaunchedStep, "read", read_back)
     engines[True].generate(PROMPTS[0], greedy(4), use_tqdm=False)
-    assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
+    assert events == ["launch", "read", "launch", "launch", "read", "launch", "read", "read"]
+    # chunks of a long prompt (8 tokens each) sample nothing: they overlap like decode steps
+    events.clear()
+    prompt = "Count with me, slowly and one at a time: one, two, three, four, five, six, seven"
+    chunks = -(-len(engines[True].get_tokenizer().encode(prompt)) // 8)
+    assert chunks >= 3
+    engines[True].generate(prompt, greedy(2), use_tqdm=False)
+    assert events == ["launch"] + ["launch", "read"] * (chunks - 1) + ["read", "launch", "read"]
 
 
 def test_abort_mid_flight(engines):

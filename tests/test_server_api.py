@@ -391,6 +391,15 @@ def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatc
     # the warm-up shares nothing with them; the first two run together, the third hits
     assert record["total_cached_tokens"] >= 32
     assert record["prefill_tokens_computed"] == 3 * 36 - record["total_cached_tokens"]
+    # --repeats: runs pooled, the cache flushed between them (else all 3 would hit the prefix)
+    record = bench.main([*common, "--dataset", "shared-prefix", "--shared-prefix-len", "32",
+                         "--question-len", "4", "--num-prompts", "3",
+                         "--repeats", "2"])  # fmt: skip
+    repeats = record["repeats"]
+    assert record["successful_requests"] == 6 and len(repeats) == 2
+    assert 32 <= repeats[1]["cached_tokens"] < 3 * 32
+    assert record["total_cached_tokens"] == sum(r["cached_tokens"] for r in repeats)
+    assert record["duration_s"] == pytest.approx(sum(r["duration_s"] for r in repeats))
     record = bench.main([*common, "--dataset", "multi-turn", "--num-chats", "2", "--num-turns",
                          "2", "--question-len", "4", "--launch"])  # fmt: skip
     assert launched == [[], ["--disable-radix-cache"]]

@@ -27,7 +27,7 @@ from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
-from pcgspec.runners.forward_batch import ForwardBatch
+from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.model_runner import ModelRunner
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
@@ -219,8 +219,12 @@ class Engine:
         isolation.py). Under the overlap schedule the step is launched and the previous one's
         tokens are committed while it runs (overlap.py), speculative steps included; a step
         that needs the host to know tokens still on the device first reads every launched step
-        (``_waits_for_host``). Returns the requests whose tokens were committed.
+        (``_waits_for_host``). A prefill step's tokens, mostly first tokens, are read by a
+        step of their own, which launches nothing: they go out before the next step's host work
+        (``_first_tokens_in_flight``). Returns the requests whose tokens were committed.
         """
+        if self._first_tokens_in_flight():
+            return self.drain()
         start, batch = time.perf_counter(), self.scheduler.schedule()
         speculate = self.spec_worker is not None and self.spec_worker.chooses(batch)
         took: list[Request] = []
@@ -244,6 +248,14 @@ class Engine:
                          len(batch.requests), sum(batch.num_new_tokens),
                          ", speculative" if speculate else "", 1e3 * (time.perf_counter() - start))
         return took
+
+    def _first_tokens_in_flight(self) -> bool:
+        """Whether a prefill step in flight sampled tokens. Reading them before the next
+        launch costs the overlap of one step per prefill step (the device idles while the next
+        step is built) and takes that step's host work off those requests' TTFT.
+        """
+        return any(isinstance(s, LaunchedStep) and s.prefill and s.requests
+                   for s in self.in_flight)  # fmt: skip
 
     def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
         """Whether ``batch`` must wait for the host to read the steps in flight: a plain decode
@@ -303,7 +315,8 @@ class Engine:
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         rows = batch.sampled_requests
         self.slots.commit(rows, sampled.tokens[:, None], torch.ones_like(sampled.tokens))
-        self.in_flight.append(LaunchedStep.start(rows, sampled))
+        prefill = batch.mode is ForwardMode.EXTEND
+        self.in_flight.append(LaunchedStep.start(rows, sampled, prefill))
         if self.spec_worker is not None:  # NOTE: after the commit: a failed run observed nothing
             self.spec_worker.observe(batch, out)
 

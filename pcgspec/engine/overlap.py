@@ -18,6 +18,10 @@ slots hold on the device, and until it is read each of its requests counts k+1 p
 the most it can emit. A plain decode step builds its positions from host lengths, so it first
 reads a speculative step in flight (``Engine._waits_for_host``).
 
+A prefill step that sampled (mostly first tokens) is read before anything else is launched, so
+those tokens wait for no other step's host work (``Engine._first_tokens_in_flight``; SGLang
+offers it between two prefill steps, ``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP``).
+
 Synchronous stepping is the same path with the read right after the launch.
 """
 
@@ -51,9 +55,12 @@ class LaunchedStep:
     tokens: torch.Tensor  # [R] int64 on the host (pinned on CUDA), valid once ``ready`` passed
     logprobs: SampleLogprobs | None  # host copies, like ``tokens``
     ready: torch.cuda.Event | None  # None off CUDA, where the copies are done
+    prefill: bool = False  # an extend step's: mostly requests' first tokens
 
     @classmethod
-    def start(cls, requests: Sequence[Request], sampled: SamplerOutput) -> LaunchedStep:
+    def start(
+        cls, requests: Sequence[Request], sampled: SamplerOutput, prefill: bool = False
+    ) -> LaunchedStep:
         """Start copying ``sampled`` to the host; the requests' tokens are pending until read."""
         lp = sampled.logprobs
         logprobs = None if lp is None else SampleLogprobs(
@@ -65,7 +72,7 @@ class LaunchedStep:
             ready.record()
         for req in requests:
             req.num_pending_tokens += 1
-        return cls(list(requests), tokens, logprobs, ready)
+        return cls(list(requests), tokens, logprobs, ready, prefill)
 
     def wait(self) -> None:
         if self.ready is not None:
