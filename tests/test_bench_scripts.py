@@ -243,3 +243,21 @@ def test_bench_engine_writes_json(tmp_path):
             parts = row["parts_ms"][schedule]
             assert parts["forward"] > 0 and parts["schedule"] > 0 and parts["build"] > 0
             assert math.isclose(sum(parts[k] for k in bench.PARTS), parts["step"])
+
+
+def test_bench_extend_prefix_writes_json(tmp_path):
+    """Every variant of each case is timed and computes whole's output (float32, interpreter)."""
+    bench = _load_script("bench_extend_prefix")
+    out = tmp_path / "extend.json"
+    bench.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "1,2",
+                "--prefix", "40", "--new", "3", "--splits", "2,3", "--page-size", "4",
+                "--warmup", "1", "--repeats", "1", "--launches", "1", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["command"].startswith("scripts/bench_extend_prefix.py --shapes tiny")
+    assert [(r["requests"], r["prefix"]) for r in written["rows"]] == [(1, 40), (2, 40)]
+    for row in written["rows"]:
+        assert {n: row[n]["splits"] for n in ("auto", "whole", "splits_2", "splits_3")} == {
+            "auto": 1, "whole": 1, "splits_2": 2, "splits_3": 3}
+        assert all(row[n]["host_us"] > 0 and row[n]["vs_whole"] > 0
+                   for n in ("auto", "whole", "splits_2", "splits_3"))
+        assert row["max_abs_diff_vs_whole"] < 1e-5

@@ -144,10 +144,13 @@ def _serve_like(shape: AttentionShape) -> None:
         start = torch.zeros(len(lens), dtype=torch.int32)
         pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens, ids,
                   pos, loc, start)  # fmt: skip
+        splits = rng.choice([1, 2, 5, 16])  # a long prefix's pieces
         plan = plan_extend(lens, rows, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                           shape.dtype, page, 0.25)  # fmt: skip
+                           shape.dtype, page, 0.25, num_splits=splits)  # fmt: skip
+        workspace = None if splits == 1 else decode_workspace(sum(lens), shape.num_heads,
+                                                               shape.head_dim, splits, "cpu")
         extend_attention(*_qkv(rows, shape), *cache, loc, batch.page_table, batch.seq_lens,
-                         batch.extend_lens, start, plan)  # fmt: skip
+                         batch.extend_lens, start, plan, workspace=workspace)  # fmt: skip
         for n in (1, K + 1):  # decode, verify
             chunks = [SeqChunk([1] * n, s, list(range(16))) for s in lens]
             batch = build_forward_batch(ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY,
@@ -197,16 +200,17 @@ def _serve_like(shape: AttentionShape) -> None:
         padded_rows(starts, table, page, K + 1, num_valid=torch.ones(b, dtype=torch.int64))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
 def test_warmup_covers_every_serving_specialization(record) -> None:
     warmed = record()
     warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB),
                           ngram=NGRAM)  # fmt: skip
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + 3 + 3 + 3 + 2 * 2 + 3 + 1
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + 2 * 3 + 3 + 3 + 2 * 2 + 3 + 1
     served = record()
     _serve_like(TINY)
     assert set(served) == set(warmed) == {
         "_pad_batch_kernel", "_build_kernel", "_advance_kernel", "_extend_kernel",
-        "_store_kv_kernel", "_split_kv_kernel", "_split_kv_reduce_kernel",
+        "_store_kv_kernel", "_split_kv_kernel", "_split_kv_reduce_kernel", "_merge_kernel",
         "_verify_rows_kernel", "_accept_kernel", "_ngram_kernel", "_padded_rows_kernel",
     }  # fmt: skip
     for name, keys in served.items():
@@ -214,8 +218,9 @@ def test_warmup_covers_every_serving_specialization(record) -> None:
         assert not missing, f"{name}: {len(missing)} not warmed, e.g. {missing.pop()}"
     # One compiled kernel per family member (the sizes and index alignments are runtime values).
     assert {n: len(k) for n, k in warmed.items()} == {
-        "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 2, "_extend_kernel": 3,
+        "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 2, "_extend_kernel": 6,
         "_store_kv_kernel": 1, "_split_kv_kernel": 2, "_split_kv_reduce_kernel": 1,
+        "_merge_kernel": 1,
         "_verify_rows_kernel": 2, "_accept_kernel": 1, "_ngram_kernel": 1,
         "_padded_rows_kernel": 3,
     }  # fmt: skip

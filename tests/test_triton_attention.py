@@ -12,13 +12,26 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pcgspec.attention import triton_backend as triton_backend_module
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.attention.torch_backend import TorchAttentionBackend
 from pcgspec.attention.triton_backend import TritonAttentionBackend
 from pcgspec.compile import custom_ops  # noqa: F401  (registers torch.ops.pcgspec.attention)
 from pcgspec.compile.forward_context import forward_context
-from pcgspec.kernels.attention import decode_attention, decode_attention_ref, store_kv, store_kv_ref
-from pcgspec.kernels.extend_attention import extend_attention, extend_attention_ref, plan_extend
+from pcgspec.kernels import extend_attention as extend_module
+from pcgspec.kernels.attention import (
+    decode_attention,
+    decode_attention_ref,
+    decode_workspace,
+    store_kv,
+    store_kv_ref,
+)
+from pcgspec.kernels.extend_attention import (
+    extend_attention,
+    extend_attention_ref,
+    plan_extend,
+    prefix_splits,
+)
 from pcgspec.kernels.launches import count_triton_launches
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
@@ -95,8 +108,9 @@ def _extend_problem(
 
 
 def _check_fused(
-    case: tuple, dtype: torch.dtype, cache_dtype: torch.dtype, tol: float, cache_tol: float
-) -> None:
+    case: tuple, dtype: torch.dtype, cache_dtype: torch.dtype, tol: float, cache_tol: float,
+    num_splits: int = 1,
+) -> None:  # fmt: skip
     """The fused kernel == ``store_kv_ref`` then ``extend_attention_ref``: real rows within
     ``tol``, padded rows zero, written slots within ``cache_tol``, every other slot untouched.
     """
@@ -104,10 +118,15 @@ def _check_fused(
     gen = torch.Generator().manual_seed(h * d + pad)
     (q, k, v), caches, index = _extend_problem(case, dtype, cache_dtype, gen)
     ext, scale = [new for _, new in reqs], d**-0.5
-    plan = plan_extend(ext, len(q), h, kv, d, dtype, page_size, scale, block_m=block, block_n=block)
+    plan = plan_extend(ext, len(q), h, kv, d, dtype, page_size, scale, num_splits=num_splits,
+                       block_m=block, block_n=block)  # fmt: skip
     fused, ref = [c.clone() for c in caches], [c.clone() for c in caches]
     out, expected = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    extend_attention(q, k, v, out, *fused, *index, plan)
+    workspace = None
+    if num_splits > 1:  # NaN-filled: a piece the reduce reads but no program wrote shows up
+        workspace = tuple(w.fill_(float("nan"))
+                          for w in decode_workspace(len(q), h, d, num_splits, DEVICE))  # fmt: skip
+    extend_attention(q, k, v, out, *fused, *index, plan, workspace=workspace)
     store_kv_ref(k, v, *ref, index[0])
     extend_attention_ref(q, *ref, expected, *index[1:], page_size, scale)
     n = sum(ext)
@@ -124,6 +143,43 @@ def _check_fused(
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_extend_matches_store_then_attend(case: str) -> None:
     _check_fused(FUSED_CASES[case], torch.float32, torch.float32, ATOL, 0)
+
+
+SPLIT_CASES = {  # FUSED_CASES' fields, then the prefix splits
+    # no prefix (every piece empty), prefixes shorter than the pieces, a padded row
+    "mixed_prefixes_padded": ((4, 8, 2, 16, [(0, 5), (70, 3), (33, 1), (129, 16)], 3, 16), 3),
+    "more_pieces_than_tiles": ((16, 4, 4, 16, [(200, 2), (17, 40)], 0, 16), 16),
+    "gqa3_dim24_default_blocks": ((1, 6, 2, 24, [(45, 7), (300, 20)], 2, None), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_fused_extend_with_prefix_splits(case: str) -> None:
+    """Pieces of the prefix attended in parallel, merged by the split-KV reduce: the same
+    output and cache as one pass over it."""
+    fused_case, num_splits = SPLIT_CASES[case]
+    _check_fused(fused_case, torch.float32, torch.float32, ATOL, 0, num_splits)
+
+
+def test_prefix_splits_fill_the_gpu_only_where_needed() -> None:
+    """Few programs over a long prefix split it (at most 16 pieces, none under 256 keys); a
+    short prefix or a grid that fills a wave does not."""
+    assert prefix_splits(programs=3, max_prefix=2000, num_sms=132) == 7  # by length
+    assert prefix_splits(programs=48, max_prefix=2000, num_sms=132) == 3  # by occupancy
+    assert prefix_splits(programs=1, max_prefix=100_000, num_sms=132) == 16
+    assert prefix_splits(programs=3, max_prefix=511, num_sms=132) == 1
+    assert prefix_splits(programs=132, max_prefix=8000, num_sms=132) == 1
+    plan = plan_extend([32] * 16, 512, 9, 3, 64, torch.bfloat16, 16, 1.0, max_prefix=2000,
+                       num_sms=132)  # fmt: skip
+    assert plan.num_splits == 3 and plan.grid == (16, 3, 3)
+    with pytest.raises(ValueError, match="num_splits must be in 1..16"):
+        plan_extend([2], 2, 4, 2, 16, torch.float32, 4, 1.0, num_splits=17)
+    gen = torch.Generator().manual_seed(3)
+    (q, k, v), caches, index = _extend_problem(SPLIT_CASES["more_pieces_than_tiles"][0],
+                                               torch.float32, torch.float32, gen)  # fmt: skip
+    plan = plan_extend([2, 40], len(q), 4, 4, 16, torch.float32, 16, 1.0, num_splits=4)
+    with pytest.raises(ValueError, match="needs a float32 workspace"):
+        extend_attention(q, k, v, torch.empty_like(q), *caches, *index, plan)
 
 
 LOW_PRECISION = [  # q/k/v dtype, cache dtype, output tolerance, cache tolerance
@@ -325,3 +381,27 @@ def test_triton_backend_matches_torch_backend(
     if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
         assert triton_backend.metadata.tokens_per_seq == reqs[0][1]
         assert triton_backend.metadata.num_kv_splits > 1
+
+
+def test_triton_backend_splits_a_long_prefix(
+    monkeypatch: pytest.MonkeyPatch, triton_launches: collections.Counter[str]
+) -> None:
+    """A few new tokens over a long prefix: the backend plans prefix splits (the minimum piece
+    lowered to these sizes, a GPU's SM count) and matches the torch oracle, with one merge
+    launch per layer."""
+    monkeypatch.setattr(extend_module, "MIN_PREFIX_SPLIT", 32)
+    monkeypatch.setattr(triton_backend_module, "_num_sms", lambda device: 64)
+    gen = torch.Generator().manual_seed(11)
+    oracle, triton_backend = _backends(gen)
+    batch = _batch(ForwardMode.EXTEND, [(100, 3), (0, 5), (57, 1)], 2, gen)
+    t, num_real = batch.num_tokens, sum(batch.extend_lens_cpu)
+    qkv = [tuple(torch.randn(t, n, D, generator=gen).to(DEVICE) for n in (H, KV, KV))
+           for _ in range(NUM_LAYERS)]  # fmt: skip
+    expected = _run(oracle, batch, qkv)
+    triton_launches.clear()
+    actual = _run(triton_backend, batch, qkv)
+    assert triton_backend.metadata.extend_plan.num_splits > 1
+    assert triton_launches == {"_extend_kernel": NUM_LAYERS, "_merge_kernel": NUM_LAYERS}
+    for layer in range(NUM_LAYERS):
+        torch.testing.assert_close(actual[layer], expected[layer], atol=ATOL, rtol=RTOL)
+        assert not actual[layer][num_real:].any(), "padding rows must be zero"

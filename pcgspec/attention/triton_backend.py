@@ -32,15 +32,16 @@ class TritonAttentionMetadata:
     extend_start: torch.Tensor  # [B] int32, first row of each request (exclusive cumsum)
     out_cache_loc: torch.Tensor  # [T] int64, -1 = padding
     num_real_tokens: int  # sum(extend_lens); rows past it are padding, zeroed
-    num_kv_splits: int
-    workspace: tuple[torch.Tensor, torch.Tensor] | None  # split-KV: [rows, H, S, D], [rows, H, S]
+    num_kv_splits: int  # split-KV path; the extend path's prefix splits are its plan's
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # splits: [rows, H, S, D], [rows, H, S]
     extend_plan: ExtendPlan | None  # extend path: grid and constants of the fused kernel
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention on Triton kernels. EXTEND, chunked prefill and DRAFT_EXTEND make one
     launch per layer: the fused kernel stores the new K/V, attends causally (prefix from the
-    cache, new keys from ``k``/``v``) and zeroes the padded rows. DECODE and TARGET_VERIFY (k+1
+    cache, new keys from ``k``/``v``) and zeroes the padded rows; a few new tokens over a long
+    prefix split it, with a second launch to merge the pieces. DECODE and TARGET_VERIFY (k+1
     tokens per request) store K/V first, then run flash-decoding over KV splits, which fills
     the GPU at small batch.
     """
@@ -72,15 +73,20 @@ class TritonAttentionBackend(AttentionBackend):
     def _metadata(
         self, batch: ForwardBatch, tokens_per_seq: int, num_real: int, num_splits: int
     ) -> TritonAttentionMetadata:
-        workspace = plan = None
-        if tokens_per_seq:
+        plan = None
+        if not tokens_per_seq:
+            ext = batch.extend_lens_cpu
+            plan = plan_extend(
+                ext, batch.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.kv_cache.spec.dtype, self.kv_cache.page_size, self.scale,
+                max_prefix=max((s - n for s, n in zip(batch.seq_lens_cpu, ext)), default=0),
+                num_sms=_num_sms(self.kv_cache.k[0].device),
+            )  # fmt: skip
+            num_splits = plan.num_splits
+        workspace = None
+        if tokens_per_seq or num_splits > 1:
             shape = (num_real, self.num_heads, self.head_dim, num_splits)
             workspace = decode_workspace(*shape, batch.device)
-        else:
-            plan = plan_extend(
-                batch.extend_lens_cpu, batch.num_tokens, self.num_heads, self.num_kv_heads,
-                self.head_dim, self.kv_cache.spec.dtype, self.kv_cache.page_size, self.scale,
-            )  # fmt: skip
         return TritonAttentionMetadata(
             tokens_per_seq=tokens_per_seq,
             page_table=batch.page_table,
@@ -115,7 +121,8 @@ class TritonAttentionBackend(AttentionBackend):
         if md.extend_plan is not None:
             extend_attention(
                 q, k, v, out, k_cache, v_cache, md.out_cache_loc, md.page_table, md.seq_lens,
-                md.extend_lens, md.extend_start, md.extend_plan, check=layer_id == 0,
+                md.extend_lens, md.extend_start, md.extend_plan, workspace=md.workspace,
+                check=layer_id == 0,
             )  # fmt: skip
             return
         check = layer_id == 0

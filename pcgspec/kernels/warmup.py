@@ -9,12 +9,13 @@ padding program a runtime test), so what is left depends on the model and the co
 only, and one launch per variant on scratch buffers compiles (or loads from Triton's disk
 cache) and loads all of them. Every launch writes no KV (slots -1) and no engine state.
 
-Per family: ``warm_extend`` (one launch per ``BLOCK_M`` that ``plan_extend`` can choose for the
-head config), ``warm_split_kv`` (KV store + split-KV decode and reduce per tokens per request),
-``warm_pad_batch`` (with and without request starts), ``warm_sampling`` (build_sampling_params,
-advance_positions), ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the
-speculative worker uses, the accept kernel, and the padded rows of verify passes, in place
-for a verify graph or not, and of draft catch-ups) and ``warm_ngram`` (prompt lookup).
+Per family: ``warm_extend`` (per ``BLOCK_M`` that ``plan_extend`` can choose for the head config,
+one launch whole and one with its prefix split, and its merge), ``warm_split_kv`` (KV store +
+split-KV decode and reduce per tokens per request), ``warm_pad_batch`` (with and without request
+starts), ``warm_sampling`` (build_sampling_params, advance_positions), ``warm_verify`` (GREEDY and
+TARGET_MATCH verification, the strategies the speculative worker uses, the accept kernel, and the
+padded rows of verify passes, in place for a verify graph or not, and of draft catch-ups) and
+``warm_ngram`` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pcgspec")
 
 _MAX_EXTEND_SWEEP = 128  # extend lengths tried: at >= the largest tile every BLOCK_M is capped
-_WARM_SPLITS = 2  # the split count is a runtime argument: any value compiles the same kernel
+_WARM_SPLITS = 2  # split counts are runtime arguments: any value > 1 compiles the same kernel
 VERIFY_STRATEGIES = (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH)
 
 
@@ -101,9 +102,9 @@ def extend_variants(shape: AttentionShape) -> list[dict[str, object]]:
     return [_plan(shape, n, n).constants for n in extend_lengths(shape)]
 
 
-def _plan(shape: AttentionShape, n: int, rows: int) -> ExtendPlan:
+def _plan(shape: AttentionShape, n: int, rows: int, num_splits: int = 1) -> ExtendPlan:
     return plan_extend([n], rows, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                       shape.dtype, shape.page_size, 1.0)  # fmt: skip
+                       shape.dtype, shape.page_size, 1.0, num_splits=num_splits)  # fmt: skip
 
 
 class _Scratch:
@@ -128,21 +129,26 @@ class _Scratch:
 
 
 def warm_extend(shape: AttentionShape, device: torch.device) -> int:
-    """One fused extend launch per ``BLOCK_M`` variant, each with a padded row. Returns the
-    launches.
+    """Fused extend launches per ``BLOCK_M`` variant, each with a padded row: one whole, one
+    with its prefix split (and its merge). Returns the launches.
     """
     s = _Scratch(device)
     lengths = extend_lengths(shape)
     for n in lengths:
         q, k, v, out, k_cache, v_cache = s.attention(shape, n + 1)
         pages = -(-n // shape.page_size)
-        plan = _plan(shape, n, n + 1)
-        extend_attention(
-            q, k, v, out, k_cache, v_cache, s.full(-1, n + 1), s.zeros(1, pages, dtype=torch.int32),
-            s.full(n, 1, dtype=torch.int32), s.full(n, 1, dtype=torch.int32),
-            s.zeros(1, dtype=torch.int32), plan,
-        )  # fmt: skip
-    return len(lengths)
+        for splits in (1, _WARM_SPLITS):
+            plan = _plan(shape, n, n + 1, splits)
+            workspace = None
+            if splits > 1:
+                workspace = decode_workspace(n, shape.num_heads, shape.head_dim, splits, device)
+            extend_attention(
+                q, k, v, out, k_cache, v_cache, s.full(-1, n + 1),
+                s.zeros(1, pages, dtype=torch.int32), s.full(n, 1, dtype=torch.int32),
+                s.full(n, 1, dtype=torch.int32), s.zeros(1, dtype=torch.int32), plan,
+                workspace=workspace,
+            )  # fmt: skip
+    return 2 * len(lengths)
 
 
 def warm_split_kv(shape: AttentionShape, tokens_per_seq: int, device: torch.device) -> int:
