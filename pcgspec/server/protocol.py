@@ -148,9 +148,9 @@ def _max_tokens(
 def _prompts(body: dict[str, Any], vocab: int) -> tuple[str | list[int], ...]:
     """``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
     prompt = body.get("prompt")
-    items = [prompt] if isinstance(prompt, str) else prompt
-    if is_int_list(items):
-        items = [items]
+    # NOTE: one prompt of token ids is type-checked once: requests arriving together wait in
+    # turn for each other's checks.
+    items = [prompt] if isinstance(prompt, str) or is_int_list(prompt) else prompt
     if not isinstance(items, list) or not items or len(items) > MAX_PROMPTS:
         raise bad(
             "prompt",
@@ -161,7 +161,7 @@ def _prompts(body: dict[str, Any], vocab: int) -> tuple[str | list[int], ...]:
         if isinstance(item, str):
             utf8(item, "prompt")
             continue
-        if not (is_int_list(item) and in_vocab(item, vocab)):
+        if not ((item is prompt or is_int_list(item)) and in_vocab(item, vocab)):
             raise bad("prompt", f"token-id prompts must hold ids in [0, {vocab}), got {show(item)}")
     return tuple(items)
 
