@@ -205,7 +205,7 @@ def test_warmup_covers_every_serving_specialization(record) -> None:
     warmed = record()
     warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB),
                           ngram=NGRAM)  # fmt: skip
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + 2 * 3 + 3 + 3 + 2 * 2 + 3 + 1
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + 3 * 3 + 3 + 3 + 2 * 2 + 3 + 1
     served = record()
     _serve_like(TINY)
     assert set(served) == set(warmed) == {

@@ -66,9 +66,9 @@ def _attend_prefix(
     PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """Stage 1: every row sees the cached keys ``lo .. hi`` (``lo <= hi``, ``lo`` a multiple
-    of ``BLOCK_N``), read through the page table (no causal mask, so the tile's ``causal_lim``
-    argument is unused).
+    """Stage 1: every row sees the cached keys ``lo .. hi`` (``lo <= hi``; ``lo`` a multiple
+    of ``BLOCK_N`` unless the range is empty), read through the page table (no causal mask, so
+    the tile's ``causal_lim`` argument is unused).
     """
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
     for n0 in range(lo, full_end, BLOCK_N):
@@ -417,13 +417,14 @@ def _check_extend(
                          f"the plan's {want}")  # fmt: skip
     if plan.num_splits > 1:
         mid = (plan.num_heads, plan.num_splits, plan.head_dim)
-        ok = workspace is not None and all(w.dtype == torch.float32 and w.is_contiguous()
-                                           for w in workspace)  # fmt: skip
+        ok = workspace is not None and all(
+            w.dtype == torch.float32 and w.is_contiguous() and w.device == q.device
+            for w in workspace)  # fmt: skip
         ok = ok and workspace[0].shape[0] >= plan.num_real and workspace[0].shape[1:] == mid
         ok = ok and workspace[1].shape == workspace[0].shape[:3]
         _require(ok, f"a plan of {plan.num_splits} prefix splits needs a float32 workspace "
-                     f"([>= {plan.num_real}, {mid[0]}, {mid[1]}, {mid[2]}] and its first 3 dims; "
-                     "decode_workspace)")  # fmt: skip
+                     f"on q's device ([>= {plan.num_real}, {mid[0]}, {mid[1]}, {mid[2]}] and its "
+                     "first 3 dims; decode_workspace)")  # fmt: skip
 
 
 def extend_attention(

@@ -130,7 +130,7 @@ class _Scratch:
 
 def warm_extend(shape: AttentionShape, device: torch.device) -> int:
     """Fused extend launches per ``BLOCK_M`` variant, each with a padded row: one whole, one
-    with its prefix split (and its merge). Returns the launches.
+    with its prefix split, and its merge. Returns the launches.
     """
     s = _Scratch(device)
     lengths = extend_lengths(shape)
@@ -148,7 +148,7 @@ def warm_extend(shape: AttentionShape, device: torch.device) -> int:
                 s.full(n, 1, dtype=torch.int32), s.zeros(1, dtype=torch.int32), plan,
                 workspace=workspace,
             )  # fmt: skip
-    return 2 * len(lengths)
+    return 3 * len(lengths)
 
 
 def warm_split_kv(shape: AttentionShape, tokens_per_seq: int, device: torch.device) -> int:
