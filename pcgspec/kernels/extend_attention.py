@@ -283,6 +283,8 @@ class ExtendPlan:
     constants: dict[str, Any]  # constexprs, num_warps, num_stages
     empty: bool  # nothing to launch
     specialization: tuple[tuple[str, Any], ...]  # the constants, hashable
+    merge_grid: tuple[int, int, int]  # prefix splits: the merge's grid and constants
+    merge_constants: dict[str, Any]
     # NOTE: the lean launches of this pass by kernel and the strides they were specialized for
     # (all pointers 16-byte aligned); filled at layer 0, used by the later layers.
     launches: dict[tuple[object, tuple[int, ...]], Callable[..., None] | None] = field(
@@ -352,10 +354,13 @@ def plan_extend(
         BLOCK_N=block_n, BLOCK_D=block_d, DOT_PREC=_dot_precision(dtype), SPLIT=num_splits > 1,
         num_warps=_num_warps(dtype, block_m, block_d), num_stages=2,
     )  # fmt: skip
+    merge_constants = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_R=_MERGE_ROWS,
+                           BLOCK_D=block_d)  # fmt: skip
     return ExtendPlan(
         num_rows, num_real, len(extend_lens), num_heads, num_kv_heads, head_dim, dtype, page_size,
         scale * _LOG2E, num_splits, grid, constants, math.prod(grid) == 0,
-        tuple(sorted(constants.items())),
+        tuple(sorted(constants.items())), (-(-num_real // _MERGE_ROWS), num_heads, 1),
+        merge_constants,
     )  # fmt: skip
 
 
@@ -464,11 +469,9 @@ def extend_attention(
                page_table.stride(0))  # fmt: skip
     _launch(_EXTEND, plan, plan.grid, tensors, scalars, strides, plan.constants)
     if plan.num_splits > 1 and plan.num_real:
-        grid = (-(-plan.num_real // _MERGE_ROWS), plan.num_heads, 1)
-        constants = dict(NUM_HEADS=plan.num_heads, HEAD_DIM=plan.head_dim,
-                         BLOCK_R=_MERGE_ROWS, BLOCK_D=plan.constants["BLOCK_D"])  # fmt: skip
-        _launch(_MERGE, plan, grid, (mid_o, mid_lse, out),
-                (plan.num_real, plan.num_splits, so[0], so[1]), (so[0], so[1]), constants)
+        _launch(_MERGE, plan, plan.merge_grid, (mid_o, mid_lse, out),
+                (plan.num_real, plan.num_splits, so[0], so[1]), (so[0], so[1]),
+                plan.merge_constants)
 
 
 def _launch(
