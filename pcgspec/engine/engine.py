@@ -66,8 +66,10 @@ class Engine:
         self._seeds = random.Random(config.random_seed)
         self.overlap = config.use_overlap_schedule
         self.in_flight: list[LaunchedStep | LaunchedSpecStep] = []  # launched, not read yet
-        # whether the last decode step speculated (None: no decode step yet) and its batch size
-        self._last_decode: tuple[bool | None, int] = (None, 0)
+        # whether the last decode step speculated (None: none yet), and a decode step whose
+        # cycle ends when the next step starts: (speculated, batch size, steady, switched, start)
+        self._last_decode: bool | None = None
+        self._timing: tuple[bool, int, bool, bool, float] | None = None
         self._ids = itertools.count()
         self.spec_worker = (
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
@@ -223,9 +225,11 @@ class Engine:
         step of their own, which launches nothing: they go out before the next step's host work
         (``_first_tokens_in_flight``). Returns the requests whose tokens were committed.
         """
+        start = time.perf_counter()
+        self._close_timing(start)
         if self._first_tokens_in_flight():
             return self.drain()
-        start, batch = time.perf_counter(), self.scheduler.schedule()
+        batch = self.scheduler.schedule()
         speculate = self.spec_worker is not None and self.spec_worker.chooses(batch)
         took: list[Request] = []
         waited = self._waits_for_host(batch, speculate)
@@ -241,8 +245,7 @@ class Engine:
             if not self.overlap:
                 took += self.drain()
         if self.spec_worker is not None:
-            steady = not waited and not any(req.finished for req in took)
-            self._time_step(batch, speculate, steady, time.perf_counter() - start)
+            self._time_step(batch, speculate, waited, start)
         if batch is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s step: %d requests, %d new tokens%s, %.2f ms", batch.mode.name.lower(),
                          len(batch.requests), sum(batch.num_new_tokens),
@@ -290,24 +293,33 @@ class Engine:
             self.scheduler.launched(batch)
 
     def _time_step(
-        self, batch: ScheduledBatch | None, speculated: bool, steady: bool, seconds: float
+        self, batch: ScheduledBatch | None, speculated: bool, waited: bool, start: float
     ) -> None:
-        """Tell the speculation policy what a decode step cost. A step is timed as a steady
-        one when it ran the last decode step's batch (the same size: a step that takes new
-        requests or runs after some finished pays for them), finished none (``steady``: nor did
-        it wait for the steps in flight) and no drafter caught up; the first step of a kind
-        after one of the other kind that is not steady is timed as a switch.
+        """Tell the speculation policy what a decode step cost: its whole cycle, from its start
+        to the start of the next step when the caller steps again right away (work is left),
+        so that the caller's work per step (a server publishing every step's tokens) counts;
+        else its own time. A step that waited for the steps in flight or whose drafter first
+        caught up is counted but not timed as a step (the first step of a kind after a decode
+        step of the other kind is timed as a switch); every other decode step is timed, whatever
+        batch ran before it or finished in it (``StepCosts``).
         """
         worker = self.spec_worker
         if batch is None or not batch.mode.is_decode():
-            self._last_decode = (None, 0)
             return
-        size, (last, last_size) = len(batch.requests), self._last_decode
-        same = last is not None and last_size == size
-        steady = same and steady and not (speculated and worker.proposer.caught_up)
-        switched = same and last is (not speculated)
-        worker.policy.record_step(speculated, size, seconds, steady, switched)
-        self._last_decode = (speculated, size)
+        last, self._last_decode = self._last_decode, speculated
+        steady = not (waited or (speculated and worker.proposer.caught_up))
+        switched = last is not None and last is not speculated
+        self._timing = (speculated, len(batch.requests), steady, switched, start)
+        if not self.has_unfinished:
+            self._close_timing(time.perf_counter())
+
+    def _close_timing(self, now: float) -> None:
+        """Hand the policy the decode step whose cycle ended at ``now``."""
+        if self._timing is None:
+            return
+        speculated, size, steady, switched, start = self._timing
+        self._timing = None
+        self.spec_worker.policy.record_step(speculated, size, now - start, steady, switched)
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
