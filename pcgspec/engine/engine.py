@@ -29,6 +29,7 @@ from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.model_runner import ModelRunner
+from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
@@ -77,7 +78,7 @@ class Engine:
         )  # fmt: skip
         if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
             self.scheduler.draft = self.spec_worker.proposer
-        self._capture_draft_graphs()
+        self._capture_spec_graphs()
         warm_up_kernels(self._kernel_warmup(), self.runner.device)
         freeze_start_up()
 
@@ -100,11 +101,17 @@ class Engine:
         draft_runner = DraftRunner(draft, runner.kv_cache.num_pages, runner.page_size, config)
         return runner, draft_runner
 
-    def _capture_draft_graphs(self) -> None:
-        """CUDA: a model drafter's propose phase (catch-up + k-1 draft steps) as one graph per
-        batch size.
+    def _capture_spec_graphs(self) -> None:
+        """CUDA: the speculative step's acceptance and commit behind each verify graph (not
+        under tensor parallelism, where the LM head needs every rank), and a model drafter's
+        propose phase (catch-up + k-1 draft steps), as graphs per batch size.
         """
         worker, config = self.spec_worker, self.config
+        runner = self.runner
+        if worker is not None and runner.verify_graphs is not None and runner.tp_driver is None:
+            worker.tail = VerifyTailGraphs(runner.verify_graphs, self.slots,
+                                           runner.model.compute_logits)  # fmt: skip
+            worker.tail.capture()
         proposer = None if worker is None else worker.proposer
         if (not isinstance(proposer, ModelProposer) or self.runner.device.type != "cuda"
                 or config.disable_cuda_graph):  # fmt: skip

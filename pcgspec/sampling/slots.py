@@ -103,6 +103,7 @@ class SamplingSlots:
         self._cached_slots: tuple[tuple[int, ...], torch.Tensor] = ((), self._index([]))
         self._version = 0  # bumped by every write: rows expanded before it are stale
         self._rows: dict[int, _Rows] = {}  # the last rows per rows-per-request
+        self._flags: tuple[object, dict[str, bool | int | None]] = ((), {})  # (key, flags)
 
     @property
     def num_free(self) -> int:
@@ -241,6 +242,22 @@ class SamplingSlots:
                      host_flags([r.params for r in reqs], values, self.vocab_size))  # fmt: skip
         self._rows[per_request] = rows
         return rows
+
+    def flags(self, reqs: Sequence[SlotRequest]) -> dict[str, bool | int | None]:
+        """The host flags of ``rows(reqs)`` (``host_flags``) without building the rows, kept
+        while the batch and the tables stay the same."""
+        key = (tuple(self._slot_of[r] for r in reqs), self._version)
+        if self._flags[0] != key:
+            values = [self._values[slot] for slot in key[0]]
+            self._flags = (key, host_flags([r.params for r in reqs], values, self.vocab_size))
+        return self._flags[1]
+
+    def commit_tables(self) -> dict[str, torch.Tensor | None]:
+        """The tables ``commit`` writes besides the counters, as ``advance_positions`` takes
+        them (a commit captured in a graph)."""
+        history = self._history is not None
+        return {"last_token": self.last_token, "history": self._history,
+                "prompt_len": self._prompt_len if history else None}  # fmt: skip
 
     @staticmethod
     def _add_drafts(counts: torch.Tensor, drafts: torch.Tensor, tracked: torch.Tensor) -> None:

@@ -135,10 +135,9 @@ class ModelProposer(Proposer):
         """Keep the verify step's emitted tokens (and hidden rows) on the device: the next
         speculative step catches its requests up from them.
         """
-        if self.uses_target_hidden:
-            if hidden is None:
-                raise ValueError("this draft needs the target's hidden states of verify passes")
-            hidden = hidden.clone()  # NOTE: graph memory, rewritten by the next replay
+        if self.uses_target_hidden and hidden is None:
+            raise ValueError("this draft needs the target's hidden states of verify passes")
+        # NOTE: ``hidden`` is the runner's copy of the graph's rows (FULL capture), kept as is
         rows: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary(
             (r, b) for b, r in enumerate(requests))  # fmt: skip
         tokens = torch.where(out.tokens < 0, FILLER_TOKEN, out.tokens)  # catch-up input ids

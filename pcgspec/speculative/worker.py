@@ -37,6 +37,7 @@ passes through ``verified`` and ``read``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ from pcgspec.runners.batch_builder import build_verify_batch, device_page_table
 from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
+from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import probs_from_logits, process_logits
 from pcgspec.sampling.slots import SamplingSlots
@@ -89,6 +91,7 @@ class SpecWorker:
         self.policy = SpecPolicy(config.speculative_policy, config.num_steps,
                                  decode_batch_sizes(scheduler.max_running_requests))
         self.stats = SpecCounters()  # summed over requests
+        self.tail: VerifyTailGraphs | None = None  # acceptance and commit as graphs (CUDA)
         self.num_fallbacks = 0  # plain steps for logprobs, the context length or KV space
 
     def observe(self, batch: ScheduledBatch, out: ForwardOutput) -> None:
@@ -127,10 +130,11 @@ class SpecWorker:
         seq_lens = self.slots.seq_lens(reqs)
         page_table = device_page_table([r.pages for r in reqs], self.runner.device)
         proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
-        verified, hidden = self.verify(reqs, seq_lens, page_table, proposal)
-        self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
-        drafter_rows = self.proposer.verified(reqs, verified, hidden)
-        return LaunchedSpecStep.start(self, reqs, verified, proposal.num_tokens, drafter_rows)
+        step = self.verify(reqs, seq_lens, page_table, proposal)
+        if not step.committed:
+            self.slots.commit(reqs, step.out.tokens, step.out.accept_len + 1)
+        drafter_rows = self.proposer.verified(reqs, step.out, step.hidden)
+        return LaunchedSpecStep.start(self, reqs, step.results, drafter_rows)
 
     # propose -----------------------------------------------------------------------------
 
@@ -142,35 +146,52 @@ class SpecWorker:
     def verify(
         self, reqs: Sequence[Request], seq_lens: torch.Tensor, page_table: torch.Tensor,
         proposal: DraftProposal,
-    ) -> tuple[VerifyOutput, torch.Tensor | None]:  # fmt: skip
+    ) -> VerifiedStep:  # fmt: skip
         """One TARGET_VERIFY pass over k+1 tokens per request (``seq_lens``, ``page_table``:
-        their token counts and pages on the device), then the verify kernel. Also returns the
-        pass's captured hidden states (``[B * (k+1), Hh]``) when the drafter reads them.
+        their token counts and pages on the device), then acceptance: in the verify tail graph
+        where it serves the batch (which also commits), else eagerly.
         """
         k, device = self.num_steps, self.runner.device
         drafts = proposal.tokens.to(device, non_blocking=True)  # [B, k]
-        sampling = self.slots.rows(reqs, drafts)  # k+1 rows per request, drafts counted
+        flags = self.slots.flags(reqs)
         bounds = [r.num_tokens + k for r in reqs]
-        graphs = self.runner.verify_graphs
+        graphs, tail = self.runner.verify_graphs, self.tail
+        rows = None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1],
+                                                             max(bounds))  # fmt: skip
+        use_tail = tail is not None and tail.can_run(len(reqs), flags, rows is not None)
+        sampling = None if use_tail else self.slots.rows(reqs, drafts)
+        slot_indices = self.slots.slot_indices(reqs)
         batch = build_verify_batch(
-            VerifyTokens(self.slots.last_token, self.slots.slot_indices(reqs), drafts),
-            seq_lens, page_table, self.runner.page_size, bounds,
-            None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1],
-                                                        max(bounds)),
-            sampling=sampling,
+            VerifyTokens(self.slots.last_token, slot_indices, drafts), seq_lens, page_table,
+            self.runner.page_size, bounds, rows, sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )  # fmt: skip
-        out = self.runner.forward(batch)
+        replays = graphs.counters["replays"] if graphs is not None else 0
+        out = self.runner.forward(batch, logits=not use_tail)
+        if use_tail:
+            if graphs.counters["replays"] == replays:  # NOTE: rows_for promised a replay
+                raise RuntimeError("the verify graph refused a batch built in its rows")
+            results, verified = tail.replay(slot_indices, drafts, proposal.num_tokens,
+                                            bool(flags["all_greedy"]))  # fmt: skip
+            return VerifiedStep(verified, out.hidden_states, results, committed=True)
+        verified = self._accept(out.logits, sampling, drafts, proposal.num_tokens)
+        results = torch.cat([verified.accept_len[:, None], proposal.num_tokens[:, None],
+                             verified.tokens], 1)  # fmt: skip
+        return VerifiedStep(verified, out.hidden_states, results, committed=False)
+
+    def _accept(
+        self, logits: torch.Tensor, sampling: SamplingBatch, drafts: torch.Tensor,
+        num_drafts: torch.Tensor,
+    ) -> VerifyOutput:  # fmt: skip
+        """The verify kernel over a verify pass's logits [B * (k+1), V], eagerly."""
+        b, k1 = drafts.shape[0], self.num_steps + 1
         with torch.inference_mode():
-            target, strategy = _target_rows(process_logits(out.logits, sampling), sampling)
-            verify = verify_draft_tokens if device.type == "cuda" else verify_draft_tokens_ref
-            verified = verify(
-                target.view(len(reqs), k + 1, -1), drafts, strategy,
-                seed=sampling.seed.view(len(reqs), k + 1),
-                position=sampling.position.view(len(reqs), k + 1),
-                num_draft=proposal.num_tokens,
-            )  # fmt: skip
-        return verified, out.hidden_states
+            target, strategy = _target_rows(process_logits(logits, sampling), sampling)
+            verify = (verify_draft_tokens if logits.device.type == "cuda"
+                      else verify_draft_tokens_ref)  # fmt: skip
+            return verify(target.view(b, k1, -1), drafts, strategy,
+                          seed=sampling.seed.view(b, k1), position=sampling.position.view(b, k1),
+                          num_draft=num_drafts)  # fmt: skip
 
     # read: accept + commit / rollback on the host ----------------------------------------
 
@@ -210,6 +231,19 @@ class SpecWorker:
         return took
 
 
+@dataclass(frozen=True)
+class VerifiedStep:
+    """A verify pass and its acceptance, launched: ``out`` and ``results`` (``[B, 2 + k+1]``:
+    accepted length, drafts had, tokens) on the device, the pass's captured hidden states
+    (``[B * (k+1), Hh]`` or None), and whether the slots were committed already (the tail
+    graph commits)."""
+
+    out: VerifyOutput
+    hidden: torch.Tensor | None
+    results: torch.Tensor
+    committed: bool
+
+
 class LaunchedSpecStep:
     """A launched speculative step: its requests and its results on their way to the host
     (``[B, 2 + k+1]``: accepted length, drafts had, tokens), like ``LaunchedStep``;
@@ -223,14 +257,14 @@ class LaunchedSpecStep:
 
     @classmethod
     def start(
-        cls, worker: SpecWorker, reqs: Sequence[Request], out: VerifyOutput,
-        num_drafts: torch.Tensor, drafter_rows: object,
+        cls, worker: SpecWorker, reqs: Sequence[Request], results: torch.Tensor,
+        drafter_rows: object,
     ) -> LaunchedSpecStep:  # fmt: skip
-        # NOTE: the step's one device-to-host copy.
-        results = torch.cat([out.accept_len[:, None], num_drafts[:, None], out.tokens], 1)
-        results = results.to("cpu", non_blocking=True)
+        """Start copying ``results`` (``[B, 2 + k+1]`` on the device) to the host."""
+        cuda = results.is_cuda
+        results = results.to("cpu", non_blocking=True)  # NOTE: the step's one copy back
         ready = None
-        if out.tokens.is_cuda:
+        if cuda:
             ready = torch.cuda.Event()
             ready.record()
         for req in reqs:

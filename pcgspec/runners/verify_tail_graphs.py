@@ -1,0 +1,171 @@
+"""The tail of a speculative step as CUDA graphs: LM head, acceptance and commit, captured per
+batch-size bucket behind the verify graphs.
+
+A verify graph replays the decoder over k+1 rows per request and leaves the hidden states in its
+static buffer. The tail graph of the same bucket reads them there and runs, with no host work
+between the launches: the LM head over every row, the target rows (GREEDY: the logits; SAMPLED:
+``softmax(logits / temperature)`` for sampled rows and the logits for greedy ones, whose
+requests take the argmax), ``verify_draft_tokens``, the commit of the emitted tokens into the
+sampling slots (``advance_positions``: counters, last tokens, token history) and the step's
+results row ``[accept_len, num_drafts, tokens]`` that the host copies back. A speculative step
+then costs the host a few copies into static buffers and two graph launches instead of a dozen
+launches and their checks.
+
+A batch takes the tail only where its verify pass replayed a graph and its sampling needs no
+penalties, no top-k/top-p/min-p filters and no logprobs; otherwise the caller runs the same
+steps eagerly (``can_run`` refuses and counts why). The sampling parameters of each row come
+from the slot tables inside the graph, so a greedy request and a sampled one share a bucket.
+
+Requests past a batch in its bucket are padding: slot -1, which the commit skips; their rows'
+results are never read. Off CUDA the eager stand-in reruns the captured step (tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from pcgspec.compile.buckets import pad_to_bucket
+from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
+from pcgspec.kernels.build_sampling_params import advance_positions, advance_positions_ref
+from pcgspec.kernels.verify_draft_tokens import (
+    VerifyOutput,
+    VerifyStrategy,
+    verify_draft_tokens,
+    verify_draft_tokens_ref,
+)
+from pcgspec.runners.decode_graph_runner import capture_stream
+from pcgspec.sampling.batch import GREEDY_EPS
+
+if TYPE_CHECKING:
+    from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+    from pcgspec.sampling.slots import SamplingSlots
+
+logger = logging.getLogger(__name__)
+GREEDY, SAMPLED = "greedy", "sampled"
+
+
+class VerifyTailGraphs:
+    """Tail graphs for ``verify_graphs`` (a TARGET_VERIFY ``DecodeGraphRunner``), committing
+    into ``slots``; ``compute_logits`` is the target's LM head (hidden [R, H] -> [R, V] f32).
+    """
+
+    def __init__(
+        self,
+        verify_graphs: DecodeGraphRunner,
+        slots: SamplingSlots,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.verify_graphs, self.slots, self.compute_logits = verify_graphs, slots, compute_logits
+        self.k1 = verify_graphs.tokens_per_seq
+        self.batch_sizes = sorted(verify_graphs.graphs)
+        self.device = verify_graphs.device
+        max_bs, k1, device = verify_graphs.max_bs, self.k1, self.device
+
+        def full(value: int, *shape: int) -> torch.Tensor:
+            return torch.full(shape, value, dtype=torch.int64, device=device)
+
+        self.req_slots = full(-1, max_bs)  # -1: padding, committed nowhere
+        self.drafts = full(0, max_bs, k1 - 1)
+        self.num_drafts = full(0, max_bs)
+        self.results = full(0, max_bs, 2 + k1)  # accept_len, num_drafts, k+1 tokens
+        self.offsets = torch.arange(k1, device=device).repeat(max_bs)  # [max_bs * k1] j
+        self.graphs: dict[tuple[str, int], _CudaGraph | _EagerGraph] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        cuda = device.type == "cuda"
+        self._verify = verify_draft_tokens if cuda else verify_draft_tokens_ref
+        self._advance = advance_positions if cuda else advance_positions_ref
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Both variants of every bucket that has a verify graph, into the verify graphs' pool."""
+        start = time.perf_counter()
+        on_cuda = self.device.type == "cuda"
+        self.req_slots.fill_(-1)  # NOTE: warm-ups and captures must commit nothing
+        keys = [(v, bs) for bs in self.batch_sizes[::-1] for v in (GREEDY, SAMPLED)]
+        with capture_stream(self.device):
+            for variant, bs in tqdm(keys, desc="Capturing verify tail graphs", unit="graph"):
+                self._step(variant, bs)  # compiles the Triton kernels outside the capture
+                graph = _CudaGraph(self.verify_graphs.pool) if on_cuda else _EagerGraph()
+                graph.capture(self._step, (variant, bs))
+                self.graphs[(variant, bs)] = graph
+        logger.info("Captured %d verify tail graphs in %.1f s", len(keys),
+                    time.perf_counter() - start)  # fmt: skip
+
+    def _step(self, variant: str, bs: int) -> torch.Tensor:
+        """The captured region of bucket ``bs``: LM head, acceptance, commit, results."""
+        k1, slots = self.k1, self.slots
+        logits = self.compute_logits(self.verify_graphs.outputs[bs].hidden)  # [bs * k1, V]
+        req_slots, drafts, num = self.req_slots[:bs], self.drafts[:bs], self.num_drafts[:bs]
+        out = VerifyOutput(self.results[:bs, 0], self.results[:bs, 2:])
+        if variant == GREEDY:
+            verified = self._verify(logits.view(bs, k1, -1), drafts, VerifyStrategy.GREEDY,
+                                    num_draft=num)  # fmt: skip
+        else:
+            table = slots.table
+            rows = req_slots.clamp_min(0).repeat_interleave(k1)  # [bs * k1] each row's slot
+            temperature = table.temperature[rows]
+            greedy = temperature < GREEDY_EPS
+            probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], -1)
+            target = torch.where(greedy[:, None], logits, probs)  # greedy rows: argmax
+            position = table.position[rows] + self.offsets[: bs * k1]
+            verified = self._verify(target.view(bs, k1, -1), drafts, VerifyStrategy.TARGET_MATCH,
+                                    seed=table.seed[rows].view(bs, k1),
+                                    position=position.view(bs, k1), num_draft=num,
+                                    is_greedy=greedy.view(bs, k1)[:, 0].contiguous())  # fmt: skip
+        out.accept_len.copy_(verified.accept_len)
+        out.tokens.copy_(verified.tokens)
+        self.results[:bs, 1].copy_(num)
+        self._advance(slots.table.position, out.accept_len + 1, req_slots, tokens=out.tokens,
+                      **slots.commit_tables())  # fmt: skip
+        return self.results[:bs]
+
+    def can_run(self, batch_size: int, flags: dict[str, bool | int | None],
+                graph_replays: bool) -> bool:  # fmt: skip
+        """Whether the tail graph serves a verify pass of ``batch_size`` requests sampled with
+        ``flags`` (``SamplingSlots.flags``) whose decoder a verify graph replays
+        (``graph_replays``: ``DecodeGraphRunner.rows_for`` gave its rows); a refusal is counted
+        under its reason."""
+        reason = None
+        if not graph_replays or pad_to_bucket(batch_size, self.batch_sizes) is None:
+            reason = "no_verify_graph"
+        elif flags["needs_penalties"]:
+            reason = "penalties"
+        elif flags["needs_filters"]:
+            reason = "filters"
+        elif flags["max_logprobs"] is not None:
+            reason = "logprobs"
+        if reason is not None:
+            self.counters[f"rejected_{reason}"] += 1
+        return reason is None
+
+    @torch.inference_mode()
+    def replay(
+        self, req_slots: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+        all_greedy: bool,
+    ) -> tuple[torch.Tensor, VerifyOutput]:  # fmt: skip
+        """Accept and commit the verify pass just replayed for the requests in ``req_slots``
+        [B] with ``drafts`` [B, k] (``num_drafts`` [B] real): the step's results ``[B, 2 + k+1]``
+        and its ``VerifyOutput``, graph memory that the next replay overwrites.
+        """
+        n = req_slots.shape[0]
+        bs = pad_to_bucket(n, self.batch_sizes)
+        self.req_slots[:n].copy_(req_slots)
+        if bs > n:
+            self.req_slots[n:bs].fill_(-1)
+        self.drafts[:n].copy_(drafts)
+        self.num_drafts[:n].copy_(num_drafts)
+        self.graphs[(GREEDY if all_greedy else SAMPLED, bs)].replay()
+        self.counters["replays"] += 1
+        out = VerifyOutput(self.results[:n, 0], self.results[:n, 2:])
+        return self.results[:n], out
+
+    def stats(self) -> dict[str, int]:
+        return {"graphs": len(self.graphs), **self.counters}
+
