@@ -121,7 +121,8 @@ def test_cuda_tail_graphs_serve_the_engine(tiny_path, smollm2_path) -> None:  # 
     seeded sampled speculation through it equal plain decoding."""
     from pcgspec import LLM
 
-    kw = dict(tokenizer=str(smollm2_path), dtype="float32")
+    kw = dict(tokenizer=str(smollm2_path), dtype="float32", mem_fraction_static=0.3,
+              max_total_tokens=4096)  # fmt: skip
     llm = LLM(str(tiny_path), speculative_algorithm="NGRAM", speculative_num_steps=K1 - 1,
               speculative_policy="always", **kw)  # fmt: skip
     tail = llm.engine.spec_worker.tail
