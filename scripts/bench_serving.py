@@ -54,7 +54,8 @@ tokens shared over its chunks by their characters), and the requests that comple
 TPOT (p50/p99), TTFT (p50) and output lengths; ``--max-tokens`` defaults to 128 and EOS ends a
 request (``--ignore-eos`` off). The server's counters read at the window's two ends give its
 own token rate, its accept length (accepted drafts + 1 per verify step), the acceptance per
-draft position and the share of decode steps the speculative policy ran plain. Each point's
+draft position and the share of decode steps the speculative policy ran plain; the client's
+CPU share of the window flags a point it may have bound (printed above 0.8). Each point's
 output tok/s is divided by the first configuration's at the same point. The JSON holds every
 point and text; a table closes the run; ``scripts/plot_serving.py RESULT.json`` draws the
 ratios; ``scripts/gpu_served_spec.sh`` runs plain / EAGLE3 / NGRAM on a GPU in one call.

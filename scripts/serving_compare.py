@@ -248,6 +248,11 @@ def print_table(points: list[dict[str, Any]], text_check: dict[str, Any]) -> Non
               f"{_fmt(spec['accept_length'], '.2f'):>8}{_fmt(spec['plain_step_share'], '.2f'):>7}"
               f"{_fmt(tpot.get('p50_ms'), '.2f'):>10}{_fmt(ttft.get('p50_ms'), '.1f'):>10}"
               f"{p['requests_completed']:>6}{_fmt(lengths.get('mean'), '.0f'):>6}")  # fmt: skip
+    for p in points:
+        if p["client_cpu_busy"] > 0.8:
+            print(f"client-bound? {p['config']} {p['dataset']} T={p['temperature']:g} "
+                  f"C={p['concurrency']}: this process was busy {p['client_cpu_busy']:.0%} "
+                  "of the window")
     for dataset, by_config in text_check.items():
         for config, row in by_config.items():
             if row["differ"]:

@@ -125,9 +125,10 @@ def test_sweep_defaults(bench):
     assert not single.sweep and (single.max_tokens, single.ignore_eos) == (32, True)
 
 
-def test_compare_two_servers(bench, tmp_path, capsys):
+def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
     """plain and NGRAM, each its own CPU server: chat at concurrency 1 and 2 (greedy), and
     repetition sampled at concurrency 1 on NGRAM only; the JSON, its ratios and the plot."""
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")  # NOTE: starts the servers sooner
     out = tmp_path / "sweep.json"
     record = bench.main([
         "--launch", "--base-url", f"http://127.0.0.1:{free_port()}", "--api-key", API_KEY,
@@ -158,6 +159,7 @@ def test_compare_two_servers(bench, tmp_path, capsys):
         assert p["output_tokens"] > 0 and p["requests_completed"] > 0, key
         assert p["requests_failed"] == 0 and 1 <= p["output_len"]["max"] <= 8, key
         assert p["tpot"]["p50_ms"] > 0 and p["ttft"]["p50_ms"] > 0, key
+        assert 0 < p["client_cpu_busy"] < 1.5, key
         server = p["server"]
         # the client counts chunks by arrival, the server tokens by delivery: the window's
         # edges split at most the requests in flight differently
