@@ -7,8 +7,10 @@ p50/p90/p99), request and token throughput, the speculative accept length over t
 (from ``/server_info``) and the server's own TTFT with its parts (from ``/metrics``: mean ms of
 the hand-off to the engine, the engine's queue and prefill, and the first token's way back to
 the server's event loop). Prompts: ``random`` token ids of ``--random-input-len`` (completions
-only; exact lengths), ``builtin`` questions, or a file (one prompt per line, or JSONL with a
-"prompt" field). ``--launch`` starts ``pcgspec serve`` first (and stops it after).
+only; exact lengths), the text datasets of ``serving_datasets.py`` (``builtin``, ``chat``,
+``repetition``), or a file (one prompt per line, or JSONL with a "prompt" field). ``--launch``
+starts ``pcgspec serve`` first (and stops it after). ``--max-tokens`` (alias
+``--random-output-len``) caps each request's output.
 
 Prefix-cache datasets (completions): ``shared-prefix`` sends ``--num-prompts`` requests of one
 random system prompt of ``--shared-prefix-len`` token ids plus a distinct question of
@@ -31,11 +33,42 @@ served throughput against the engine's own.
 (``pcgspec.models.random_weights.SHAPES``) with the default model's tokenizer and its
 vocabulary, written once to ``--random-weights-dir`` and reused.
 
+Closed-loop sweep (served speculative decoding): any of ``--compare``, ``--datasets``,
+``--concurrencies``, ``--temperatures``, ``--duration``, ``--warmup-seconds``, ``--text-check``
+runs it. ``--compare NAME=ARGS ...`` (with ``--launch``) names configurations; each in turn gets
+its own ``pcgspec serve`` (``--server-args`` plus ARGS), runs everything below, and is stopped;
+without ``--compare`` the one configuration is the server as launched or found. Datasets
+(``--datasets``, default ``chat``) go through ``/v1/chat/completions`` as one user message (the
+server applies the chat template): ``chat`` (everyday requests) and ``repetition`` (answers
+that quote or edit a given text or code); a spec such as
+``repetition:concurrencies=1:temperatures=0:configs=plain,ngram`` narrows a dataset's points
+and configurations. Per dataset and configuration: first the
+greedy text check (``--text-check N``, default 16: the first N requests one at a time at
+temperature 0, outside any window; each text compared with the first configuration's: how many
+differ and where they begin to, reported, never failed), then each load point of
+``--temperatures`` (default 0,0.7) x ``--concurrencies`` (default 1,4,16,64): exactly C
+requests in flight (dataset order, cycling, request i seeded ``--seed`` + i so sampled runs
+repeat), ``--warmup-seconds`` of load (default 5), then a window of ``--duration`` seconds
+(default 30). Counted in the window: the output tokens whose chunks arrived in it (a request's
+tokens shared over its chunks by their characters), and the requests that completed in it for
+TPOT (p50/p99), TTFT (p50) and output lengths; ``--max-tokens`` defaults to 128 and EOS ends a
+request (``--ignore-eos`` off). The server's counters read at the window's two ends give its
+own token rate, its accept length (accepted drafts + 1 per verify step), the acceptance per
+draft position and the share of decode steps the speculative policy ran plain; the client's
+CPU share of the window flags a point it may have bound (printed above 0.8). Each point's
+output tok/s is divided by the first configuration's at the same point. The JSON holds every
+point and text; a table closes the run; ``scripts/plot_serving.py RESULT.json`` draws the
+ratios; ``scripts/gpu_served_spec.sh`` runs plain / EAGLE3 / NGRAM on a GPU in one call.
+
     python scripts/bench_serving.py --launch --server-args "--dtype float32" \\
         --num-prompts 32 --max-concurrency 8 --random-input-len 64 --random-output-len 32
     python scripts/bench_serving.py --launch --dataset shared-prefix --shared-prefix-len 2000 \\
         --question-len 32 --num-prompts 64 --random-output-len 32 --max-concurrency 16
     python scripts/bench_serving.py --launch --dataset multi-turn --num-chats 16 --num-turns 8
+    python scripts/bench_serving.py --launch --server-args "--dtype bfloat16" \\
+        --compare "plain=" "eagle3=--speculative-algorithm EAGLE3" \\
+                  "ngram=--speculative-algorithm NGRAM --speculative-num-steps 4" \\
+        --datasets chat "repetition:concurrencies=1:configs=plain,ngram" --temperatures 0
 """
 
 from __future__ import annotations
@@ -60,14 +93,10 @@ from typing import Any
 
 import aiohttp
 
-BUILTIN = [
-    "Explain gravity to a child.",
-    "Write a haiku about the sea.",
-    "List three prime numbers and say why they are prime.",
-    "What is 12 times 12?",
-    "Describe Paris in two sentences.",
-    "Write a Python function that reverses a list.",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving_compare  # noqa: E402
+import serving_datasets  # noqa: E402
+from serving_sweep import open_session, post_stream  # noqa: E402
 
 
 @dataclass
@@ -100,8 +129,8 @@ def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
             [rng.randrange(lo, hi) for _ in range(args.random_input_len)]
             for _ in range(args.num_prompts)
         ]
-    if args.dataset == "builtin":
-        pool = BUILTIN
+    if args.dataset in serving_datasets.DATASETS:
+        pool = serving_datasets.load(args.dataset)
     else:
         lines = [ln for ln in Path(args.dataset).read_text().splitlines() if ln.strip()]
         pool = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
@@ -111,7 +140,7 @@ def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
 def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "max_tokens": args.random_output_len,
+        "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -125,47 +154,15 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) 
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:
-    start = time.perf_counter()
-    res, last = Result(ok=False), None
-    try:
-        async with session.post(url, json=body) as resp:
-            if resp.status != 200:
-                return Result(ok=False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    res.prompt_tokens = usage["prompt_tokens"]
-                    res.output_tokens = usage["completion_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    res.cached_tokens = details.get("cached_tokens") or 0
-                if not any(_has_text(c) for c in chunk.get("choices", [])):
-                    continue
-                res.text += "".join(c.get("text") or "" for c in chunk["choices"])
-                if last is None:
-                    res.ttft = now - start
-                else:
-                    res.itls.append(now - last)
-                last = now
-        res.e2e = time.perf_counter() - start
-        res.ok = res.output_tokens > 0
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        res.error = repr(e)
-    return res
-
-
-def _has_text(choice: dict[str, Any]) -> bool:
-    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
-
-
-def _session(args: argparse.Namespace) -> aiohttp.ClientSession:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timeout = aiohttp.ClientTimeout(total=None)
-    return aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                 connector=aiohttp.TCPConnector(limit=0))  # fmt: skip
+    stream = await post_stream(session, url, body)
+    if stream.error:
+        return Result(ok=False, error=stream.error)
+    times = [t for t, _ in stream.chunks]
+    return Result(ok=stream.ok, prompt_tokens=stream.prompt_tokens,
+                  cached_tokens=stream.cached_tokens, output_tokens=stream.output_tokens,
+                  text=stream.text, ttft=times[0] - stream.start if times else 0.0,
+                  e2e=stream.end - stream.start,
+                  itls=[b - a for a, b in zip(times, times[1:])])  # fmt: skip
 
 
 def _warmup_prompt(args: argparse.Namespace, prompts: list[str | list[int]]) -> str | list[int]:
@@ -183,7 +180,7 @@ async def run_load(
     url = args.base_url + path
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)
-    async with _session(args) as s:
+    async with open_session(args.api_key) as s:
         for _ in range(args.warmup):
             await one_request(s, url, request_body(args, model, _warmup_prompt(args, prompts)))
 
@@ -209,7 +206,7 @@ async def run_chats(args: argparse.Namespace, model: str) -> tuple[list[Result],
     chats = [[f"Question {c}.{t}: " + " ".join(rng.choice(WORDS) for _ in range(args.question_len))
               + "?" for t in range(args.num_turns)] for c in range(args.num_chats)]  # fmt: skip
     limit = asyncio.Semaphore(args.max_concurrency or len(chats))
-    async with _session(args) as s:
+    async with open_session(args.api_key) as s:
         for _ in range(args.warmup):
             await one_request(s, url, request_body(args, model, "Warm up: " + " ".join(WORDS)))
 
@@ -431,12 +428,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--disable-radix-cache (the default dataset runs once, as launched)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--random-input-len", type=int, default=64)
-    p.add_argument("--random-output-len", type=int, default=32, help="max_tokens per request")
+    p.add_argument("--max-tokens", "--random-output-len", dest="max_tokens", type=int,
+                   default=None, help="max_tokens per request (default: 32; sweep: 128)")
     p.add_argument("--random-token-range", type=int, nargs=2, default=(1000, 20000))
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on; off in the sweep (answers of their own length)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per server (cache flushed between them); reported pooled")
@@ -452,9 +451,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare-engine", action="store_true",
                    help="with --launch: also run the prompts through LLM.generate with the "
                         "server's engine flags, after the server stopped, and compare")
-    p.add_argument("--device-label", default=None, help="what the JSON calls the device")
+    _sweep_args(p)
+    p.add_argument("--device-label", default=None,
+                   help="what the JSON calls the device when nvidia-smi names none")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     args = p.parse_args(argv)
+    args.sweep = any(getattr(args, k) is not None for k in SWEEP_DEFAULTS)
+    if args.sweep:
+        _check_sweep(p, args)
+    if args.max_tokens is None:
+        args.max_tokens = 128 if args.sweep else 32
+    args.ignore_eos = (not args.sweep) if args.ignore_eos is None else args.ignore_eos
     if args.dataset in ("random", "shared-prefix", "multi-turn") and args.endpoint == "chat":
         p.error(f"--dataset {args.dataset} uses the completions endpoint")
     if args.random_weights and not args.launch:
@@ -469,6 +476,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.cache_modes) <= {"on", "off"} or not args.cache_modes:
         p.error(f"--cache-modes takes on and/or off, got {args.cache_modes}")
     return args
+
+
+# The closed-loop sweep's options: any of them given runs it; these are their defaults.
+SWEEP_DEFAULTS = {"compare": None, "datasets": ["chat"], "concurrencies": "1,4,16,64",
+                  "temperatures": "0,0.7", "duration": 30.0, "warmup_seconds": 5.0,
+                  "text_check": 16}  # fmt: skip
+
+
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("closed-loop sweep (see the top)")
+    s.add_argument("--compare", nargs="+", metavar="NAME=ARGS",
+                   help="with --launch: configurations, each its own server of --server-args "
+                        "plus ARGS; ratios against the first")
+    s.add_argument("--datasets", nargs="+", metavar="SPEC",
+                   help="NAME[:concurrencies=..][:temperatures=..][:configs=a,b] each; NAME "
+                        f"one of {', '.join(serving_datasets.DATASETS)} (default: chat)")
+    s.add_argument("--concurrencies", help="requests in flight per point (default: 1,4,16,64)")
+    s.add_argument("--temperatures", help="default: 0,0.7")
+    s.add_argument("--duration", type=float, help="seconds of each point's window (default: 30)")
+    s.add_argument("--warmup-seconds", type=float,
+                   help="seconds of load before each window (default: 5)")
+    s.add_argument("--text-check", type=int, metavar="N",
+                   help="greedy texts of the first N requests per dataset, one at a time, "
+                        "compared with the first configuration's (default: 16; 0: none)")
+
+
+def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the sweep's defaults and parse its configurations and datasets."""
+    for key, default in SWEEP_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    if args.compare and not args.launch:
+        p.error("--compare needs --launch (each configuration is its own server)")
+    if args.compare_engine or args.repeats > 1:
+        p.error("--compare-engine and --repeats belong to the single run, not the sweep")
+    if args.duration <= 0 or args.warmup_seconds < 0 or args.text_check < 0:
+        p.error(f"--duration must be > 0, --warmup-seconds and --text-check >= 0; got "
+                f"{args.duration}, {args.warmup_seconds}, {args.text_check}")
+    try:
+        args.configs = serving_compare.parse_configs(args.compare)
+        args.plans = serving_compare.parse_plans(args.datasets, args.concurrencies,
+                                                 args.temperatures, args.configs)  # fmt: skip
+    except ValueError as e:
+        p.error(str(e))
 
 
 CACHE_DATASETS = ("shared-prefix", "multi-turn")
@@ -526,7 +577,7 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
         config = replace(config, max_running_requests=min(
             args.max_concurrency, config.max_running_requests))  # fmt: skip
     llm = LLM(**vars(config))
-    params = SamplingParams(max_tokens=args.random_output_len, temperature=args.temperature,
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos)  # fmt: skip
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in load_prompts(args)]
     if args.warmup:
@@ -570,22 +621,34 @@ def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, dict[str, floa
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     load_before = os.getloadavg()
+    body = serving_compare.sweep(args, launch) if args.sweep else single_run(args)
+    record = {
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": _device_name() or args.device_label or _served_device(body),
+        "device_label": args.device_label,
+        "host": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "load_average_before_after": [load_before, os.getloadavg()],
+        "torch": _torch_version(),
+        "command": shlex.join(["scripts/bench_serving.py", *(argv or sys.argv[1:])]),
+        "args": {k: v for k, v in vars(args).items() if k not in ("api_key", "configs", "plans")},
+        **body,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
+
+def single_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The load once (with --launch per cache mode of a prefix-cache dataset), and the
+    comparisons asked for."""
     modes = args.cache_modes if args.launch and args.dataset in CACHE_DATASETS else [None]
     runs = {}
     for mode in modes:
         if mode is not None:
             print(f"--- radix cache {mode} ---")
         runs[mode] = run_once(args, ["--disable-radix-cache"] if mode == "off" else [])
-    record = {
-        "date": datetime.now(timezone.utc).isoformat(),
-        "device": args.device_label,
-        "host": f"{platform.machine()}, {os.cpu_count()} cpus",
-        "load_average_before_after": [load_before, os.getloadavg()],
-        "torch": _torch_version(),
-        "command": shlex.join(["scripts/bench_serving.py", *(argv or sys.argv[1:])]),
-        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
-        **runs[modes[0]],
-    }
+    record = dict(runs[modes[0]])
     if len(runs) > 1:
         record["runs"] = {f"radix_cache_{m}": s for m, s in runs.items()}
     if {"on", "off"} <= set(runs):
@@ -593,10 +656,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.compare_engine:
         record["engine"] = engine_run(args)
         record["engine_comparison"] = compare_engine(runs[modes[0]], record["engine"])
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return record
+
+
+def _device_name() -> str | None:
+    """The first GPU's name from nvidia-smi, None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def _served_device(body: dict[str, Any]) -> str | None:
+    """The sweep's first server's device (``cpu``, ``cuda``) from its /server_info."""
+    config = (body.get("configs") or [{}])[0].get("engine_config") or {}
+    return config.get("device")
 
 
 def _torch_version() -> str | None:

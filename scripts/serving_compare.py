@@ -1,0 +1,278 @@
+"""``bench_serving.py``'s sweep over configurations: per configuration (with ``--launch`` its
+own server) the greedy text check and every load point of every dataset; then the ratios
+against the first configuration, the table and the JSON record."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from serving_datasets import DATASETS, load
+from serving_sweep import Load, open_session, run_point, text_check
+
+NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+PLAN_KEYS = ("concurrencies", "temperatures", "configs")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    args: str  # flags added to --server-args for this configuration's server
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A dataset's load points and the configurations that run them."""
+
+    dataset: str
+    concurrencies: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    configs: tuple[str, ...]
+
+
+def parse_configs(values: list[str] | None) -> list[Config]:
+    """``NAME=ARGS`` each (ARGS may be empty); without ``--compare`` one configuration,
+    ``server``, as launched or as found."""
+    if not values:
+        return [Config("server", "")]
+    configs = []
+    for value in values:
+        name, eq, flags = value.partition("=")
+        if not eq or not NAME.fullmatch(name):
+            raise ValueError(f"--compare: expected NAME=ARGS with NAME of letters, digits and "
+                             f"_.+-, got {value!r}")  # fmt: skip
+        try:
+            shlex.split(flags)
+        except ValueError as e:
+            raise ValueError(f"--compare: {value!r}: {e}") from None
+        configs.append(Config(name, flags))
+    names = [c.name for c in configs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--compare: configuration names repeat: {names}")
+    return configs
+
+
+def parse_list(text: str, kind: type, field: str) -> tuple[Any, ...]:
+    try:
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(
+            f"{field}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+    if not values or any(v < (1 if kind is int else 0) for v in values):
+        raise ValueError(f"{field}: expected {'positive' if kind is int else 'non-negative'} "
+                         f"values, got {text!r}")  # fmt: skip
+    return values
+
+
+def parse_plans(
+    specs: list[str], concurrencies: str, temperatures: str, configs: list[Config]
+) -> list[Plan]:
+    """``NAME[:concurrencies=1,4][:temperatures=0][:configs=a,b]`` each; what a spec leaves
+    out comes from ``--concurrencies``, ``--temperatures`` and every configuration."""
+    names = tuple(c.name for c in configs)
+    plans = []
+    for spec in specs:
+        dataset, *parts = spec.split(":")
+        if dataset not in DATASETS:
+            raise ValueError(f"--datasets: unknown {dataset!r}; known: {', '.join(DATASETS)}")
+        given = {"concurrencies": concurrencies, "temperatures": temperatures,
+                 "configs": ",".join(names)}  # fmt: skip
+        field = {"concurrencies": "--concurrencies", "temperatures": "--temperatures"}
+        for part in parts:
+            key, _, value = part.partition("=")
+            if key not in PLAN_KEYS:
+                raise ValueError(f"--datasets: unknown key {key!r} in {spec!r}; known: "
+                                 f"{', '.join(PLAN_KEYS)}")  # fmt: skip
+            given[key], field[key] = value, f"--datasets {spec!r}: {key}"
+        chosen = tuple(n for n in given["configs"].split(",") if n)
+        if not chosen or not set(chosen) <= set(names):
+            raise ValueError(f"--datasets: configs of {spec!r} must be among {names}")
+        plans.append(Plan(dataset,
+                          parse_list(given["concurrencies"], int, field["concurrencies"]),
+                          parse_list(given["temperatures"], float, field["temperatures"]),
+                          tuple(n for n in names if n in chosen)))  # fmt: skip
+    if len({p.dataset for p in plans}) < len(plans):
+        raise ValueError(f"--datasets: a dataset repeats: {specs}")
+    return plans
+
+
+class Clock:
+    """Seconds since the sweep began, printed before each phase."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def log(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f} s] {message}", flush=True)
+
+
+def _stop(server: subprocess.Popen | None) -> None:
+    if server is not None:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+
+
+async def _config_run(
+    args: argparse.Namespace, config: Config, plans: list[Plan], clock: Clock
+) -> tuple[list[dict[str, Any]], dict[str, list[str]], dict[str, Any]]:
+    """One configuration's points and greedy texts against the server at ``--base-url``."""
+    points, texts = [], {}
+    async with open_session(args.api_key) as session:
+        info = await _server_info(session, args.base_url)
+        model = args.model or await _first_model(session, args.base_url)
+        for plan in (p for p in plans if config.name in p.configs):
+            work = Load(args.base_url, model, load(plan.dataset), args.max_tokens, args.seed,
+                        args.ignore_eos)  # fmt: skip
+            if args.text_check:
+                texts[plan.dataset] = await text_check(session, work, args.text_check)
+                clock.log(f"{config.name}: {plan.dataset} text check of "
+                          f"{len(texts[plan.dataset])} requests")  # fmt: skip
+            for temperature in plan.temperatures:
+                for concurrency in plan.concurrencies:
+                    row = await run_point(session, work, concurrency, temperature,
+                                          args.warmup_seconds, args.duration)  # fmt: skip
+                    points.append({"config": config.name, "dataset": plan.dataset,
+                                   "temperature": temperature, "concurrency": concurrency,
+                                   **row})  # fmt: skip
+                    accept = row["server"]["accept_length"]
+                    clock.log(f"{config.name}: {plan.dataset} T={temperature:g} "
+                              f"C={concurrency}: {row['output_tok_s']:.1f} tok/s, "
+                              f"{row['requests_completed']} done"
+                              + (f", accept {accept:.2f}" if accept else ""))  # fmt: skip
+    return points, texts, {"model": model, **info}
+
+
+async def _server_info(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
+    async with session.get(base_url + "/server_info") as resp:
+        if resp.status != 200:
+            return {}
+        info = await resp.json()
+    return {"engine_config": info.get("config"), "server_info_args": info.get("server_args")}
+
+
+async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(base_url + "/v1/models") as resp:
+        return (await resp.json())["data"][0]["id"]
+
+
+def run_configs(
+    args: argparse.Namespace, launch: Callable[..., subprocess.Popen]
+) -> dict[str, Any]:
+    """Every configuration in turn (with ``--launch`` on its own server, stopped after)."""
+    clock, configs, results = Clock(), [], {"points": [], "text_check": {}}
+    for config in args.configs:
+        clock.log(f"{config.name}: starting" if args.launch else f"{config.name}: running")
+        began = time.perf_counter()
+        flags = [*shlex.split(args.server_args), *shlex.split(config.args)]
+        try:
+            server = launch(args, shlex.split(config.args)) if args.launch else None
+        except RuntimeError as e:  # NOTE: the other configurations still run
+            clock.log(f"{config.name}: {e}")
+            configs.append({"name": config.name, "args": config.args, "server_args": flags,
+                            "error": str(e)})  # fmt: skip
+            continue
+        up = time.perf_counter() - began
+        if args.launch:
+            clock.log(f"{config.name}: server up in {up:.1f} s")
+        try:
+            points, texts, info = asyncio.run(_config_run(args, config, args.plans, clock))
+        finally:
+            _stop(server)
+        configs.append({"name": config.name, "args": config.args, "server_args": flags,
+                        "start_s": up if args.launch else None, **info})  # fmt: skip
+        results["points"] += points
+        results["text_check"][config.name] = texts
+    clock.log("done")
+    results["configs"] = configs
+    results["elapsed_s"] = time.perf_counter() - clock.start
+    return results
+
+
+def add_ratios(points: list[dict[str, Any]], first: str) -> None:
+    """Each point's output tok/s over the first configuration's at the same point (None where
+    that one did not run it)."""
+    base = {_key(p): p["output_tok_s"] for p in points if p["config"] == first}
+    for p in points:
+        b = base.get(_key(p))
+        p["tok_s_ratio"] = p["output_tok_s"] / b if b else None
+
+
+def _key(point: dict[str, Any]) -> tuple[str, float, int]:
+    return point["dataset"], point["temperature"], point["concurrency"]
+
+
+def first_difference(a: str, b: str) -> int | None:
+    """The first character position where ``a`` and ``b`` differ; None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_texts(texts: dict[str, dict[str, list[str]]], first: str) -> dict[str, Any]:
+    """Per dataset and configuration: how many greedy texts differ from the first
+    configuration's, and where each begins to (bf16 near-ties may flip a token)."""
+    out: dict[str, Any] = {}
+    for config, by_dataset in texts.items():
+        for dataset, got in by_dataset.items():
+            ref = texts.get(first, {}).get(dataset)
+            diffs = [] if ref is None else [
+                {"index": i, "position": first_difference(a, b)}
+                for i, (a, b) in enumerate(zip(ref, got)) if a != b]  # fmt: skip
+            out.setdefault(dataset, {})[config] = {
+                "requests": len(got), "differ": None if ref is None else len(diffs),
+                "first_differences": diffs, "texts": got}  # fmt: skip
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(points: list[dict[str, Any]], text_check: dict[str, Any]) -> None:
+    head = (f"{'config':<12}{'dataset':<12}{'T':>5}{'C':>5}{'tok/s':>10}{'ratio':>8}"
+            f"{'accept':>8}{'plain':>7}{'TPOT p50':>10}{'TTFT p50':>10}{'done':>6}{'len':>6}")
+    print(f"{' Served speculative decoding ':=^{len(head)}}\n{head}")
+    for p in points:
+        spec, lengths, tpot, ttft = p["server"], p["output_len"], p["tpot"], p["ttft"]
+        print(f"{p['config']:<12}{p['dataset']:<12}{p['temperature']:>5g}{p['concurrency']:>5}"
+              f"{p['output_tok_s']:>10.1f}{_fmt(p['tok_s_ratio'], '.3f'):>8}"
+              f"{_fmt(spec['accept_length'], '.2f'):>8}{_fmt(spec['plain_step_share'], '.2f'):>7}"
+              f"{_fmt(tpot.get('p50_ms'), '.2f'):>10}{_fmt(ttft.get('p50_ms'), '.1f'):>10}"
+              f"{p['requests_completed']:>6}{_fmt(lengths.get('mean'), '.0f'):>6}")  # fmt: skip
+    for p in points:
+        if p["client_cpu_busy"] > 0.8:
+            print(f"client-bound? {p['config']} {p['dataset']} T={p['temperature']:g} "
+                  f"C={p['concurrency']}: this process was busy {p['client_cpu_busy']:.0%} "
+                  "of the window")
+    for dataset, by_config in text_check.items():
+        for config, row in by_config.items():
+            if row["differ"]:
+                where = ", ".join(f"#{d['index']}@{d['position']}" for d in
+                                  row["first_differences"])  # fmt: skip
+                print(f"greedy text: {config} {dataset}: {row['differ']} of {row['requests']} "
+                      f"differ from the first configuration ({where})")
+    print("=" * len(head))
+
+
+def sweep(args: argparse.Namespace, launch: Callable[..., subprocess.Popen]) -> dict[str, Any]:
+    """The whole sweep: the runs, the ratios against the first configuration, the text check's
+    differences and the table."""
+    results = run_configs(args, launch)
+    first = args.configs[0].name
+    add_ratios(results["points"], first)
+    results["text_check"] = compare_texts(results.pop("text_check"), first)
+    results["datasets"] = {p.dataset: {"requests": len(DATASETS[p.dataset]),
+                                       "concurrencies": p.concurrencies,
+                                       "temperatures": p.temperatures, "configs": p.configs}
+                           for p in args.plans}  # fmt: skip
+    print_table(results["points"], results["text_check"])
+    return results
