@@ -1,4 +1,4 @@
-"""Tensor parallelism against issue 15's targets, random weights (default: Qwen3-8B shape, bf16).
+"""Tensor parallelism against its targets, random weights (default: Qwen3-8B shape, bf16).
 
   startup  ModelRunner construction at TP=1 and TP=N: spawn, load, compile, capture (rank 0's
            wall clock; each TP size in a fresh process)      target: TP=N <= 1.5x TP=1
@@ -16,7 +16,7 @@ Timing is bench_ttft's: warm-up, then CUDA events around each step on rank 0, me
 per rank at TP>1), Triton's under TRITON_CACHE_DIR; point both at empty folders for cold starts.
 
     NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --tp-size 2 \\
-        --out bench/results/tp_qwen3-8b_h200x2.json
+        --out bench/results/tp_bench_qwen3-8b-shape_h200x2_$(date +%F).json
     python scripts/bench_tp.py --device cpu --shape tiny --prefill-tokens 64 \\
         --whole-tokens 16,32 --context 64 --warmup 1 --repeats 2       # CPU smoke
 """

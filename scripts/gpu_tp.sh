@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 15's GPU runs in one call on a machine of two GPUs (nvidia-h100-x2 / nvidia-h200-x2):
+# Tensor parallelism measured in one call on a host of two GPUs:
 #   1. tests/test_tp_gpu.py: TP=2 greedy equal to TP=1 (Llama-3.2-1B shape, float32) through
-#      piecewise, decode and NGRAM verify graphs; bf16 logits within tolerance. A hang (the
-#      shutdown hang of session 10 was one) dumps every thread's stack after --hang-s seconds;
+#      piecewise, decode and NGRAM verify graphs; bf16 logits within tolerance. A hang (NCCL's
+#      teardown waiting on a live CUDA graph was one) dumps every thread's stack after --hang-s
+#      seconds;
 #   2. scripts/bench_tp.py: the Qwen3-8B-shape targets (decode bs1, prefill 2,048, piecewise vs
 #      a whole compiled graph, start-up), with cold compile caches.
 # The default model's tokenizer must be in PCGSPEC_CACHE_DIR (the tests' prompts use it; its
 # weights are not needed). NVLink multicast stays off. Writes tp_gpu_tests.log, bench_tp.log
-# and tp_qwen3-8b_<label>.json under --out. Estimated 8-12 minutes on two H100s: more than one
-# device call allows, so start it in the background and poll:
+# and tp_bench_qwen3-8b-shape_<label>_<date>.json under --out. Takes 8-12 minutes on two H100s,
+# so start it in the background and poll:
 #
 #   (setsid nohup bash scripts/gpu_tp.sh --out /tmp/tp --device-label h100x2 > /tmp/tp.log 2>&1 &)
 set -uo pipefail
@@ -37,6 +38,6 @@ grep -E "PASSED|FAILED|ERROR|Timeout" "$OUT/tp_gpu_tests.log" || true
 caches=$(mktemp -d)
 PCGSPEC_CACHE_DIR="$caches/pcgspec" TRITON_CACHE_DIR="$caches/triton" \
   timeout 900 python scripts/bench_tp.py --tp-size 2 --repeats 10 \
-  --out "$OUT/tp_qwen3-8b_$LABEL.json" > "$OUT/bench_tp.log" 2>&1
+  --out "$OUT/tp_bench_qwen3-8b-shape_${LABEL}_$(date +%F).json" > "$OUT/bench_tp.log" 2>&1
 echo "bench_tp: exit $?" | tee -a "$OUT/bench_tp.log"
 tail -n 20 "$OUT/bench_tp.log"

@@ -16,7 +16,7 @@ choices, e.g. to profile the plain steps of an engine with a drafter); EAGLE3 ru
 head (draft vocabulary --eagle3-draft-vocab) and STANDALONE drafts with the target itself.
 
     python scripts/profile_spec_step.py --methods EAGLE3,NGRAM --batch-sizes 1,16 \\
-        --out bench/results/profile_spec_step_h100.json
+        --out bench/results/profile_spec_step_smollm2-shape_h100_$(date +%F).json
     python scripts/profile_spec_step.py --shape tiny --methods NGRAM --batch-sizes 1 \\
         --max-tokens 8 --repeats 1                                     # CPU smoke
 """

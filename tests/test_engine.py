@@ -137,7 +137,7 @@ def test_bad_input(llm, smollm2_path, tmp_path):
 def test_start_up_objects_leave_the_collector(smollm2_path):
     """The engine freezes what start-up built (modules, graphs, tables): a full collection
     while serving then scans only what serving allocated (H200: 280 -> 72 ms per full
-    collection in bench_spec, ``gc_freeze_ab_session12_h200.json``). A dropped engine is
+    collection in bench_spec, ``gc_freeze_ab_smollm2_h200_2026-11-26.json``). A dropped engine is
     still freed (by the next start-up, should cycles hold it)."""
     import gc
     import weakref
