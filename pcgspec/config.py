@@ -30,6 +30,7 @@ class EngineConfig:
     page_size: int = 16
     mem_fraction_static: float = 0.85  # CUDA: share of GPU memory for weights + KV + graphs
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: byte budget of the KV cache
+    cpu_threads: int | None = None  # CPU: torch threads per process (engine/cpu_threads.py)
     max_total_tokens: int | None = None  # caps the KV pool (SGLang's --max-total-tokens)
     max_running_requests: int = 256
     chunked_prefill_size: int | None = None  # 2048 on CUDA, 1024 on CPU; -1 disables chunking
@@ -77,8 +78,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("context_length", "page_size", "max_total_tokens", "max_running_requests",
-                     "max_prefill_tokens", "cpu_kv_cache_bytes", "piecewise_cuda_graph_max_tokens",
-                     "cuda_graph_max_bs", "tp_size"):
+                     "max_prefill_tokens", "cpu_kv_cache_bytes", "cpu_threads",
+                     "piecewise_cuda_graph_max_tokens", "cuda_graph_max_bs", "tp_size"):
             positive(name)
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(

@@ -52,6 +52,10 @@ class LLM:
     """An engine with a blocking ``generate``. ``model=None`` loads the embedded default
     model (SmolLM2-135M-Instruct), fetching and converting it on first use. Every other keyword
     is an ``EngineConfig`` field; an unknown one raises ``ValueError``.
+
+    On the CPU the engine sets torch's intra-op thread count when it starts (``cpu_threads``,
+    else ``OMP_NUM_THREADS``, else the idle physical cores: ``engine/cpu_threads.py``); that is
+    process-wide, and importing pcgspec changes nothing.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
