@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pcgspec import envs
@@ -16,6 +17,10 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "org/name", as the hub names them
+_UNSET = {"model": "no model for the embedded default (SmolLM2-135M-Instruct)",
+          "tokenizer": "no tokenizer for the model's own",
+          "speculative_draft_model_path": "no path for the algorithm's default draft"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         self._check_device()
+        for name in ("model", "tokenizer", "speculative_draft_model_path"):
+            check_not_hub_id(name, getattr(self, name))
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
@@ -227,6 +234,20 @@ class EngineConfig:
         if self.piecewise_cuda_graph_compiler is not None:
             return self.piecewise_cuda_graph_compiler
         return "inductor" if self.torch_device.type == "cuda" else "eager"
+
+
+def check_not_hub_id(name: str, value: object) -> None:
+    """Refuse a Hugging Face hub id ("org/name") that is not also a local path: pcgspec loads
+    local folders and files only.
+    """
+    if not isinstance(value, str) or not _HUB_ID.fullmatch(value) or Path(value).exists():
+        return
+    raise ValueError(
+        f"{name} {value!r} is not a local folder or file, and downloads from the Hugging Face "
+        "hub are not available in pcgspec: pass a local folder with config.json and "
+        f"*.safetensors (e.g. what `huggingface-cli download {value} --local-dir DIR` writes), "
+        f"a .gguf file, or {_UNSET.get(name, 'none for the default')}"
+    )
 
 
 def _int_tuple(name: str, value: list[object] | str) -> tuple[int, ...]:

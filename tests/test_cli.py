@@ -86,6 +86,14 @@ def test_busy_port_fails_before_the_model_loads(capsys, tmp_path):
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
 
 
+@pytest.mark.parametrize("argv", [["serve", "meta-llama/Llama-3.2-1B", "--port", "0"],
+                                  ["generate", "--model-path", "Qwen/Qwen2.5-0.5B"]])
+def test_a_hub_id_says_what_to_pass_instead(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not available in pcgspec" in err and "config.json" in err and ".gguf" in err, err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_an_error(capsys):
     assert main(["generate", "--device", "cuda", "--prompt", "hi"]) == 2

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pcgspec import envs
+from pcgspec.config import check_not_hub_id
 from pcgspec.distributed.group import SINGLE, TPGroup
 from pcgspec.models.registry import MODEL_TYPE_ALIASES, model_class
 
@@ -35,6 +36,7 @@ def resolve_model_dir(path: str | Path | None) -> Path:
         from pcgspec.models.default_model import default_model_path
 
         return default_model_path()
+    check_not_hub_id("model", str(path))
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
