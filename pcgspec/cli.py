@@ -24,11 +24,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pcgspec")
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 DEFAULT_PROMPT = "Write a haiku about a fast GPU."
+DESCRIPTION = ("LLM inference with piecewise CUDA graphs and speculative decoding. Run "
+               "'pcgspec COMMAND --help' for a command's flags (named as SGLang's).")
+
+
+def _add_parser(
+    sub: argparse._SubParsersAction, name: str, help_text: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand whose help page opens with ``description`` (default: its one-line help)."""
+    description = description or help_text[0].upper() + help_text[1:] + "."
+    return sub.add_parser(name, help=help_text, description=description,
+                          formatter_class=HelpFormatter)  # fmt: skip
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for one or more prompts",
-                       formatter_class=HelpFormatter)
+    p = _add_parser(sub, "generate", "generate text for one or more prompts")
     add_engine_args(p)
     s = p.add_argument_group("sampling")
     s.add_argument("--prompt", action="append",
@@ -50,10 +60,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                       formatter_class=HelpFormatter)
+    p = _add_parser(sub, "serve", "serve an OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
-                   help="the model to serve, as --model-path (vLLM's `serve MODEL`)")
+                   help="the model to serve, as --model-path (vLLM's 'serve MODEL')")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -83,8 +92,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face folder",
-                       formatter_class=HelpFormatter)
+    p = _add_parser(sub, "convert", "convert a GGUF file into a Hugging Face folder")
     p.add_argument("gguf", help="path of the .gguf file")
     p.add_argument("output", help="folder to write (config.json, model.safetensors, tokenizer)")
     p.add_argument("--force", action="store_true",
@@ -92,9 +100,8 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _train_eagle3_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train-eagle3", formatter_class=HelpFormatter,
-        help="train an EAGLE3 draft head on the target's own responses",
+    p = _add_parser(
+        sub, "train-eagle3", "train an EAGLE3 draft head on the target's own responses",
         description="Train an EAGLE3 head for a target: prompts (built-in topics x templates, "
                     "some written by the target) -> responses from pcgspec's engine with the "
                     "chat template and the target's hidden states captured into shards -> "
@@ -223,7 +230,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pcgspec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pcgspec", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"pcgspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)

@@ -56,6 +56,15 @@ def test_every_flag_has_help_naming_its_default_and_choices(command):
     assert set(ENGINE_HELP) == {f.name for f in fields(EngineConfig)}
 
 
+@pytest.mark.parametrize("command", [None, "generate", "serve", "convert", "train-eagle3"])
+def test_help_is_plain_text(command):
+    parser = build_parser() if command is None else _subcommands()[command]
+    text = parser.format_help()
+    for markup in ("``", "::", "`"):
+        assert markup not in text, f"{markup!r} in the help of {command or 'pcgspec'}"
+    assert parser.description and parser.description in " ".join(text.split())
+
+
 def test_names_vllm_users_type():
     args = build_parser().parse_args(["generate", "--max-tokens", "7"])
     assert args.max_new_tokens == 7
