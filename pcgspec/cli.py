@@ -5,6 +5,7 @@ names).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -129,7 +130,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
         max_tokens=args.max_new_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
     )
-    llm = LLM(**vars(engine_config_from_args(args)))
+    llm = LLM(**vars(_sized_to_prompts(engine_config_from_args(args), prompts, params, args.chat)))
     logger.info("Generating for %d prompt(s)", len(prompts))
     try:
         if args.chat:
@@ -143,6 +144,27 @@ def _run_generate(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     _print_outputs(prompts, outputs, args.json)
     return 0
+
+
+def _sized_to_prompts(
+    config: EngineConfig, prompts: list[str], params: Any, chat: bool
+) -> EngineConfig:
+    """On the CPU, unless a KV size is given: a KV pool of what these prompts' sequences can
+    use (each prompt, ``max_tokens`` and a page of headroom, ``n`` times), not the default."""
+    if (config.torch_device.type != "cpu" or config.max_total_tokens is not None
+            or config.cpu_kv_cache_bytes is not None or params.max_tokens is None):  # fmt: skip
+        return config
+    from pcgspec.llm import chat_prompt
+    from pcgspec.models.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(config.tokenizer or resolve_model_dir(config.model))
+    lengths = [len(chat_prompt(tokenizer, [{"role": "user", "content": p}])[1]) if chat
+               else len(tokenizer.encode(p)) for p in prompts]  # fmt: skip
+    spec = config.speculative_config
+    extra = config.page_size + (spec.speculative_num_draft_tokens if spec else 0)
+    page = config.page_size
+    pages = sum(params.n * -(-(n + params.max_tokens + extra) // page) for n in lengths)
+    return dataclasses.replace(config, max_total_tokens=pages * page)
 
 
 def _print_outputs(prompts: list[str], outputs: list[Any], as_json: bool) -> None:

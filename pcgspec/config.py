@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 # NOTE: torch is imported where a value needs it, so `pcgspec --help` starts without it.
 _DTYPES = ("float32", "bfloat16", "float16")
+CPU_KV_CACHE_DEFAULT_BYTES = 256 << 20
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "org/name", as the hub names them
@@ -34,7 +35,7 @@ class EngineConfig:
     context_length: int | None = None
     page_size: int = 16
     mem_fraction_static: float = 0.85  # CUDA: share of GPU memory for weights + KV + graphs
-    cpu_kv_cache_bytes: int = 1 << 30  # CPU: byte budget of the KV cache
+    cpu_kv_cache_bytes: int | None = None  # CPU: byte budget of the KV cache (cpu_kv_budget)
     cpu_threads: int | None = None  # CPU: torch threads per process (engine/cpu_threads.py)
     max_total_tokens: int | None = None  # caps the KV pool (SGLang's --max-total-tokens)
     max_running_requests: int = 256
@@ -186,6 +187,16 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, _DTYPE_ALIASES.get(self.dtype, self.dtype))
+
+    def cpu_kv_budget(self, context_length: int, bytes_per_token: int) -> int:
+        """Bytes of the KV cache on the CPU: ``cpu_kv_cache_bytes`` when given, else what
+        ``max_running_requests`` sequences of ``context_length`` tokens can use, at most
+        ``CPU_KV_CACHE_DEFAULT_BYTES`` (``max_total_tokens`` caps the pool after this).
+        """
+        if self.cpu_kv_cache_bytes is not None:
+            return self.cpu_kv_cache_bytes
+        usable = self.max_running_requests * context_length * bytes_per_token
+        return min(usable, CPU_KV_CACHE_DEFAULT_BYTES)
 
     @property
     def use_piecewise(self) -> bool:
