@@ -5,6 +5,7 @@ names).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -24,11 +25,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pcgspec")
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 DEFAULT_PROMPT = "Write a haiku about a fast GPU."
+DESCRIPTION = ("LLM inference with piecewise CUDA graphs and speculative decoding. Run "
+               "'pcgspec COMMAND --help' for a command's flags (named as SGLang's).")
+
+
+def _add_parser(
+    sub: argparse._SubParsersAction, name: str, help_text: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand whose help page opens with ``description`` (default: its one-line help)."""
+    description = description or help_text[0].upper() + help_text[1:] + "."
+    return sub.add_parser(name, help=help_text, description=description,
+                          formatter_class=HelpFormatter)  # fmt: skip
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for one or more prompts",
-                       formatter_class=HelpFormatter)
+    p = _add_parser(sub, "generate", "generate text for one or more prompts")
     add_engine_args(p)
     s = p.add_argument_group("sampling")
     s.add_argument("--prompt", action="append",
@@ -50,10 +61,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                       formatter_class=HelpFormatter)
+    p = _add_parser(sub, "serve", "serve an OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
-                   help="the model to serve, as --model-path (vLLM's `serve MODEL`)")
+                   help="the model to serve, as --model-path (vLLM's 'serve MODEL')")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -83,8 +93,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face folder",
-                       formatter_class=HelpFormatter)
+    p = _add_parser(sub, "convert", "convert a GGUF file into a Hugging Face folder")
     p.add_argument("gguf", help="path of the .gguf file")
     p.add_argument("output", help="folder to write (config.json, model.safetensors, tokenizer)")
     p.add_argument("--force", action="store_true",
@@ -92,9 +101,8 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _train_eagle3_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train-eagle3", formatter_class=HelpFormatter,
-        help="train an EAGLE3 draft head on the target's own responses",
+    p = _add_parser(
+        sub, "train-eagle3", "train an EAGLE3 draft head on the target's own responses",
         description="Train an EAGLE3 head for a target: prompts (built-in topics x templates, "
                     "some written by the target) -> responses from pcgspec's engine with the "
                     "chat template and the target's hidden states captured into shards -> "
@@ -122,7 +130,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
         max_tokens=args.max_new_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
     )
-    llm = LLM(**vars(engine_config_from_args(args)))
+    llm = LLM(**vars(_sized_to_prompts(engine_config_from_args(args), prompts, params, args.chat)))
     logger.info("Generating for %d prompt(s)", len(prompts))
     try:
         if args.chat:
@@ -136,6 +144,27 @@ def _run_generate(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     _print_outputs(prompts, outputs, args.json)
     return 0
+
+
+def _sized_to_prompts(
+    config: EngineConfig, prompts: list[str], params: Any, chat: bool
+) -> EngineConfig:
+    """On the CPU, unless a KV size is given: a KV pool of what these prompts' sequences can
+    use (each prompt, ``max_tokens`` and a page of headroom, ``n`` times), not the default."""
+    if (config.torch_device.type != "cpu" or config.max_total_tokens is not None
+            or config.cpu_kv_cache_bytes is not None or params.max_tokens is None):  # fmt: skip
+        return config
+    from pcgspec.llm import chat_prompt
+    from pcgspec.models.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(config.tokenizer or resolve_model_dir(config.model))
+    lengths = [len(chat_prompt(tokenizer, [{"role": "user", "content": p}])[1]) if chat
+               else len(tokenizer.encode(p)) for p in prompts]  # fmt: skip
+    spec = config.speculative_config
+    extra = config.page_size + (spec.speculative_num_draft_tokens if spec else 0)
+    page = config.page_size
+    pages = sum(params.n * -(-(n + params.max_tokens + extra) // page) for n in lengths)
+    return dataclasses.replace(config, max_total_tokens=pages * page)
 
 
 def _print_outputs(prompts: list[str], outputs: list[Any], as_json: bool) -> None:
@@ -223,7 +252,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pcgspec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pcgspec", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"pcgspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pcgspec import envs
@@ -14,8 +15,13 @@ if TYPE_CHECKING:
 
 # NOTE: torch is imported where a value needs it, so `pcgspec --help` starts without it.
 _DTYPES = ("float32", "bfloat16", "float16")
+CPU_KV_CACHE_DEFAULT_BYTES = 256 << 20
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "org/name", as the hub names them
+_UNSET = {"model": "no model for the embedded default (SmolLM2-135M-Instruct)",
+          "tokenizer": "no tokenizer for the model's own",
+          "speculative_draft_model_path": "no path for the algorithm's default draft"}
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,8 @@ class EngineConfig:
     context_length: int | None = None
     page_size: int = 16
     mem_fraction_static: float = 0.85  # CUDA: share of GPU memory for weights + KV + graphs
-    cpu_kv_cache_bytes: int = 1 << 30  # CPU: byte budget of the KV cache
+    cpu_kv_cache_bytes: int | None = None  # CPU: byte budget of the KV cache (cpu_kv_budget)
+    cpu_threads: int | None = None  # CPU: torch threads per process (engine/cpu_threads.py)
     max_total_tokens: int | None = None  # caps the KV pool (SGLang's --max-total-tokens)
     max_running_requests: int = 256
     chunked_prefill_size: int | None = None  # 2048 on CUDA, 1024 on CPU; -1 disables chunking
@@ -77,13 +84,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("context_length", "page_size", "max_total_tokens", "max_running_requests",
-                     "max_prefill_tokens", "cpu_kv_cache_bytes", "piecewise_cuda_graph_max_tokens",
-                     "cuda_graph_max_bs", "tp_size"):
+                     "max_prefill_tokens", "cpu_kv_cache_bytes", "cpu_threads",
+                     "piecewise_cuda_graph_max_tokens", "cuda_graph_max_bs", "tp_size"):
             positive(name)
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         self._check_device()
+        for name in ("model", "tokenizer", "speculative_draft_model_path"):
+            check_not_hub_id(name, getattr(self, name))
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
@@ -179,6 +188,16 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, _DTYPE_ALIASES.get(self.dtype, self.dtype))
 
+    def cpu_kv_budget(self, context_length: int, bytes_per_token: int) -> int:
+        """Bytes of the KV cache on the CPU: ``cpu_kv_cache_bytes`` when given, else what
+        ``max_running_requests`` sequences of ``context_length`` tokens can use, at most
+        ``CPU_KV_CACHE_DEFAULT_BYTES`` (``max_total_tokens`` caps the pool after this).
+        """
+        if self.cpu_kv_cache_bytes is not None:
+            return self.cpu_kv_cache_bytes
+        usable = self.max_running_requests * context_length * bytes_per_token
+        return min(usable, CPU_KV_CACHE_DEFAULT_BYTES)
+
     @property
     def use_piecewise(self) -> bool:
         """Whether piecewise graphs serve extend batches: on CUDA unless disabled. On CPU no
@@ -226,6 +245,20 @@ class EngineConfig:
         if self.piecewise_cuda_graph_compiler is not None:
             return self.piecewise_cuda_graph_compiler
         return "inductor" if self.torch_device.type == "cuda" else "eager"
+
+
+def check_not_hub_id(name: str, value: object) -> None:
+    """Refuse a Hugging Face hub id ("org/name") that is not also a local path: pcgspec loads
+    local folders and files only.
+    """
+    if not isinstance(value, str) or not _HUB_ID.fullmatch(value) or Path(value).exists():
+        return
+    raise ValueError(
+        f"{name} {value!r} is not a local folder or file, and downloads from the Hugging Face "
+        "hub are not available in pcgspec: pass a local folder with config.json and "
+        f"*.safetensors (e.g. what `huggingface-cli download {value} --local-dir DIR` writes), "
+        f"a .gguf file, or {_UNSET.get(name, 'none for the default')}"
+    )
 
 
 def _int_tuple(name: str, value: list[object] | str) -> tuple[int, ...]:

@@ -30,7 +30,12 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "page_size": ("tokens per KV-cache page", None),
     "mem_fraction_static": ("CUDA only: share of GPU memory for weights, KV cache and graphs",
                             None),
-    "cpu_kv_cache_bytes": ("CPU only: bytes of the KV cache", None),
+    "cpu_kv_cache_bytes": ("CPU only: bytes of the KV cache (default: what --max-running-requests "
+                           "sequences of --context-length tokens use, at most 256 MiB; 'generate' "
+                           "sizes it to its prompts)", None),
+    "cpu_threads": ("CPU only: torch threads of the engine (of each rank with --tp-size), set "
+                    "when it starts (default: OMP_NUM_THREADS if set, else the physical cores "
+                    "the machine's load leaves idle, at most 16)", None),
     "max_total_tokens": ("cap on the KV pool in tokens (default: what the memory budget holds)",
                          None),
     "max_running_requests": ("most sequences running at once", None),

@@ -7,12 +7,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
 from pcgspec.engine.request import Request
 from pcgspec.outputs import RequestOutput
+from pcgspec.progress import progress
 from pcgspec.sampling_params import SamplingParams
 
 # vLLM's prompt forms: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
@@ -52,6 +51,10 @@ class LLM:
     """An engine with a blocking ``generate``. ``model=None`` loads the embedded default
     model (SmolLM2-135M-Instruct), fetching and converting it on first use. Every other keyword
     is an ``EngineConfig`` field; an unknown one raises ``ValueError``.
+
+    On the CPU the engine sets torch's intra-op thread count when it starts (``cpu_threads``,
+    else ``OMP_NUM_THREADS``, else the idle physical cores: ``engine/cpu_threads.py``); that is
+    process-wide, and importing pcgspec changes nothing.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -122,7 +125,7 @@ class LLM:
         return self.engine.tokenizer.decode([token_id])
 
     def _run(self, num_sequences: int, use_tqdm: bool) -> None:
-        with tqdm(total=num_sequences, desc="generate", unit="seq", disable=not use_tqdm) as bar:
+        with progress(total=num_sequences, desc="generate", unit="seq", show=use_tqdm) as bar:
             while self.engine.has_unfinished:
                 done = sum(r.finished for r in self.engine.step())
                 bar.update(done)

@@ -56,6 +56,15 @@ def test_every_flag_has_help_naming_its_default_and_choices(command):
     assert set(ENGINE_HELP) == {f.name for f in fields(EngineConfig)}
 
 
+@pytest.mark.parametrize("command", [None, "generate", "serve", "convert", "train-eagle3"])
+def test_help_is_plain_text(command):
+    parser = build_parser() if command is None else _subcommands()[command]
+    text = parser.format_help()
+    for markup in ("``", "::", "`"):
+        assert markup not in text, f"{markup!r} in the help of {command or 'pcgspec'}"
+    assert parser.description and parser.description in " ".join(text.split())
+
+
 def test_names_vllm_users_type():
     args = build_parser().parse_args(["generate", "--max-tokens", "7"])
     assert args.max_new_tokens == 7
@@ -84,6 +93,14 @@ def test_busy_port_fails_before_the_model_loads(capsys, tmp_path):
         code = main(["serve", str(tmp_path / "no-model"), "--port", str(port)])
     err = capsys.readouterr().err
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
+@pytest.mark.parametrize("argv", [["serve", "meta-llama/Llama-3.2-1B", "--port", "0"],
+                                  ["generate", "--model-path", "Qwen/Qwen2.5-0.5B"]])
+def test_a_hub_id_says_what_to_pass_instead(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not available in pcgspec" in err and "config.json" in err and ".gguf" in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -17,6 +17,18 @@ def llm(smollm2_path) -> LLM:
     return LLM(str(smollm2_path), dtype="float32", device="cpu", disable_piecewise_cuda_graph=True)
 
 
+def test_a_hub_id_is_refused_naming_what_to_pass(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"model 'Qwen/Qwen2.5-0.5B' .*hub are not available"
+                                         r".*config\.json.*\.gguf file, or no model"):
+        LLM("Qwen/Qwen2.5-0.5B")
+    with pytest.raises(ValueError, match="tokenizer 'org/tok' .*hub"):
+        LLM(tokenizer="org/tok")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)  # a local folder of that name is a path
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM("org/name")
+
+
 def test_every_prompt_form_generates_the_same_tokens(llm):
     text = "The capital of France is"
     ids = llm.get_tokenizer().encode(text)

@@ -218,7 +218,8 @@ async def _complete(client: TestClient, prompt: str, **extra: object) -> str:
     return "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
 
 
-def test_server_streams_equal_generate(engines, monkeypatch):
+def test_server_streams_equal_generate(engines, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="pcgspec")
     llm = engines[True]
     want = [o.text for o in engines[False].generate(PROMPTS[:6], greedy(10), use_tqdm=False)]
     monkeypatch.setattr(engine_loop, "Engine", lambda config: llm.engine)
@@ -236,6 +237,9 @@ def test_server_streams_equal_generate(engines, monkeypatch):
 
     assert asyncio.run(run()) == want
     _assert_whole(llm)
+    finished = [m for m in caplog.messages if re.fullmatch(
+        r"request \S+ finished \(length\): \d+ prompt tokens, 10 output tokens, \d+ ms", m)]
+    assert len(finished) == 6, caplog.messages
 
 
 @pytest.mark.gpu

@@ -25,13 +25,13 @@ import torch
 from torch import fx, nn
 from torch._ops import OpOverload
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from tqdm.auto import tqdm
 
 from pcgspec import envs
 from pcgspec.compile.custom_ops import direct_impls
 from pcgspec.compile.custom_ops import split_ops as default_split_ops
 from pcgspec.compile.piecewise import PiecewiseGraphs, PiecewisePiece
 from pcgspec.compile.splitter import SplitResult, split_graph
+from pcgspec.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class PiecewiseBackend:
         name, compile_piece = self._piece_compiler(example_inputs)
         pieces = split.compute_pieces
         with self._cache() if name == "inductor" else nullcontext(), torch.no_grad():
-            for piece in tqdm(pieces, desc=f"Compiling pieces ({name})", disable=name == "eager"):
+            for piece in progress(pieces, desc=f"Compiling pieces ({name})", show=name != "eager"):
                 fn = compile_piece(piece.graph_module, _example_inputs(piece.graph_module))
                 runner = PiecewisePiece(piece.name, fn, self.graphs)
                 setattr(split.split_module, piece.name, runner)

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
-from tqdm.auto import tqdm
+
+from pcgspec.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class PiecewiseGraphs:
             gc.collect()  # once here; torch.cuda.graph() would do it for every piece
             torch.cuda.empty_cache()
         start, before = time.perf_counter(), self._reserved_bytes()
-        for bucket in tqdm(order, desc="Capturing piecewise graphs", unit="bucket"):
+        for bucket in progress(order, desc="Capturing piecewise graphs", unit="bucket"):
             with self.capturing(bucket):
                 run(bucket)
         elapsed, mib = time.perf_counter() - start, (self._reserved_bytes() - before) / 2**20

@@ -33,11 +33,13 @@ def run_worker(config: EngineConfig, model_path: Path | RandomWeights | None,
     """
     from pcgspec.distributed.broadcast import BatchChannel
     from pcgspec.distributed.launcher import rank_device
+    from pcgspec.engine.cpu_threads import apply_cpu_threads
     from pcgspec.runners.model_runner import ModelRunner
 
     _exit_with_parent()
     if config.log_level:
         logging.getLogger("pcgspec").setLevel(config.log_level.upper())
+    apply_cpu_threads(config)
     groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
     runner = ModelRunner(config, model_path, tp_groups=groups)
     warm_up_kernels(_attention_warmup(config, runner), runner.device)

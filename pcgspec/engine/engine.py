@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pcgspec.config import EngineConfig
+from pcgspec.engine.cpu_threads import apply_cpu_threads
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.engine.isolation import run_isolated
 from pcgspec.engine.kv_pool import PagePool
@@ -46,6 +47,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         _thaw()  # NOTE: engines dropped since the last start-up go before this one takes memory
         self.config = config
+        apply_cpu_threads(config)
         self.model_dir: Path = resolve_model_dir(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         self.runner, draft = self._load_models(config)

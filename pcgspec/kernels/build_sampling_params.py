@@ -258,7 +258,7 @@ def build_sampling_params(
     has_slots = req_slots is not None
     _BUILD((num_requests, 1, 1), (*requests.tensors(), slots, rows_per_request, row_start,
                                   *out.tensors()), (),
-           {"HAS_SLOTS": has_slots, "BLOCK": _ROW_BLOCK}, key=has_slots)  # fmt: skip
+           {"HAS_SLOTS": has_slots, "BLOCK": _ROW_BLOCK})  # fmt: skip
     return out
 
 
@@ -302,8 +302,7 @@ def advance_positions(
                history.shape[1] - 1 if has_history else 0)  # fmt: skip
     constants = {"HAS_SLOTS": has_slots, "HAS_TOKENS": has_tokens, "HAS_HISTORY": has_history,
                  "BLOCK": _ADVANCE_BLOCK, "BLOCK_T": triton.next_power_of_2(num_tokens)}
-    _ADVANCE((triton.cdiv(num_requests, _ADVANCE_BLOCK), 1, 1), tensors, scalars, constants,
-             key=tuple(constants.values()))  # fmt: skip
+    _ADVANCE((triton.cdiv(num_requests, _ADVANCE_BLOCK), 1, 1), tensors, scalars, constants)
 
 
 def _check_commit(

@@ -487,7 +487,7 @@ def _launch(
     if launch is not None and kernel.aligned(ptrs):
         launch(grid, *ptrs, *scalars)
         return
-    launch = kernel(grid, tensors, scalars, constants, (strides, tuple(sorted(constants.items()))))
+    launch = kernel(grid, tensors, scalars, constants)
     if launch is not None:
         plan.launches[(kernel, strides)] = launch
 

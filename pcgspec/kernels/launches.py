@@ -5,6 +5,16 @@
 ``CompiledLaunches`` keeps one per specialization of a kernel, so only the first launch of each
 takes Triton's binder: a short prefill is host-bound, and the launches before the GPU has work
 (and the attention launch of every layer) are on its critical path.
+
+Two checks keep a lean launch from running the wrong binary. ``CompiledLaunches`` keys each
+launch by everything Triton specializes it on (``launch_key``), taken from the arguments, so a
+launch whose specialization differs from every cached one goes through Triton's own launch
+(which compiles its binary) and is cached under its own key. And the lean path calls Triton
+internals (``CompiledKernel.run``'s argument order, ``function``, ``packed_metadata``,
+``_init_handles``, the launch hooks in ``knobs.runtime``, a JIT function's ``params``), so it
+runs only on the Triton versions it was written and tested against (``LEAN_TRITON_VERSIONS``;
+tests/test_lean_launches.py compares it with Triton's own launch on the GPU): on any other
+every launch takes Triton's own path, and one warning says so.
 """
 
 from __future__ import annotations
@@ -12,15 +22,21 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
+import logging
 import operator
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 
+logger = logging.getLogger("pcgspec")
+LEAN_TRITON_VERSIONS = ("3.6",)  # major.minor
+_I32, _I64 = 1 << 31, 1 << 63
 _counts: collections.Counter[str] | None = None  # set while count_triton_launches runs
 
 
@@ -28,7 +44,8 @@ def compiled_launcher(
     kernel: object, trailing: Sequence[object] = ()
 ) -> Callable[..., None] | None:
     """``launch(grid, *args)`` for ``kernel`` as Triton compiled it (what ``jit_fn[grid](...)``
-    returns), or None when it is not a compiled kernel (the interpreter).
+    returns), or None when it is not a compiled kernel (the interpreter) or the installed
+    Triton is not one of ``LEAN_TRITON_VERSIONS``.
 
     The arguments must match the specialization ``kernel`` was compiled for (pointer alignment,
     specialized ints); ``trailing`` is appended to every launch (the constexpr values, which
@@ -38,6 +55,9 @@ def compiled_launcher(
     installed; with one (e.g. a profiler), every launch takes Triton's full path.
     """
     if not isinstance(kernel, CompiledKernel):
+        return None
+    if not lean_launches_supported():
+        _warn_unsupported()
         return None
     kernel._init_handles()
     run, function, packed, name = kernel.run, kernel.function, kernel.packed_metadata, kernel.name
@@ -57,25 +77,51 @@ def compiled_launcher(
     return launch
 
 
+def lean_launches_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed Triton's) is one the lean path was written
+    against."""
+    version = triton.__version__ if version is None else version
+    return ".".join(version.split("+")[0].split(".")[:2]) in LEAN_TRITON_VERSIONS
+
+
+@functools.cache
+def _warn_unsupported() -> None:
+    logger.warning("Triton %s is not a version pcgspec's lean kernel launches were written "
+                   "against (%s): every kernel launches through Triton's own path, which costs "
+                   "host time per launch", triton.__version__,
+                   ", ".join(LEAN_TRITON_VERSIONS))  # fmt: skip
+
+
+def scalar_key(value: object, specialized: bool) -> Hashable:
+    """What Triton's signature and specialization see of a scalar argument: an int's type (i32,
+    i64 or u64, by its value) and, where Triton specializes its value (``specialized``: not in
+    the kernel's ``do_not_specialize``), whether it is 1 and whether 16 divides it; the type of
+    anything else (float, bool, None).
+    """
+    if type(value) is not int:
+        return type(value)
+    width = 32 if -_I32 <= value < _I32 else 64 if -_I64 <= value < _I64 else 65
+    return (width, value == 1, not value & 15) if specialized else width
+
+
 class CompiledLaunches:
     """Launches of one ``@triton.jit`` kernel, each specialization's compiled kernel kept as a
-    ``compiled_launcher`` after its first launch.
+    ``compiled_launcher`` after its first launch, under its ``launch_key``.
 
-    ``key`` must pin everything of the launch that Triton specializes on besides the tensors'
-    device and dtypes and the 16-byte alignment of their pointers (those are added here): the
-    specialized ints and the constexprs. Tensors come first in the argument list, then scalars,
-    then the constexprs (by name in ``constants``). Pointers the kernel lists in
-    ``do_not_specialize_on_alignment`` may have any alignment.
+    Tensors come first in the argument list, then scalars, then the constexprs (by name in
+    ``constants``, with launch options such as ``num_warps``). Pointers the kernel lists in
+    ``do_not_specialize_on_alignment`` may have any alignment; a launch with another pointer
+    not 16-byte aligned takes Triton's own path.
     """
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self._launches: dict[Hashable, Callable[..., None] | None] = {}
-        params = getattr(fn, "params", ())  # NOTE: the interpreter's functions have none
+        params = [p for p in getattr(fn, "params", ()) if not p.is_constexpr]  # NOTE: the
+        # interpreter's functions have none: every scalar then counts as value-specialized
         self._align_checked = tuple(
-            i for i, p in enumerate(params) if not (p.is_constexpr or
-                                                    p.do_not_specialize_on_alignment)
-        )  # fmt: skip
+            i for i, p in enumerate(params) if not p.do_not_specialize_on_alignment)
+        self._value_specialized = tuple(not p.do_not_specialize for p in params)
 
     def aligned(self, ptrs: Sequence[int]) -> bool:
         """Whether the pointers (tensors' ``data_ptr()``, in argument order) that Triton
@@ -84,31 +130,44 @@ class CompiledLaunches:
         n = len(ptrs)
         return all_aligned([ptrs[i] for i in self._align_checked if i < n] or [0])
 
+    def launch_key(
+        self, tensors: Sequence[torch.Tensor], scalars: Sequence[object],
+        constants: dict[str, object],
+    ) -> Hashable:  # fmt: skip
+        """Everything of an aligned launch that selects its compiled kernel: the device, the
+        tensors' dtypes, each scalar's ``scalar_key`` and the constexprs and options."""
+        flags = self._value_specialized[len(tensors) :] or itertools.repeat(True)
+        values = [scalar_key(v, f) for v, f in zip(scalars, flags)]
+        return (tensors[0].device, *[t.dtype for t in tensors], *values, *constants.items())
+
+    def clear(self) -> None:
+        """Forget the lean launches: the next launch of each specialization takes Triton's path."""
+        self._launches.clear()
+
     def __call__(
         self,
         grid: tuple[int, int, int],
         tensors: Sequence[torch.Tensor],
         scalars: Sequence[object],
         constants: dict[str, object],
-        key: Hashable,
     ) -> Callable[..., None] | None:
         """Launch; returns the lean launch of this specialization (None: Triton's path only,
-        e.g. under the interpreter or with a misaligned pointer), which takes the same
-        ``(grid, *tensors or data_ptrs, *scalars)``.
+        e.g. under the interpreter, on another Triton version or with a misaligned pointer),
+        which takes the same ``(grid, *tensors or data_ptrs, *scalars)``.
         """
         ptrs = [t.data_ptr() for t in tensors]
         if not self.aligned(ptrs):  # Triton specializes on alignment
             self.fn[grid](*tensors, *scalars, **constants)
             return None
-        full_key = (key, tensors[0].device, *(t.dtype for t in tensors))
-        launch = self._launches.get(full_key)
+        key = self.launch_key(tensors, scalars, constants)
+        launch = self._launches.get(key)
         if launch is not None:
             launch(grid, *ptrs, *scalars)
             return launch
         kernel = self.fn[grid](*tensors, *scalars, **constants)
         names = self.fn.arg_names[len(tensors) + len(scalars) :]
         launch = compiled_launcher(kernel, [constants[name] for name in names])
-        self._launches[full_key] = launch
+        self._launches[key] = launch
         return launch
 
 

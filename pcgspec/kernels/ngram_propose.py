@@ -114,7 +114,7 @@ def ngram_propose(
         "BLOCK_K": triton.next_power_of_2(num_steps),
     }  # fmt: skip
     _PROPOSE((b, 1, 1), (history, slots, lengths, drafts, counts), (history.stride(0),),
-             constants, key=tuple(constants.values()))  # fmt: skip
+             constants)  # fmt: skip
     return drafts, counts
 
 

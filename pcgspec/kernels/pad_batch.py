@@ -87,7 +87,7 @@ def pad_batch(
     scalars = (len(input_ids), len(out_ids), len(extend_lens))
     grid = (max(1, triton.cdiv(len(out_ids), _BLOCK)), 1, 1)
     constants = {"BLOCK": _BLOCK, "HAS_START": has_start}
-    _PAD_BATCH(grid, tensors, scalars, constants, key=(_BLOCK, has_start))
+    _PAD_BATCH(grid, tensors, scalars, constants)
 
 
 def pad_batch_ref(

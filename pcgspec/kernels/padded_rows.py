@@ -203,7 +203,7 @@ def _launch(
                tokens.drafts.stride(0) if has_ids else 0)  # fmt: skip
     constants = {"K1": k1, "BLOCK": triton.next_power_of_2(k1), "HAS_VALID": has_valid,
                  "HAS_IDS": has_ids, "HAS_META": has_meta}  # fmt: skip
-    _PADDED_ROWS((grid, 1, 1), tensors, scalars, constants, key=tuple(constants.values()))
+    _PADDED_ROWS((grid, 1, 1), tensors, scalars, constants)
 
 
 def padded_rows_ref(

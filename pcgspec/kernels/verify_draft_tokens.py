@@ -270,10 +270,10 @@ def verify_draft_tokens(
         "BLOCK_V": block_v or min(4096, triton.next_power_of_2(v)),
         "num_warps": 8 if v >= 8192 else 4,
     }  # fmt: skip
-    _VERIFY_ROWS((b, k1, 1), tensors, scalars, constants, key=(*scalars, *constants.values()))
+    _VERIFY_ROWS((b, k1, 1), tensors, scalars, constants)
     constants = {"BLOCK_K": triton.next_power_of_2(k1)}
     _ACCEPT_RUNS((b, 1, 1), (accept, cand, draft_tokens, out.accept_len, out.tokens), (k1 - 1,),
-            constants, key=(k1, *constants.values()))  # fmt: skip
+                 constants)  # fmt: skip
     return out
 
 

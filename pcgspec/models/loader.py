@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm.auto import tqdm
 
 from pcgspec import envs
+from pcgspec.config import check_not_hub_id
 from pcgspec.distributed.group import SINGLE, TPGroup
 from pcgspec.models.registry import MODEL_TYPE_ALIASES, model_class
+from pcgspec.progress import progress
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -35,6 +36,7 @@ def resolve_model_dir(path: str | Path | None) -> Path:
         from pcgspec.models.default_model import default_model_path
 
         return default_model_path()
+    check_not_hub_id("model", str(path))
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -85,7 +87,7 @@ def iter_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             total += len(f.keys())
-    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
+    with progress(total=total, desc="Loading weights", unit="tensor") as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():

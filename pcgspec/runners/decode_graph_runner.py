@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
 from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.kernels.padded_rows import GraphRows
+from pcgspec.progress import progress
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ class DecodeGraphRunner:
         order = self.batch_sizes[::-1]
         what = f"{self.mode.name.lower()} graphs"
         with capture_stream(self.device):
-            for bs in tqdm(order, desc=f"Capturing {what}", unit="bucket"):
+            for bs in progress(order, desc=f"Capturing {what}", unit="bucket"):
                 self._capture_one(bs)
         logger.info(
             "Captured %d %s (batch %d..%d, %d tokens per request, %s) in %.1f s, %.0f MiB",

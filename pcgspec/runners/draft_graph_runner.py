@@ -19,10 +19,10 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm.auto import tqdm
 
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
+from pcgspec.progress import progress
 from pcgspec.runners.decode_graph_runner import StaticBuffers, capture_stream, decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 
@@ -68,7 +68,8 @@ class DraftGraphRunner:
         self.buffers.seq_lens.zero_()
         start = time.perf_counter()
         with capture_stream(self.device):
-            for bs in tqdm(self.batch_sizes[::-1], desc="Capturing draft graphs", unit="bucket"):
+            for bs in progress(self.batch_sizes[::-1], desc="Capturing draft graphs",
+                               unit="bucket"):
                 for _ in range(self.num_warmup):
                     self._propose(bs)
                 graph = _CudaGraph(self.pool) if on_cuda else _EagerGraph()

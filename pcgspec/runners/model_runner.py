@@ -184,7 +184,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.mem_fraction_static) - (total - free) - reserve
         else:
-            budget = self.config.cpu_kv_cache_bytes
+            budget = self.config.cpu_kv_budget(self.context_length, bytes_per_token)
         tokens = budget // bytes_per_token
         if self.config.max_total_tokens is not None:
             tokens = min(tokens, self.config.max_total_tokens)

@@ -33,6 +33,7 @@ from pcgspec.server.engine_loop import (
     run_engine,
     run_engine_process,
 )
+from pcgspec.server.logs import log_finished
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -257,10 +258,13 @@ class AsyncEngine:
             if final:
                 stream.finished = True
                 del self.streams[request_id]
-            if not isinstance(item, BaseException):
+            error = item if isinstance(item, BaseException) else None
+            if error is None:
                 if self.metrics is not None:
                     self.metrics.observe(stream, item, final, now)
                 _record(stream, item, now)
+            if final:
+                log_finished(stream, now, error)
             stream.out.put_nowait((stream, item, final))
 
     def _died(self, message: str) -> None:

@@ -31,6 +31,7 @@ from pcgspec import envs
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
 from pcgspec.server.deltas import SeqDelta, SeqTracker
+from pcgspec.server.logs import ThroughputLog
 
 logger = logging.getLogger("pcgspec")
 SNAPSHOT_INTERVAL = 0.05  # seconds between counter snapshots while steps run
@@ -159,6 +160,7 @@ class EngineLoop:
         self._live: dict[str, list[SeqTracker]] = {}
         self._counts = {"num_steps": 0, "num_aborted": 0, "num_step_errors": 0}
         self._snapshot_time = 0.0
+        self._throughput = ThroughputLog()
 
     def run(self) -> None:
         engine = self.engine
@@ -200,6 +202,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         engine = self.engine
+        self._throughput.begin()
         try:
             engine.step()
             self._counts["num_steps"] += 1
@@ -211,6 +214,7 @@ class EngineLoop:
                 engine.abort(request_id)
             self.fail_all(EngineDeadError(f"the engine failed: {e}"))
         self._publish(snapshot=not engine.has_unfinished)
+        self._throughput.tick(engine.has_unfinished, engine.stats)
 
     def _publish(self, snapshot: bool) -> None:
         """Send every new delta in one message, with the counters when asked, when a request
@@ -225,6 +229,7 @@ class EngineLoop:
             deltas: list[SeqDelta] = [d for d in (t.delta() for t in trackers) if d is not None]
             if not deltas:
                 continue
+            self._throughput.count(trackers[0].req.prompt_len, deltas)
             final = all(t.done for t in trackers)
             if final:
                 del self._live[request_id]

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm.auto import tqdm
 
 from pcgspec.llm import chat_prompt
+from pcgspec.progress import progress
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardMode
 from pcgspec.sampling_params import SamplingParams
@@ -105,7 +105,8 @@ def write_dataset(
     keep = [i for i, (p, r) in enumerate(pairs) if r and len(p) + len(r) >= MIN_TOKENS]
     sequences = [pairs[i][0] + pairs[i][1] for i in keep]
     captured = capture_hidden(llm.engine.runner, sequences, pass_tokens)
-    for i, (aux, final) in zip(keep, tqdm(captured, total=len(keep), desc="capture", unit="seq")):
+    bar = progress(captured, total=len(keep), desc="capture", unit="seq")
+    for i, (aux, final) in zip(keep, bar):
         prompt_ids, response_ids = pairs[i]
         split = "eval" if i >= len(pairs) - num_eval else "train"
         mask = [False] * len(prompt_ids) + [True] * len(response_ids)

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from pcgspec.models.eagle3 import Eagle3Head
+from pcgspec.progress import progress, tqdm
 from pcgspec.training.data import batch_shape, iter_batches, plan_batches, split_shards
 from pcgspec.training.loss import Batch, StepCounts, ttt_loss
 from pcgspec.training.options import TrainOptions
@@ -136,7 +136,7 @@ class Trainer:
         # (time, step) from which seconds per step are measured: past the first steps and the
         # first evaluation, which compile their graphs
         steady, evaluated = None, False
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step")
+        bar = progress(total=self.total_steps, initial=self.step, desc="train", unit="step")
         sums = self._zero_sums()
         stopped = None
         while self.step < self.total_steps and stopped is None:
@@ -250,7 +250,7 @@ class Trainer:
         record = {"step": self.step, **result.as_dict()}
         self.evals.append(record)
         message = f"eval step {self.step}: {result.message()}"
-        (bar.write if bar is not None else logger.info)(message)
+        (bar.write if bar is not None and not bar.disable else logger.info)(message)
         return record
 
     # checkpoints -----------------------------------------------------------------------------
