@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import shlex
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -191,6 +193,9 @@ def run_configs(
                         "start_s": up if args.launch else None, **info})  # fmt: skip
         results["points"] += points
         results["text_check"][config.name] = texts
+        if args.out:  # NOTE: what ran so far survives a run cut short
+            partial = Path(f"{args.out}.partial")
+            partial.write_text(json.dumps({**results, "configs": configs}, default=str) + "\n")
     clock.log("done")
     results["configs"] = configs
     results["elapsed_s"] = time.perf_counter() - clock.start
