@@ -29,6 +29,7 @@ from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.model_runner import ModelRunner
+from pcgspec.runners.refusals import GraphStats
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
@@ -207,6 +208,18 @@ class Engine:
             "tree_pages": cache.num_pages,
             "tree_tokens": cache.num_pages * self.page_size,
         }
+
+    def graph_stats(self) -> dict[str, GraphStats]:
+        """Runs, padding and fallbacks by reason of every graph runner built, by name: the
+        target's ``piecewise``, ``decode``, ``verify``; a model drafter's ``draft`` (its propose
+        phase) and ``draft_piecewise`` (a STANDALONE draft's long catch-ups).
+        """
+        runners = self.runner.graph_runners()
+        proposer = None if self.spec_worker is None else self.spec_worker.proposer
+        if isinstance(proposer, ModelProposer):
+            drafter = {"draft": proposer.graphs, "draft_piecewise": proposer.runner.piecewise}
+            runners |= {name: r for name, r in drafter.items() if r is not None}
+        return {name: r.stats() for name, r in runners.items()}
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (running requests keep their pages)."""

@@ -18,7 +18,7 @@ from pcgspec.sampling_params import SamplingParams
 from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
 from pcgspec.server.connections import install_log_filters, listen
 from pcgspec.server.engine_loop import log_slow_collections
-from pcgspec.server.metrics import piecewise_summary
+from pcgspec.server.metrics import graph_summary
 from pcgspec.server.openai_api import chat_completions, completions
 from pcgspec.server.protocol import ApiError
 from pcgspec.server.state import STATE, ServerSettings, ServerState
@@ -149,8 +149,7 @@ async def server_info(request: web.Request) -> web.Response:
     internal = {
         "avg_spec_accept_length": snap.spec.get("avg_spec_accept_length"),
         "speculative": snap.spec,
-        "piecewise": piecewise_summary(snap.piecewise),
-        "decode_graphs": snap.decode_graphs,
+        "graphs": graph_summary(snap.graphs),  # runs and fallbacks by reason, per runner
         "kv": {
             "used_pages": stats.get("kv_pages_used", 0),  # held by requests
             "cached_pages": stats.get("kv_pages_cached", 0),  # held by the prefix cache

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from pcgspec import envs
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
+from pcgspec.runners.refusals import GraphStats
 from pcgspec.server.deltas import SeqDelta, SeqTracker
 
 logger = logging.getLogger("pcgspec")
@@ -61,9 +62,8 @@ class EngineSnapshot:
 
     stats: dict[str, int] = field(default_factory=dict)  # Engine.stats()
     spec: dict[str, Any] = field(default_factory=dict)  # Engine.spec_stats()
-    piecewise: dict[str, int] = field(default_factory=dict)  # runs and fallbacks by reason
     cache: dict[str, float] = field(default_factory=dict)  # Engine.cache_stats()
-    decode_graphs: dict[str, int] = field(default_factory=dict)
+    graphs: dict[str, GraphStats] = field(default_factory=dict)  # Engine.graph_stats()
     num_steps: int = 0
     num_aborted: int = 0  # requests (groups of n) aborted
     num_step_errors: int = 0
@@ -253,12 +253,10 @@ class EngineLoop:
 
     def _snapshot(self) -> EngineSnapshot:
         engine = self.engine
-        runner = engine.runner
         return EngineSnapshot(
             stats=engine.stats(),
             spec=engine.spec_stats(),
             cache=engine.cache_stats(),
-            piecewise=runner.piecewise.stats() if runner.piecewise is not None else {},
-            decode_graphs=runner.decode_graphs.stats() if runner.decode_graphs is not None else {},
+            graphs=engine.graph_stats(),
             **self._counts,
         )
