@@ -93,6 +93,19 @@ def test_a_request_the_failed_run_advanced_is_not_run_again() -> None:
     assert not reqs[3].finished
 
 
+def test_a_device_error_is_raised_without_bisecting() -> None:
+    """A sticky device error fails every later run too: no request is to blame."""
+    reqs, sizes = _requests(8), []
+
+    def run(batch: ScheduledBatch) -> None:
+        sizes.append(len(batch.requests))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_isolated(_batch(reqs), run, lambda r: None)
+    assert sizes == [8] and not any(r.finished for r in reqs)
+
+
 # --- the engine, with a fault injected into sampling ----------------------------------------
 
 

@@ -3,7 +3,9 @@
 When running a batch raises, its requests run again in halves, recursively, so the culprits end
 up alone; a request whose run fails alone finishes with "error" and its pages are freed, while
 the others complete this same step. A failure that every request of the batch meets alone is
-not tied to a request: it is raised and stops the engine.
+not tied to a request: it is raised and stops the engine. So is, at once, an error that marks
+the device unusable (``device_unusable``: a sticky CUDA error every later launch meets, which
+no request is to blame for and no bisection would survive).
 
 A run must leave no trace when it raises before committing (KV rewritten at the same slots is
 fine); a request it already advanced cannot run twice and fails with the rest of its run.
@@ -15,12 +17,25 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from pcgspec.engine.request import Request
 from pcgspec.engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger("pcgspec")
 
 RunBatch = Callable[[ScheduledBatch], None]  # compute, sample, commit (or launch)
+# NOTE: how CUDA reports a sticky error (the context is lost; every later call fails too)
+_DEVICE_LOST = ("CUDA error", "device-side assert", "illegal memory access",
+                "CUBLAS_STATUS_EXECUTION_FAILED")  # fmt: skip
+
+
+def device_unusable(error: BaseException) -> bool:
+    """Whether ``error`` marks the device as unusable for the rest of the process."""
+    accelerator = getattr(torch, "AcceleratorError", None)  # NOTE: torch >= 2.8
+    if accelerator is not None and isinstance(error, accelerator):
+        return True
+    return any(mark in str(error) for mark in _DEVICE_LOST)
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,8 @@ def _run_or_split(batch: ScheduledBatch, run: RunBatch) -> list[RequestFailure]:
         run(batch)
         return []
     except Exception as error:
+        if device_unusable(error):
+            raise
         if len(batch.requests) == 1:
             return [RequestFailure(batch.requests[0], error)]
         advanced = [_progress(r) != p for r, p in zip(batch.requests, before)]
