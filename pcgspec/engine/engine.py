@@ -76,6 +76,8 @@ class Engine:
         )  # fmt: skip
         if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
             self.scheduler.draft = self.spec_worker.proposer
+        # what a failed step gives back before its requests run again (isolation.py)
+        self._rollbacks = (self.slots, *([self.spec_worker.proposer] if spec else []))
         self._capture_draft_graphs()
         warm_up_kernels(self._kernel_warmup(), self.runner.device)
         freeze_start_up()
@@ -248,7 +250,7 @@ class Engine:
         try:
             if batch is not None:
                 run = functools.partial(self._run, speculate=speculate)
-                run_isolated(batch, run, self.scheduler.release)
+                run_isolated(batch, run, self.scheduler.release, self._rollbacks)
         finally:
             took += self._read(running)
             if not self.overlap:

@@ -128,6 +128,7 @@ class SpecWorker:
         page_table = device_page_table([r.pages for r in reqs], self.runner.device)
         proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
         verified, hidden = self.verify(reqs, seq_lens, page_table, proposal)
+        # NOTE: a raise from here on is rolled back (run_isolated: slots and drafter rows)
         self.slots.commit(reqs, verified.tokens, verified.accept_len + 1)
         drafter_rows = self.proposer.verified(reqs, verified, hidden)
         return LaunchedSpecStep.start(self, reqs, verified, proposal.num_tokens, drafter_rows)
