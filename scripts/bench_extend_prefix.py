@@ -11,7 +11,8 @@ the device time per launch from CUDA events, the host queuing all of a group beh
 kernel first (so the time is the kernels', not the host's), and the host's time per launch;
 medians over the groups. On CPU (the Triton interpreter) the wall time, for smoke tests only.
 
-    python scripts/bench_extend_prefix.py --out bench/results/extend_prefix_splits_h100_$(date +%F).json
+    python scripts/bench_extend_prefix.py \
+        --out bench/results/extend_prefix_splits_h100_$(date +%F).json
 """
 
 from __future__ import annotations

@@ -305,13 +305,6 @@ def _spec_step(llm, batches: list[list[str]], params) -> dict[str, float | None]
             **{f"{part}_ms": overlapped.median_ms(part) for part in ("launch", "wait", "read")}}
 
 
-def _graph_counters(llm) -> dict:
-    """Replays and refusals (by reason) of the target's decode and verify graphs."""
-    runner = llm.engine.runner
-    graphs = {"decode": runner.decode_graphs, "verify": runner.verify_graphs}
-    return {name: g.stats() for name, g in graphs.items() if g is not None}
-
-
 def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     params = _params(args)
@@ -332,7 +325,7 @@ def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace
                "switch_to_spec_ms": times.median_ms("switch_to_spec"),
                "switch_to_plain_ms": times.median_ms("switch_to_plain"),
                "switches": len(times.times.get("switch_to_spec", [])),
-               "graphs": _graph_counters(llm)}
+               "graphs": llm.engine.graph_stats()}
         if name != "none":
             row.update(llm.engine.spec_stats())
             row["policy_times"] = llm.engine.spec_worker.policy.step_times()

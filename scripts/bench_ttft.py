@@ -463,8 +463,8 @@ def print_table(result: dict) -> None:
         bad = sorted(k for k, e in errs.items() if not e <= MAX_REL_ERR)  # NaN is bad too
         print(f"last-row logits vs eager: worst relative error {worst:.1e}"
               + (f"; MISMATCH (> {MAX_REL_ERR}) at {bad}" if bad else ""))
-    fallbacks = {k: v for k, v in (result["piecewise_stats"] or {}).items()
-                 if k.startswith("fallback") and v}
+    fallbacks = {k: v for k, v in (result["piecewise_stats"] or {}).get("fallbacks", {}).items()
+                 if v}
     if fallbacks:
         print(f"WARNING: piecewise steps that ran eagerly: {fallbacks}")
     for key, seconds in result["cold_start"].items():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 from oracle import PROMPTS, assert_all_pages_free, assert_greedy_match, greedy
+from test_spec_models import drafts  # noqa: F401
 
 import pcgspec.sampling.sampler as sampler
 import pcgspec.server.engine_loop as engine_loop
@@ -19,6 +20,7 @@ from pcgspec.engine.request import Request
 from pcgspec.engine.scheduler import ScheduledBatch
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
+from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.server.app import build_app
 from pcgspec.server.async_engine import AsyncEngine
 from pcgspec.server.state import ServerSettings, ServerState
@@ -26,6 +28,8 @@ from pcgspec.server.state import ServerSettings, ServerState
 MARK = 4242  # the seed that makes a row fail
 FAIL_AT = 2  # ... from this output position on, so the request streams a few tokens first
 NEW_TOKENS = 5
+LATE, LATE_TOKENS = 6, 16  # a fault after the commit hits from the 6th token (of 16) on
+REPEATED = "a b c d e f g h a b c d e f g h a b"  # prompt lookup finds drafts here
 
 
 # --- run_isolated on fake runs --------------------------------------------------------------
@@ -91,6 +95,19 @@ def test_a_request_the_failed_run_advanced_is_not_run_again() -> None:
     assert [r.request_id for r in failed] == ["r0-0", "r1-0", "r2-0"]
     assert [len(r.token_ids) for r in reqs] == [3, 3, 3, 3]
     assert not reqs[3].finished
+
+
+def test_a_device_error_is_raised_without_bisecting() -> None:
+    """A sticky device error fails every later run too: no request is to blame."""
+    reqs, sizes = _requests(8), []
+
+    def run(batch: ScheduledBatch) -> None:
+        sizes.append(len(batch.requests))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_isolated(_batch(reqs), run, lambda r: None)
+    assert sizes == [8] and not any(r.finished for r in reqs)
 
 
 # --- the engine, with a fault injected into sampling ----------------------------------------
@@ -174,6 +191,80 @@ def test_a_failing_request_in_a_speculative_step_ends_alone(
     for prompt, out in zip(good, outs):
         assert out.finish_reason == "length" and out.metrics.spec_verify_steps > 0
         assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])
+    assert_all_pages_free(spec)
+
+
+def _late_mark(reqs) -> bool:
+    return any(r.seed == MARK and len(r.output_token_ids) >= LATE for r in reqs)
+
+
+def _fault_after_commit(monkeypatch, site: str) -> None:
+    """A speculative step of a batch holding a request of seed MARK that has LATE tokens
+    raises after its commit moved the requests' positions on the device: right after
+    ``SamplingSlots.commit`` (k+1 columns), or once the drafter also kept the step's verify
+    rows (at the start of ``LaunchedSpecStep.start``, before any request's tokens are pending).
+    """
+    if site == "commit":
+        commit = SamplingSlots.commit
+
+        def commit_then_fail(self, reqs, tokens, num_emitted) -> None:
+            commit(self, reqs, tokens, num_emitted)
+            if tokens.shape[1] > 1 and _late_mark(reqs):
+                raise RuntimeError("injected fault after the commit")
+
+        monkeypatch.setattr(SamplingSlots, "commit", commit_then_fail)
+        return
+    start = spec_worker.LaunchedSpecStep.start.__func__
+
+    def fail_then_start(cls, worker, reqs, *args):
+        if _late_mark(reqs):
+            raise RuntimeError("injected fault after the commit")
+        return start(cls, worker, reqs, *args)
+
+    monkeypatch.setattr(spec_worker.LaunchedSpecStep, "start", classmethod(fail_then_start))
+
+
+CASES = [*((a, o, "commit") for a in ("NGRAM", "EAGLE3", "STANDALONE", "NEXTN")
+           for o in (False, True)),
+         *((a, True, "drafter") for a in ("EAGLE3", "STANDALONE", "NEXTN"))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("algorithm", "overlap", "site"), CASES,
+                         ids=["-".join((a, "overlap" if o else "sync", s)) for a, o, s in CASES])
+def test_a_step_failing_after_its_commit_advances_the_others_once(
+    smollm2_path, plain_llm, hf_model, drafts, monkeypatch, algorithm, overlap, site  # noqa: F811
+):
+    """The halves run again from the positions before the failed step (rolled back): the
+    greedy requests equal plain decoding and the seeded one, whose random stream follows its
+    position counter, samples exactly plain decoding's tokens; the drafts accepted are those of
+    a run without the failing request (a drafter's state is rolled back too). Under the overlap
+    schedule the previous speculative step is still unread: a model drafter catches up from its
+    verify rows, those of the failed step forgotten (``site`` "drafter") and, after a half ran,
+    those of the other half kept.
+    """
+    _fault_after_commit(monkeypatch, site)
+    # NOTE: SmolLM2 drafting for itself: every draft is accepted, unless a catch-up went wrong
+    path = str(smollm2_path) if algorithm == "STANDALONE" else drafts.get(algorithm)
+    draft = {} if path is None else {"speculative_draft_model_path": path}
+    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
+               speculative_num_steps=3, speculative_policy="always",
+               disable_piecewise_cuda_graph=True, disable_overlap_schedule=not overlap,
+               **draft)  # fmt: skip
+    prompts = [PROMPTS[0], REPEATED, PROMPTS[2], PROMPTS[7]]
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=LATE_TOKENS, ignore_eos=True)
+    params = [greedy(LATE_TOKENS), greedy(LATE_TOKENS), sampled, greedy(LATE_TOKENS, seed=MARK)]
+    *outs, bad = spec.generate(prompts, params, use_tqdm=False)
+    assert bad.finish_reason == "error" and LATE <= len(bad.token_ids) < LATE_TOKENS
+    want = plain_llm.generate(prompts[:3], params[:3], use_tqdm=False)
+    tok = spec.get_tokenizer()
+    for prompt, w, got in zip(prompts[:2], want, outs):
+        assert got.finish_reason == "length" and got.metrics.spec_verify_steps > 0
+        assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, w.token_ids)
+    assert outs[2].token_ids == want[2].token_ids
+    monkeypatch.undo()  # the same requests without the failing one: the same drafts accepted
+    clean = spec.generate(prompts[:3], params[:3], use_tqdm=False)
+    for got, ref in zip(outs, clean):
+        assert got.metrics.spec_accepted_per_position == ref.metrics.spec_accepted_per_position
     assert_all_pages_free(spec)
 
 

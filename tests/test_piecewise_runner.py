@@ -24,7 +24,6 @@ from pcgspec.config import EngineConfig
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.runners.model_runner import ModelRunner
-from pcgspec.runners.piecewise_runner import RUNS
 
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
 NULL, FULL = CaptureHiddenMode.NULL, CaptureHiddenMode.FULL
@@ -127,8 +126,17 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
     assert err <= rel * scale, f"max abs diff {err:.3g} > {rel:g} x {scale:.3g}"
 
 
+RUNS = "runs"
+
+
+def counts(runner: ModelRunner) -> dict[str, int]:
+    """The piecewise runner's runs and fallbacks by reason, flat."""
+    stats = runner.piecewise.stats()
+    return {RUNS: stats["runs"], **stats["fallbacks"]}
+
+
 def stats_delta(runner: ModelRunner, before: dict[str, int]) -> dict[str, int]:
-    after = runner.piecewise.stats()
+    after = counts(runner)
     return {k: after[k] - before[k] for k in after if after[k] != before[k]}
 
 
@@ -149,7 +157,7 @@ def check_boundary_batches(runner: ModelRunner, rel: float) -> None:
 
 def test_one_trace_for_20_token_counts_padded_or_not(runner):
     piecewise = runner.piecewise
-    before = piecewise.stats()
+    before = counts(runner)
     for i, n in enumerate(TOKEN_COUNTS):
         batch = mixed_batch(runner, n, seed=i)
         piecewise.pad_without_graphs = i % 2 == 0
@@ -188,24 +196,24 @@ def test_can_run_rejects_each_reason_and_counts_it(runner):
     hidden = runner.model.model.embed_tokens(base.input_ids).detach()
     cases = {  # NOTE: too_many_tokens last: it overwrites the pages of base's prefix
         RUNS: base,
-        "fallback_target_verify": dataclasses.replace(base, forward_mode=ForwardMode.TARGET_VERIFY),
-        "fallback_hidden_mode": dataclasses.replace(base, capture_hidden_mode=FULL),
-        "fallback_input_embeds": dataclasses.replace(base, input_embeds=hidden),
-        "fallback_input_logprobs": dataclasses.replace(base, return_input_logprobs=True),
-        "fallback_too_many_tokens": make_batch(runner, [runner.piecewise.max_tokens + 1]),
+        "target_verify": dataclasses.replace(base, forward_mode=ForwardMode.TARGET_VERIFY),
+        "hidden_mode": dataclasses.replace(base, capture_hidden_mode=FULL),
+        "input_embeds": dataclasses.replace(base, input_embeds=hidden),
+        "input_logprobs": dataclasses.replace(base, return_input_logprobs=True),
+        "too_many_tokens": make_batch(runner, [runner.piecewise.max_tokens + 1]),
     }
     with torch.inference_mode():
         want = runner.model.compute_logits(runner.run_eager(base)[0][base.logits_indices])
     for reason, batch in cases.items():
-        before = runner.piecewise.stats()
+        before = counts(runner)
         logits = runner.forward(batch).logits
         assert stats_delta(runner, before) == {reason: 1}
-        if batch is not cases["fallback_too_many_tokens"]:
+        if batch is not cases["too_many_tokens"]:
             assert_near(logits, want, 1e-5)
     idle = dataclasses.replace(base, forward_mode=ForwardMode.IDLE, input_ids=base.input_ids[:0])
-    before = runner.piecewise.stats()
+    before = counts(runner)
     assert not runner.piecewise.can_run(idle)
-    assert stats_delta(runner, before) == {"fallback_empty": 1}
+    assert stats_delta(runner, before) == {"empty": 1}
 
 
 def test_full_hidden_mode_keeps_prefill_on_piecewise(full_runner):
@@ -216,7 +224,7 @@ def test_full_hidden_mode_keeps_prefill_on_piecewise(full_runner):
         batch = make_batch(runner, split(n, 3, random.Random(n)), [0, 6, 2], hidden=FULL, seed=n)
         with torch.inference_mode():
             want_hidden, want_aux = (t.clone() for t in runner.run_eager(batch))
-        before = runner.piecewise.stats()
+        before = counts(runner)
         out = runner.forward(batch)
         assert stats_delta(runner, before) == {RUNS: 1}
         assert out.hidden_states.shape == (n, len(AUX_LAYERS) * runner.model.hidden_size)
@@ -225,9 +233,9 @@ def test_full_hidden_mode_keeps_prefill_on_piecewise(full_runner):
             out.logits, runner.model.compute_logits(want_hidden[batch.logits_indices]), 1e-5
         )
     null = make_batch(runner, [3, 2])
-    before = runner.piecewise.stats()
+    before = counts(runner)
     runner.forward(null)
-    assert stats_delta(runner, before) == {"fallback_hidden_mode": 1}
+    assert stats_delta(runner, before) == {"hidden_mode": 1}
     with pytest.raises(RuntimeError, match="aux_hidden_state_layers"):
         runner.set_aux_hidden_layers([1])
 
@@ -293,7 +301,7 @@ def gpu_bf16(smollm2_path) -> LLM:
 def test_gpu_float32_greedy_tokens_equal_eager(gpu_fp32, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     runner = gpu_fp32.engine.runner
-    before = runner.piecewise.stats()
+    before = counts(runner)
     graphs = [o.token_ids for o in gpu_fp32.generate(PROMPTS, params, use_tqdm=False)]
     assert stats_delta(runner, before)[RUNS] >= 64  # the prefill and every decode step
     monkeypatch.setattr(runner, "piecewise", None)

@@ -338,7 +338,7 @@ def test_1000_requests_with_aborts_through_the_engine(tmp_path, smollm2_path):
     assert {r.finish_reason for r in added} == {"length", "abort"}
     stats = engine.cache_stats()
     assert engine.scheduler.num_preemptions > 0 and stats["evicted_tokens"] > 0
-    assert stats["hit_rate"] > 0.3 and engine.runner.piecewise.stats()["piecewise_runs"] > 0
+    assert stats["hit_rate"] > 0.3 and engine.graph_stats()["piecewise"]["runs"] > 0
     assert engine.slots.num_free == engine.slots.num_slots
     assert_pool_whole(engine)
 

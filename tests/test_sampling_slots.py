@@ -125,6 +125,39 @@ def test_a_steady_batch_reuses_its_rows_until_a_slot_is_rewritten(triton: bool) 
             assert slots.slot(reqs[1]) == slot
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_rollback_undoes_the_newest_commit(triton: bool) -> None:
+    """A failed step's commit rolled back: positions, last tokens and penalty counts are those
+    before it (the rows equal the host reference of the requests as they were), for the
+    committed requests only; the token history is the same up to each request's length.
+    """
+    rng = random.Random(3)
+    slots = SamplingSlots(6, VOCAB, DEVICE, triton=triton, history_len=32)
+    reqs = [_request(rng) for _ in range(4)]
+    reqs[0].params = SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.2)
+    slots.admit(*reqs)
+    _commit(slots, reqs, rng, 2)
+    before = ([list(r.output_token_ids) for r in reqs], slots.last_tokens(reqs).clone(),
+              slots.token_history.clone(), slots.output_counts.clone())  # fmt: skip
+    mark = slots.checkpoint()
+    slots.rollback(mark)  # nothing committed since: a no-op
+    _commit(slots, reqs[1:3] + reqs[:1], rng, 3)
+    slots.rollback(mark)
+    for req, outputs in zip(reqs, before[0]):
+        req.output_token_ids = outputs
+    _assert_same(slots.rows(reqs), _reference(reqs))
+    assert torch.equal(slots.last_tokens(reqs), before[1])
+    assert torch.equal(slots.output_counts, before[3])
+    lens = slots.seq_lens(reqs).tolist()
+    for b, n in enumerate(lens):
+        slot = slots.slot(reqs[b])
+        assert torch.equal(slots.token_history[slot, :n], before[2][slot, :n])
+    _commit(slots, reqs, rng, 1)
+    _commit(slots, reqs, rng, 1)
+    with pytest.raises(RuntimeError, match="2 commits"):
+        slots.rollback(mark)
+
+
 def test_seeded_rows_do_not_depend_on_slot_or_batch() -> None:
     params = SamplingParams(temperature=0.8, seed=5)
     alone, other = _Req(params, 5, [1, 2]), _Req(SamplingParams(temperature=1.0), 9, [3])

@@ -309,8 +309,11 @@ def test_metrics_parse_and_move(server, client):
     # The parts of TTFT after the hand-off to the engine, each stamped on its own clock read.
     engine_side = sum(moved(f"request_{part}_time_seconds_sum") for part in parts)
     assert engine_side <= moved("time_to_first_token_seconds_sum")
-    assert moved("piecewise_runs_total") >= 5
-    assert 0 < after[f"pcgspec:piecewise_hit_ratio{label}"] <= 1
+    piecewise = [*label, ("runner", "piecewise")]
+    assert moved("graph_runs_total", piecewise) >= 5
+    assert 0 < after[f"pcgspec:graph_hit_ratio{sorted(piecewise)}"] <= 1
+    too_many = sorted([*piecewise, ("reason", "too_many_tokens")])
+    assert f"pcgspec:graph_fallbacks_total{too_many}" in after
     for name in (
         "num_requests_running",
         "num_requests_waiting",
@@ -326,8 +329,10 @@ def test_server_info(server):
     assert info["config"]["context_length"] == 512 and info["context_length"] == 512
     assert "api_key" not in info["server_args"] and info["server_args"]["api_key_set"]
     state = info["internal_states"][0]
-    assert {"avg_spec_accept_length", "piecewise", "kv", "num_running", "num_waiting"} <= set(state)
-    assert state["piecewise"]["runs"] > 0 and "too_many_tokens" in state["piecewise"]["fallbacks"]
+    assert {"avg_spec_accept_length", "graphs", "kv", "num_running", "num_waiting"} <= set(state)
+    piecewise = state["graphs"]["piecewise"]
+    assert piecewise["runs"] > 0 and "too_many_tokens" in piecewise["fallbacks"]
+    assert 0 < piecewise["hit_ratio"] <= 1
     assert state["kv"]["total_pages"] > 0 and state["engine_alive"]
 
 
@@ -459,5 +464,10 @@ def test_speculative_server_matches_and_reports_accept_length(server, client):
         assert metrics[f"pcgspec:spec_accept_length[('model_name', '{MODEL}')]"] == accept
         steps = f"pcgspec:spec_decode_steps_total[('kind', '%s'), ('model_name', '{MODEL}')]"
         assert metrics[steps % "speculative"] > 0 and metrics[steps % "plain"] == 0
+        # CPU: verify passes have no graphs; the piecewise runner refuses them, counted
+        refused = spec.internal_state()["graphs"]["piecewise"]["fallbacks"]["target_verify"]
+        labels = sorted([("model_name", MODEL), ("runner", "piecewise"),
+                         ("reason", "target_verify")])  # fmt: skip
+        assert refused > 0 and metrics[f"pcgspec:graph_fallbacks_total{labels}"] == refused
     finally:
         spec.close()

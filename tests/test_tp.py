@@ -132,7 +132,7 @@ def test_tp2_logits_equal_tp1_with_the_all_reduce_inside_the_pieces(model, reque
         assert sum("pcgspec.all_reduce" in t for t in targets) == 1 + 2 * runner.model.num_layers
         got = runner_logits(runner)
         stats = runner.piecewise.stats()
-        assert (stats["piecewise_runs"], stats["fallback_too_many_tokens"]) == (2, 1)
+        assert (stats["runs"], stats["fallbacks"]["too_many_tokens"]) == (2, 1)
     finally:
         runner.shutdown()
     for g, e in zip(got, expected):

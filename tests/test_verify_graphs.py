@@ -77,7 +77,7 @@ def check_verify_against_eager(runner: ModelRunner, graphs: DecodeGraphRunner, t
         torch.testing.assert_close(hidden, want, atol=tol, rtol=tol)
         for r in rows:  # all accepted: the next verify writes fresh slots (checked above)
             reqs.lens[r] += K1
-    assert graphs.stats()["replays"] == replays == 4  # buckets 16, 1, 4, 16
+    assert graphs.stats()["runs"] == replays == 4  # buckets 16, 1, 4, 16
 
 
 @pytest.mark.parametrize("piecewise", [False, True], ids=["plain-decoder", "compiled-decoder"])
@@ -106,7 +106,9 @@ def test_model_runner_routes_verify_batches(tiny_path) -> None:  # noqa: F811
         got = runner.forward(batch).logits
         runner.forward(reqs.decode([1]))  # DECODE batches never reach the verify graphs
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert runner.verify_graphs.stats() == {"graphs": 5, "replays": 1, "padded_rows": 1}
+    no_fallbacks = dict.fromkeys(DecodeGraphRunner.reasons, 0)
+    assert runner.verify_graphs.stats() == {"graphs": 5, "runs": 1, "padded_rows": K1,
+                                            "fallbacks": no_fallbacks}
 
 
 
@@ -141,7 +143,7 @@ def test_a_verify_batch_built_in_place_replays_like_eager(tiny_path) -> None:  #
     before = kv_snapshot(kv)
     assert graphs.can_run(in_place)
     hidden = graphs.replay(in_place).hidden.clone()
-    assert graphs.stats()["padded_rows"] == 1  # bucket 4
+    assert graphs.stats()["padded_rows"] == K1  # bucket 4: one request of k+1 rows
     assert_only_slots_written(kv, before, in_place.out_cache_loc)
     torch.testing.assert_close(hidden, runner.run_eager(built)[0], atol=1e-5, rtol=1e-5)
     assert graphs.rows_for(MAX_BS + 1, table.shape[1], max(bounds)) is None
@@ -161,8 +163,8 @@ def test_verify_can_run_refusals(tiny_path) -> None:  # noqa: F811
     for reason, batches in refused.items():
         for bad in batches:
             assert not graphs.can_run(bad), reason
-    rejected = {k: v for k, v in graphs.stats().items() if k.startswith("rejected")}
-    assert rejected == {"rejected_mode": 2, "rejected_batch_size": 1}
+    fallbacks = {k: v for k, v in graphs.stats()["fallbacks"].items() if v}
+    assert fallbacks == {"mode": 2, "batch_size": 1}
     with pytest.raises(ValueError, match="tokens_per_seq"):
         DecodeGraphRunner(runner, ForwardMode.DECODE, 2)
     with pytest.raises(ValueError, match="mode"):

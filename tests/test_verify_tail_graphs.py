@@ -14,7 +14,7 @@ from test_verify_graphs import K1, verify_graphs
 from pcgspec.kernels.padded_rows import VerifyTokens
 from pcgspec.kernels.verify_draft_tokens import verify_draft_tokens_ref
 from pcgspec.runners.batch_builder import build_verify_batch, device_page_table
-from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
+from pcgspec.runners.verify_tail_graphs import TailBatch, VerifyTailGraphs
 from pcgspec.sampling.sampler import process_logits
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
@@ -84,7 +84,7 @@ def test_tail_replay_equals_eager_acceptance(tiny_path, temperatures) -> None:  
     tail = VerifyTailGraphs(graphs, tailed, runner.model.compute_logits)
     tail.capture()
     flags = tailed.flags(slot_reqs)
-    assert tail.can_run(len(ROWS), flags, graph_replays=True)
+    assert tail.can_run(TailBatch(len(ROWS), flags, graph_replays=True))
     results, got = tail.replay(tailed.slot_indices(slot_reqs), drafts, num,
                                bool(flags["all_greedy"]))  # fmt: skip
     assert torch.equal(got.accept_len, want.accept_len) and torch.equal(got.tokens, want.tokens)
@@ -95,7 +95,11 @@ def test_tail_replay_equals_eager_acceptance(tiny_path, temperatures) -> None:  
         assert torch.equal(getattr(tailed.table, name), getattr(eager.table, name)), name
     assert torch.equal(tailed.last_token, eager.last_token)
     assert torch.equal(tailed.token_history, eager.token_history)
-    assert tail.stats()["replays"] == 1
+    assert tail.stats()["runs"] == 1 and tail.stats()["padded_rows"] == K1
+    eager.rollback(eager.checkpoint() - 1)
+    tailed.rollback(tailed.checkpoint() - 1)  # a failed step gives its captured commit back
+    assert torch.equal(tailed.table.position, eager.table.position)
+    assert torch.equal(tailed.last_token, eager.last_token)
 
 
 def test_tail_refuses_what_it_cannot_serve(tiny_path) -> None:  # noqa: F811
@@ -104,14 +108,15 @@ def test_tail_refuses_what_it_cannot_serve(tiny_path) -> None:  # noqa: F811
     tail = VerifyTailGraphs(graphs, _slots(runner, []), runner.model.compute_logits)
     ok = {"all_greedy": True, "needs_penalties": False, "needs_filters": False,
           "rank_depth": 0, "max_logprobs": None}  # fmt: skip
-    assert tail.can_run(3, ok, graph_replays=True)
-    assert not tail.can_run(3, ok, graph_replays=False)
-    assert not tail.can_run(graphs.max_bs + 1, ok, graph_replays=True)
-    assert not tail.can_run(3, {**ok, "needs_penalties": True}, graph_replays=True)
-    assert not tail.can_run(3, {**ok, "needs_filters": True}, graph_replays=True)
-    assert not tail.can_run(3, {**ok, "max_logprobs": 2}, graph_replays=True)
-    assert tail.stats() == {"graphs": 0, "rejected_no_verify_graph": 2, "rejected_penalties": 1,
-                            "rejected_filters": 1, "rejected_logprobs": 1}  # fmt: skip
+    assert tail.can_run(TailBatch(3, ok, True))
+    assert not tail.can_run(TailBatch(3, ok, False))
+    assert not tail.can_run(TailBatch(graphs.max_bs + 1, ok, True))
+    assert not tail.can_run(TailBatch(3, {**ok, "needs_penalties": True}, True))
+    assert not tail.can_run(TailBatch(3, {**ok, "needs_filters": True}, True))
+    assert not tail.can_run(TailBatch(3, {**ok, "max_logprobs": 2}, True))
+    assert tail.stats() == {"graphs": 0, "runs": 0, "padded_rows": 0,
+                            "fallbacks": {"no_verify_graph": 2, "penalties": 1, "filters": 1,
+                                          "logprobs": 1}}  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -131,6 +136,6 @@ def test_cuda_tail_graphs_serve_the_engine(tiny_path, smollm2_path) -> None:  # 
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)]
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert tail.stats()["replays"] > 0
+    assert tail.stats()["runs"] > 0
     plain = LLM(str(tiny_path), **kw)
     assert got == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

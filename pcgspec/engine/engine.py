@@ -30,6 +30,7 @@ from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.model_runner import ModelRunner
+from pcgspec.runners.refusals import GraphStats
 from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
@@ -80,6 +81,8 @@ class Engine:
         )  # fmt: skip
         if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
             self.scheduler.draft = self.spec_worker.proposer
+        # what a failed step gives back before its requests run again (isolation.py)
+        self._rollbacks = (self.slots, *([self.spec_worker.proposer] if spec else []))
         self._capture_spec_graphs()
         warm_up_kernels(self._kernel_warmup(), self.runner.device)
         freeze_start_up()
@@ -219,6 +222,18 @@ class Engine:
             "tree_tokens": cache.num_pages * self.page_size,
         }
 
+    def graph_stats(self) -> dict[str, GraphStats]:
+        """Runs, padding and fallbacks by reason of every graph runner built, by name: the
+        target's ``piecewise``, ``decode``, ``verify``; a model drafter's ``draft`` (its propose
+        phase) and ``draft_piecewise`` (a STANDALONE draft's long catch-ups).
+        """
+        runners = self.runner.graph_runners()
+        proposer = None if self.spec_worker is None else self.spec_worker.proposer
+        if isinstance(proposer, ModelProposer):
+            drafter = {"draft": proposer.graphs, "draft_piecewise": proposer.runner.piecewise}
+            runners |= {name: r for name, r in drafter.items() if r is not None}
+        return {name: r.stats() for name, r in runners.items()}
+
     def flush_cache(self) -> None:
         """Drop every cached prefix (running requests keep their pages)."""
         if self.prefix_cache is not None:
@@ -248,7 +263,7 @@ class Engine:
         try:
             if batch is not None:
                 run = functools.partial(self._run, speculate=speculate)
-                run_isolated(batch, run, self.scheduler.release)
+                run_isolated(batch, run, self.scheduler.release, self._rollbacks)
         finally:
             took += self._read(running)
             if not self.overlap:

@@ -25,7 +25,6 @@ captured step on the static buffers), so capture and replay are tested on CPU.
 
 from __future__ import annotations
 
-import collections
 import functools
 import gc
 import logging
@@ -44,6 +43,7 @@ from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.kernels.padded_rows import GraphRows
 from pcgspec.progress import progress
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
+from pcgspec.runners.refusals import GuardedRunner
 
 if TYPE_CHECKING:
     from pcgspec.runners.model_runner import ModelRunner
@@ -162,7 +162,7 @@ class StaticBuffers:
             self.seq_lens[n:bs].zero_()
 
 
-class DecodeGraphRunner:
+class DecodeGraphRunner(GuardedRunner):
     """Captures and replays steps of ``mode`` with ``tokens_per_seq`` tokens per request
     (DECODE: 1; TARGET_VERIFY: k+1) for ``model_runner``'s model, KV cache and attention.
 
@@ -172,6 +172,7 @@ class DecodeGraphRunner:
     """
 
     num_warmup: int = 2  # eager runs per bucket before its capture: kernels compile there
+    reasons = ("not_captured", "mode", "batch_size", "hidden_mode", "input_embeds", "seq_len")
 
     def __init__(
         self,
@@ -183,6 +184,7 @@ class DecodeGraphRunner:
             raise ValueError(f"mode must be DECODE or TARGET_VERIFY, got {mode.name}")
         if tokens_per_seq < 1 or (mode is ForwardMode.DECODE and tokens_per_seq != 1):
             raise ValueError(f"tokens_per_seq {tokens_per_seq} does not fit mode {mode.name}")
+        super().__init__()
         self.mode, self.tokens_per_seq = mode, tokens_per_seq
         config, piecewise = model_runner.config, model_runner.piecewise
         self.decoder: Callable[..., DecoderOutput] = (
@@ -207,7 +209,6 @@ class DecodeGraphRunner:
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, GraphOutput] = {}
         self.pool: tuple[int, int] | None = None
-        self.counters: collections.Counter[str] = collections.Counter()
 
     # Capture ---------------------------------------------------------------------------------
 
@@ -266,13 +267,6 @@ class DecodeGraphRunner:
 
     # Replay ----------------------------------------------------------------------------------
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether ``replay`` serves ``batch``; a refusal is counted under its reason."""
-        reason = self._refusal(batch)
-        if reason is not None:
-            self.counters[f"rejected_{reason}"] += 1
-        return reason is None
-
     def rows_for(self, batch_size: int, max_pages: int, max_seq_len: int) -> GraphRows | None:
         """The static rows of the bucket that will replay a pass of ``batch_size`` requests of
         ``tokens_per_seq`` tokens (page tables of ``max_pages``, lengths up to
@@ -313,8 +307,7 @@ class DecodeGraphRunner:
             )
         self.buffers.load(batch, bs)
         self.graphs[bs].replay()
-        self.counters["replays"] += 1
-        self.counters["padded_rows"] += bs - n
+        self._count_run((bs - n) * self.tokens_per_seq)
         t = batch.num_tokens
         return GraphOutput(*(None if out is None else out[:t] for out in self.outputs[bs]))
 
@@ -325,6 +318,6 @@ class DecodeGraphRunner:
         self.graphs.clear()
         self.outputs.clear()
 
-    def stats(self) -> dict[str, int]:
-        """Replays, padded requests replayed, and refusals by reason (``rejected_<reason>``)."""
-        return {"graphs": len(self.graphs), **self.counters}
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)

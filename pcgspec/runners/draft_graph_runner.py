@@ -25,6 +25,7 @@ from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
 from pcgspec.progress import progress
 from pcgspec.runners.decode_graph_runner import StaticBuffers, capture_stream, decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.refusals import GuardedRunner
 
 if TYPE_CHECKING:
     from pcgspec.speculative.draft_runner import DraftRunner
@@ -32,12 +33,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DraftGraphRunner:
+class DraftGraphRunner(GuardedRunner):
+    """Where it refuses a catch-up (``can_run``), the proposer drafts eagerly."""
+
     num_warmup: int = 2
+    reasons = ("not_captured", "batch_size", "seq_len")
 
     def __init__(self, draft: DraftRunner, num_steps: int, max_bs: int, max_seq_len: int) -> None:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        super().__init__()
         self.draft = draft
         self.num_steps = num_steps  # k: drafts per request; the catch-up has k+1 rows
         self.device = draft.device
@@ -57,7 +62,6 @@ class DraftGraphRunner:
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: tuple[int, int] | None = None
-        self.num_replays = 0
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -88,10 +92,19 @@ class DraftGraphRunner:
         hidden = None if self.hidden is None else self.hidden[: bs * (self.num_steps + 1)]
         return self.draft.propose(batch, hidden, self.num_steps, capture_len=self.max_seq_len)
 
-    def can_run(self, catch_up: ForwardBatch) -> bool:
-        """Whether a replay serves ``catch_up`` (k+1 rows per request, bounded lengths)."""
-        return bool(self.graphs) and catch_up.batch_size <= self.max_bs and (
-            max(catch_up.seq_lens_cpu) + self.num_steps <= self.max_seq_len)  # fmt: skip
+    def _refusal(self, catch_up: ForwardBatch) -> str | None:
+        """Why a replay cannot serve ``catch_up`` (k+1 rows per request, bounded lengths)."""
+        if not self.graphs:
+            return "not_captured"
+        if catch_up.batch_size > self.max_bs:
+            return "batch_size"
+        if max(catch_up.seq_lens_cpu) + self.num_steps > self.max_seq_len:
+            return "seq_len"
+        return None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
 
     @torch.inference_mode()
     def run(self, catch_up: ForwardBatch, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -105,5 +118,5 @@ class DraftGraphRunner:
         if self.hidden is not None:
             self.hidden[: hidden.shape[0]].copy_(hidden)
         self.graphs[bs].replay()
-        self.num_replays += 1
+        self._count_run((bs - n) * (self.num_steps + 1))
         return self.outputs[bs][:n]

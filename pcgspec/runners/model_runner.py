@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pcgspec.distributed.launcher import TPDriver
     from pcgspec.distributed.process_group import TPProcessGroups
     from pcgspec.runners.piecewise_runner import PiecewiseRunner
+    from pcgspec.runners.refusals import GuardedRunner
 
 logger = logging.getLogger("pcgspec")
 
@@ -242,6 +243,12 @@ class ModelRunner:
                 graphs.reset()
         self.piecewise = self.decode_graphs = self.verify_graphs = None
 
+    def graph_runners(self) -> dict[str, GuardedRunner]:
+        """The target's graph runners by name (those built), for their ``stats()``."""
+        runners = {"piecewise": self.piecewise, "decode": self.decode_graphs,
+                   "verify": self.verify_graphs}  # fmt: skip
+        return {name: r for name, r in runners.items() if r is not None}
+
     def _forward(self, batch: ForwardBatch, want_logits: bool = True) -> ForwardOutput:
         hidden, aux, logits = self._run_decoder(batch)
         # NOTE: the logits rows ascend, so as many rows as tokens are every row, in order
@@ -261,8 +268,8 @@ class ModelRunner:
 
     def _run_decoder(self, batch: ForwardBatch) -> GraphOutput:
         """Hidden states, auxiliary hidden states and (from a decode graph) every row's logits."""
-        verify = batch.forward_mode is ForwardMode.TARGET_VERIFY
-        graphs = self.verify_graphs if verify else self.decode_graphs
+        graphs = {ForwardMode.DECODE: self.decode_graphs,
+                  ForwardMode.TARGET_VERIFY: self.verify_graphs}.get(batch.forward_mode)
         if graphs is not None and graphs.can_run(batch):
             return graphs.replay(batch)
         if self.piecewise is not None and self.piecewise.can_run(batch):

@@ -12,7 +12,7 @@ there (a one-token decode step padded to 4 rows is ~1.5x slower on CPU), so it i
 
 ``can_run`` is the guard in front of ``run`` (SGLang's runner-level check instead of a global
 disable): TARGET_VERIFY, a hidden mode other than the captured one, input embeddings, input
-logprobs and batches over the largest bucket run eagerly, and a counter records why.
+logprobs and batches over the largest bucket run eagerly, counted by reason (refusals.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,31 +32,25 @@ from pcgspec.compile.piecewise import PiecewiseGraphs
 from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.refusals import GuardedRunner
 
 if TYPE_CHECKING:
     from pcgspec.runners.model_runner import ModelRunner
 
 logger = logging.getLogger("pcgspec")
 
-RUNS = "piecewise_runs"
-FALLBACKS = (
-    "fallback_target_verify",
-    "fallback_hidden_mode",
-    "fallback_input_embeds",
-    "fallback_input_logprobs",
-    "fallback_too_many_tokens",
-    "fallback_empty",
-)
-
-
-class PiecewiseRunner:
+class PiecewiseRunner(GuardedRunner):
     """Runs the decoder stack of ``model_runner`` through the piecewise backend.
 
     Decoder outputs of ``run`` are graph memory on CUDA, overwritten by the next ``run``:
     consume or copy them before the next forward (``ModelRunner.forward`` does).
     """
 
+    reasons = ("empty", "target_verify", "hidden_mode", "input_embeds", "input_logprobs",
+               "too_many_tokens")  # fmt: skip
+
     def __init__(self, model_runner: ModelRunner) -> None:
+        super().__init__()
         config = model_runner.config
         self.device = model_runner.device
         self.page_size = model_runner.page_size
@@ -88,7 +81,6 @@ class PiecewiseRunner:
         self.out_cache_loc = torch.full((size,), -1, dtype=torch.int64, device=self.device)
         self.extend_start = torch.zeros(size, dtype=torch.int32, device=self.device)
         self._pad_batch = pad_batch if self.device.type == "cuda" else pad_batch_ref
-        self._stats: Counter[str] = Counter(dict.fromkeys((RUNS, *FALLBACKS), 0))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -113,29 +105,25 @@ class PiecewiseRunner:
             f"capture {time.perf_counter() - traced:.1f} s" if self.use_graphs else "no graphs",
         )
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether ``run`` serves ``batch``; a rejection is counted by reason (call once per
-        forward).
-        """
-        reason = self._rejection(batch)
-        if reason is not None:
-            self._stats[reason] += 1
-        return reason is None
-
-    def _rejection(self, batch: ForwardBatch) -> str | None:
+    def _refusal(self, batch: ForwardBatch) -> str | None:
         if batch.num_tokens == 0 or batch.forward_mode is ForwardMode.IDLE:
-            return "fallback_empty"
+            return "empty"
         if batch.forward_mode is ForwardMode.TARGET_VERIFY:
-            return "fallback_target_verify"
+            return "target_verify"
         if batch.capture_hidden_mode is not self.hidden_mode:
-            return "fallback_hidden_mode"
+            return "hidden_mode"
         if batch.input_embeds is not None:
-            return "fallback_input_embeds"
+            return "input_embeds"
         if batch.return_input_logprobs:
-            return "fallback_input_logprobs"
+            return "input_logprobs"
         if batch.num_tokens > self.max_tokens:
-            return "fallback_too_many_tokens"
+            return "too_many_tokens"
         return None
+
+    @property
+    def num_graphs(self) -> int:
+        """Token buckets captured (none off CUDA, where the pieces just run)."""
+        return len(self.graphs.captured)
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder outputs for the real rows: hidden ``[n, H]`` and aux ``[n, C]`` or None.
@@ -146,14 +134,10 @@ class PiecewiseRunner:
         bucket = pad_to_bucket(n, self.buckets)
         if bucket is None:
             raise ValueError(f"{n} tokens exceed the largest piecewise bucket {self.max_tokens}")
-        padded = self._pad(batch, bucket if self.use_graphs or self.pad_without_graphs else n)
-        hidden, aux = self._forward(padded, bucket if self.use_graphs else None)
-        self._stats[RUNS] += 1
+        size = bucket if self.use_graphs or self.pad_without_graphs else n
+        hidden, aux = self._forward(self._pad(batch, size), bucket if self.use_graphs else None)
+        self._count_run(size - n)
         return hidden[:n], None if aux is None else aux[:n]
-
-    def stats(self) -> dict[str, int]:
-        """Piecewise runs and eager fallbacks by reason, since start."""
-        return dict(self._stats)
 
     def _forward(
         self, padded: ForwardBatch, bucket: int | None = None

@@ -22,11 +22,10 @@ results are never read. Off CUDA the eager stand-in reruns the captured step (te
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -41,6 +40,7 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens_ref,
 )
 from pcgspec.runners.decode_graph_runner import capture_stream
+from pcgspec.runners.refusals import GuardedRunner
 from pcgspec.sampling.batch import GREEDY_EPS
 
 if TYPE_CHECKING:
@@ -51,10 +51,22 @@ logger = logging.getLogger(__name__)
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
-class VerifyTailGraphs:
+class TailBatch(NamedTuple):
+    """What ``can_run`` asks of a verify pass: its size, its sampling's host flags
+    (``SamplingSlots.flags``) and whether a verify graph replays its decoder
+    (``DecodeGraphRunner.rows_for`` gave its rows)."""
+
+    batch_size: int
+    flags: dict[str, bool | int | None]
+    graph_replays: bool
+
+
+class VerifyTailGraphs(GuardedRunner):
     """Tail graphs for ``verify_graphs`` (a TARGET_VERIFY ``DecodeGraphRunner``), committing
     into ``slots``; ``compute_logits`` is the target's LM head (hidden [R, H] -> [R, V] f32).
     """
+
+    reasons = ("no_verify_graph", "penalties", "filters", "logprobs")
 
     def __init__(
         self,
@@ -62,6 +74,7 @@ class VerifyTailGraphs:
         slots: SamplingSlots,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
+        super().__init__()
         self.verify_graphs, self.slots, self.compute_logits = verify_graphs, slots, compute_logits
         self.k1 = verify_graphs.tokens_per_seq
         self.batch_sizes = sorted(verify_graphs.graphs)
@@ -77,7 +90,6 @@ class VerifyTailGraphs:
         self.results = full(0, max_bs, 2 + k1)  # accept_len, num_drafts, k+1 tokens
         self.offsets = torch.arange(k1, device=device).repeat(max_bs)  # [max_bs * k1] j
         self.graphs: dict[tuple[str, int], _CudaGraph | _EagerGraph] = {}
-        self.counters: collections.Counter[str] = collections.Counter()
         cuda = device.type == "cuda"
         self._verify = verify_draft_tokens if cuda else verify_draft_tokens_ref
         self._advance = advance_positions if cuda else advance_positions_ref
@@ -122,28 +134,26 @@ class VerifyTailGraphs:
         out.accept_len.copy_(verified.accept_len)
         out.tokens.copy_(verified.tokens)
         self.results[:bs, 1].copy_(num)
+        slots.save_before_commit()
         self._advance(slots.table.position, out.accept_len + 1, req_slots, tokens=out.tokens,
                       **slots.commit_tables())  # fmt: skip
         return self.results[:bs]
 
-    def can_run(self, batch_size: int, flags: dict[str, bool | int | None],
-                graph_replays: bool) -> bool:  # fmt: skip
-        """Whether the tail graph serves a verify pass of ``batch_size`` requests sampled with
-        ``flags`` (``SamplingSlots.flags``) whose decoder a verify graph replays
-        (``graph_replays``: ``DecodeGraphRunner.rows_for`` gave its rows); a refusal is counted
-        under its reason."""
-        reason = None
-        if not graph_replays or pad_to_bucket(batch_size, self.batch_sizes) is None:
-            reason = "no_verify_graph"
-        elif flags["needs_penalties"]:
-            reason = "penalties"
-        elif flags["needs_filters"]:
-            reason = "filters"
-        elif flags["max_logprobs"] is not None:
-            reason = "logprobs"
-        if reason is not None:
-            self.counters[f"rejected_{reason}"] += 1
-        return reason is None
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    def _refusal(self, batch: TailBatch) -> str | None:
+        flags = batch.flags
+        if not batch.graph_replays or pad_to_bucket(batch.batch_size, self.batch_sizes) is None:
+            return "no_verify_graph"
+        if flags["needs_penalties"]:
+            return "penalties"
+        if flags["needs_filters"]:
+            return "filters"
+        if flags["max_logprobs"] is not None:
+            return "logprobs"
+        return None
 
     @torch.inference_mode()
     def replay(
@@ -162,10 +172,8 @@ class VerifyTailGraphs:
         self.drafts[:n].copy_(drafts)
         self.num_drafts[:n].copy_(num_drafts)
         self.graphs[(GREEDY if all_greedy else SAMPLED, bs)].replay()
-        self.counters["replays"] += 1
+        self.slots.mark_commit(req_slots)
+        self._count_run(padded_rows=(bs - n) * self.k1)
         out = VerifyOutput(self.results[:n, 0], self.results[:n, 2:])
         return self.results[:n], out
-
-    def stats(self) -> dict[str, int]:
-        return {"graphs": len(self.graphs), **self.counters}
 

@@ -7,7 +7,8 @@ penalties, its output-token counts and prompt mask. After that a step touches th
 device only: ``rows`` expands slots into a ``SamplingBatch`` (1 row per request, or k+1 to verify
 k drafts) and ``commit`` advances the counters and counts by what each request emitted and
 records its last token, which the next decode step reads as its input (``last_tokens``), so the
-host need not have read it back (the overlap schedule).
+host need not have read it back (the overlap schedule). A step that fails after its commit gives
+it back (``checkpoint`` / ``rollback``, engine/isolation.py) before it runs again.
 
 With ``history_len`` the slots also keep each request's tokens (prompt + outputs) in
 ``token_history``, for prompt lookup (NGRAM) to search on the device: admission writes the row
@@ -79,9 +80,13 @@ class SamplingSlots:
         self.num_slots, self.vocab_size = num_slots, vocab_size
         self.device = torch.device(device)
         self._floats = torch.zeros(len(FLOAT_FIELDS), num_slots, device=self.device)  # [6, S]
-        # top_k, seed, position, prompt length
-        self._ints = torch.zeros(4, num_slots, dtype=torch.int64, device=self.device)  # [4, S]
-        self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=self.device)  # [S]
+        # top_k, seed, position, prompt length, last token
+        self._ints = torch.zeros(5, num_slots, dtype=torch.int64, device=self.device)  # [5, S]
+        self.last_token = self._ints[4]  # [S]
+        self._moved = self._ints[2::2]  # [2, S] position, last token: what a commit moves
+        self._before_commit = torch.zeros_like(self._moved)  # them before the newest commit
+        self._undo: tuple[torch.Tensor, tuple | None] | None = None  # the newest commit's
+        self.num_commits = 0
         f = dict(zip(FLOAT_FIELDS, self._floats))
         self.table = SamplingTensors(f["temperature"], f["top_p"], self._ints[0], f["min_p"],
                                      self._ints[1], self._ints[2])  # fmt: skip
@@ -151,7 +156,7 @@ class SamplingSlots:
         int_columns = self._upload(ints, torch.int64).view(n, -1)
         index = int_columns[:, 4]
         self._floats.index_copy_(1, index, columns.T)
-        self._ints.index_copy_(1, index, int_columns[:, :4].T)
+        self._ints[:4].index_copy_(1, index, int_columns[:, :4].T)
         for req, slot in zip(reqs, slots):
             if req.params.needs_penalties and self.output_counts is None:
                 self._allocate_penalty_tables()
@@ -277,6 +282,9 @@ class SamplingSlots:
         history on the device, with no host sync.
         """
         slots = self.slot_indices(reqs)
+        self._before_commit.copy_(self._moved)  # NOTE: one launch; what ``rollback`` restores
+        self.num_commits += 1
+        self._undo = (slots, None)
         advance = advance_positions if self._triton else advance_positions_ref
         advance(self.table.position, num_emitted, slots, tokens=tokens, last_token=self.last_token,
                 history=self._history,
@@ -286,15 +294,47 @@ class SamplingSlots:
         steps = torch.arange(tokens.shape[1], device=self.device)
         emitted = (steps < num_emitted[:, None]) & self._tracked[slots][:, None]  # [B, n]
         columns = tokens.clamp(0, self.vocab_size - 1)  # NOTE: unemitted entries may hold -1
-        self.output_counts.index_put_((slots[:, None].expand_as(tokens), columns),
-                                      emitted.to(torch.int32), accumulate=True)  # fmt: skip
+        index, counts = (slots[:, None].expand_as(tokens), columns), emitted.to(torch.int32)
+        self._undo = (slots, (index, counts))
+        self.output_counts.index_put_(index, counts, accumulate=True)
+
+    def save_before_commit(self) -> None:
+        """What ``rollback`` restores, saved by a commit captured in a graph (one launch)."""
+        self._before_commit.copy_(self._moved)
+
+    def mark_commit(self, slots: torch.Tensor) -> None:
+        """A commit of ``slots`` [B] replayed in a graph (after ``save_before_commit``): the
+        newest, for ``rollback``. A captured commit counts no penalties (refused there)."""
+        self.num_commits += 1
+        self._undo = (slots, None)
+
+    def checkpoint(self) -> int:
+        """A mark to ``rollback`` to: the commits so far."""
+        return self.num_commits
+
+    def rollback(self, checkpoint: int) -> None:
+        """Undo the commit made since ``checkpoint``, if any (a step that failed after it, and
+        will run again): its requests' positions, last tokens and output counts go back to
+        what they were. Token history written past a request's length is overwritten later.
+        """
+        since, undo = self.num_commits - checkpoint, self._undo
+        if since == 0:
+            return
+        if since != 1 or undo is None:
+            raise RuntimeError(f"{since} commits since the checkpoint: only the newest undoes")
+        slots, counted = undo
+        self._undo, self.num_commits = None, checkpoint
+        self._moved.index_copy_(1, slots, self._before_commit.index_select(1, slots))
+        if counted is not None:
+            index, counts = counted
+            self.output_counts.index_put_(index, -counts, accumulate=True)
 
     def seq_lens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor: each request's token count, prompt + outputs (as of the
         device).
         """
         # NOTE: rows 2 and 3 of the int table are the position and the prompt length
-        return self._ints[2:].index_select(1, self.slot_indices(reqs)).sum(0)
+        return self._ints[2:4].index_select(1, self.slot_indices(reqs)).sum(0)
 
     def last_tokens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor: each request's last emitted token (as of the device)."""

@@ -18,7 +18,7 @@ from pcgspec.sampling_params import SamplingParams
 from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
 from pcgspec.server.connections import install_log_filters, listen
 from pcgspec.server.engine_loop import log_slow_collections
-from pcgspec.server.metrics import piecewise_summary
+from pcgspec.server.metrics import graph_summary
 from pcgspec.server.openai_api import chat_completions, completions
 from pcgspec.server.protocol import ApiError
 from pcgspec.server.state import STATE, ServerSettings, ServerState
@@ -75,17 +75,31 @@ def _key_matches(request: web.Request, key: str) -> bool:
     return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
+def _check_available(state: ServerState) -> None:
+    """503 (``ApiError``) while draining, once the engine loop is gone, and for good once the
+    engine is unhealthy (its steps fail and will go on failing: ``EngineLoop._note_failure``).
+    """
+    engine = state.engine
+    if state.draining:
+        reason = "the server is shutting down"
+    elif not engine.alive:
+        reason = "the engine loop is not running"
+    elif engine.snapshot.unhealthy is not None:
+        reason = f"the engine is unhealthy: {engine.snapshot.unhealthy}"
+    else:
+        return
+    raise ApiError(503, reason, type="service_unavailable")
+
+
 async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    ok = state.engine.alive and not state.draining
-    return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+    _check_available(request.app[STATE])
+    return web.json_response({"status": "ok"})
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """200 once a one-token greedy probe went through the engine."""
     state = request.app[STATE]
-    if state.draining:
-        return web.json_response({"status": "shutting down"}, status=503)
+    _check_available(state)
     gen = Generation(state.engine)
     probe = SamplingParams(temperature=0.0, max_tokens=1)
     token = state.tokenizer.bos_token_id or 0
@@ -98,7 +112,7 @@ async def health_generate(request: web.Request) -> web.Response:
     try:
         await asyncio.wait_for(run(), timeout=60)
     except (asyncio.TimeoutError, EngineDeadError) as e:
-        return web.json_response({"status": f"unavailable: {e!r}"}, status=503)
+        raise ApiError(503, f"the probe failed: {e!r}", type="service_unavailable") from e
     finally:
         gen.abort()
     return web.json_response({"status": "ok"})
@@ -149,8 +163,7 @@ async def server_info(request: web.Request) -> web.Response:
     internal = {
         "avg_spec_accept_length": snap.spec.get("avg_spec_accept_length"),
         "speculative": snap.spec,
-        "piecewise": piecewise_summary(snap.piecewise),
-        "decode_graphs": snap.decode_graphs,
+        "graphs": graph_summary(snap.graphs),  # runs and fallbacks by reason, per runner
         "kv": {
             "used_pages": stats.get("kv_pages_used", 0),  # held by requests
             "cached_pages": stats.get("kv_pages_cached", 0),  # held by the prefix cache
@@ -167,6 +180,7 @@ async def server_info(request: web.Request) -> web.Response:
         "num_steps": snap.num_steps,
         "num_step_errors": snap.num_step_errors,
         "engine_alive": state.engine.alive,
+        "engine_unhealthy": snap.unhealthy,  # None while healthy
     }
     settings = {k: v for k, v in asdict(state.settings).items() if k != "api_key"}
     info = state.engine.info

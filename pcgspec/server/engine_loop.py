@@ -30,11 +30,14 @@ from typing import Any, Protocol
 from pcgspec import envs
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
+from pcgspec.engine.isolation import device_unusable
+from pcgspec.runners.refusals import GraphStats
 from pcgspec.server.deltas import SeqDelta, SeqTracker
 from pcgspec.server.logs import ThroughputLog
 
 logger = logging.getLogger("pcgspec")
 SNAPSHOT_INTERVAL = 0.05  # seconds between counter snapshots while steps run
+MAX_STEP_ERRORS = 3  # failed steps in a row that mark the engine unhealthy
 
 
 class EngineDeadError(RuntimeError):
@@ -62,12 +65,12 @@ class EngineSnapshot:
 
     stats: dict[str, int] = field(default_factory=dict)  # Engine.stats()
     spec: dict[str, Any] = field(default_factory=dict)  # Engine.spec_stats()
-    piecewise: dict[str, int] = field(default_factory=dict)  # runs and fallbacks by reason
     cache: dict[str, float] = field(default_factory=dict)  # Engine.cache_stats()
-    decode_graphs: dict[str, int] = field(default_factory=dict)
+    graphs: dict[str, GraphStats] = field(default_factory=dict)  # Engine.graph_stats()
     num_steps: int = 0
     num_aborted: int = 0  # requests (groups of n) aborted
     num_step_errors: int = 0
+    unhealthy: str | None = None  # why every later step will fail too (then for good)
 
 
 class Channel(Protocol):
@@ -161,6 +164,8 @@ class EngineLoop:
         self._counts = {"num_steps": 0, "num_aborted": 0, "num_step_errors": 0}
         self._snapshot_time = 0.0
         self._throughput = ThroughputLog()
+        self._failed_in_a_row = 0
+        self._unhealthy: str | None = None
 
     def run(self) -> None:
         engine = self.engine
@@ -201,20 +206,37 @@ class EngineLoop:
         logger.debug("added %s: %d prompt tokens", request_id, len(prompt_ids))
 
     def _step(self) -> None:
-        engine = self.engine
+        engine, failed = self.engine, False
         self._throughput.begin()
         try:
             engine.step()
             self._counts["num_steps"] += 1
+            self._failed_in_a_row = 0
         except Exception as e:
             # NOTE: no request is to blame for sure: abort all (frees their pages), keep serving.
             logger.exception("engine step failed; aborting %d requests", len(self._live))
             self._counts["num_step_errors"] += 1
+            self._note_failure(e)
             for request_id in list(self._live):
                 engine.abort(request_id)
             self.fail_all(EngineDeadError(f"the engine failed: {e}"))
-        self._publish(snapshot=not engine.has_unfinished)
+            failed = True
+        self._publish(snapshot=failed or not engine.has_unfinished)
         self._throughput.tick(engine.has_unfinished, engine.stats)
+
+    def _note_failure(self, error: Exception) -> None:
+        """A step raised. The engine is unhealthy for good (``/health`` answers 503, as SGLang's
+        does once its scheduler cannot step) when every later step will meet the failure too:
+        at once for an error that marks the device unusable (a sticky CUDA error), else after
+        ``MAX_STEP_ERRORS`` failed steps in a row. A transient failure leaves it healthy.
+        """
+        self._failed_in_a_row += 1
+        if self._unhealthy is not None:
+            return
+        if device_unusable(error) or self._failed_in_a_row >= MAX_STEP_ERRORS:
+            self._unhealthy = (f"{self._failed_in_a_row} engine step(s) failed in a row, the "
+                               f"last with {type(error).__name__}: {error}")  # fmt: skip
+            logger.error("the engine is unhealthy: %s", self._unhealthy)
 
     def _publish(self, snapshot: bool) -> None:
         """Send every new delta in one message, with the counters when asked, when a request
@@ -258,12 +280,11 @@ class EngineLoop:
 
     def _snapshot(self) -> EngineSnapshot:
         engine = self.engine
-        runner = engine.runner
         return EngineSnapshot(
             stats=engine.stats(),
             spec=engine.spec_stats(),
             cache=engine.cache_stats(),
-            piecewise=runner.piecewise.stats() if runner.piecewise is not None else {},
-            decode_graphs=runner.decode_graphs.stats() if runner.decode_graphs is not None else {},
+            graphs=engine.graph_stats(),
+            unhealthy=self._unhealthy,
             **self._counts,
         )

@@ -5,8 +5,8 @@ first token is the sum of the server's part before the hand-off (body, parsing, 
 dispatch to the engine, the engine's queue and prefill, and the return of the token; the
 engine's stamps are ``time.perf_counter`` (the host's monotonic clock, one for every process)
 taken in the engine process. Engine state (running / waiting, KV usage, speculative accept
-length, piecewise hit ratio) is read from the engine's latest snapshot when ``/metrics`` is
-scraped.
+length, every graph runner's runs and fallbacks) is read from the engine's latest snapshot when
+``/metrics`` is scraped.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pcgspec.runners.refusals import GraphStats, hit_ratio
 from pcgspec.server.deltas import SeqDelta
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class _EngineCollector:
             "Accepted drafts + 1 per verify step, averaged (0 without speculation).",
             accept or 0.0,
         )
-        yield from self._piecewise(snap)
+        yield from self._graphs(snap)
         yield from self._speculative(snap)
         yield from self._prefix_cache(snap)
         counter = CounterMetricFamily(
@@ -250,41 +251,31 @@ class _EngineCollector:
             gauge.add_metric(labels, cache.get(key, 0))
             yield gauge
 
-    def _piecewise(self, snap: EngineSnapshot) -> Iterator[Metric]:
-        summary = piecewise_summary(snap.piecewise)
-        hit = GaugeMetricFamily(
-            PREFIX + "piecewise_hit_ratio",
-            "Forward passes served by the piecewise runner / those offered to it.",
-            labels=["model_name"],
+    def _graphs(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        """Every graph runner's runs, eager fallbacks by reason and hit ratio (runner: piecewise,
+        decode, verify, draft, draft_piecewise; those the engine built).
+        """
+        labels = ["model_name", "runner"]
+        runs = CounterMetricFamily(PREFIX + "graph_runs", "Passes a graph runner served.",
+                                   labels=labels)  # fmt: skip
+        hits = GaugeMetricFamily(
+            PREFIX + "graph_hit_ratio",
+            "Passes a graph runner served / those offered to it (0 before the first).",
+            labels=labels,
         )
-        hit.add_metric([self.model_name], summary["hit_ratio"] or 0.0)
-        yield hit
-        replays = CounterMetricFamily(
-            PREFIX + "piecewise_runs", "Piecewise forward passes.", labels=["model_name"]
+        fallbacks = CounterMetricFamily(
+            PREFIX + "graph_fallbacks",
+            "Passes a graph runner refused (run another way, mostly eagerly), by reason.",
+            labels=[*labels, "reason"],
         )
-        replays.add_metric([self.model_name], summary["runs"])
-        yield replays
-        fb = CounterMetricFamily(
-            PREFIX + "piecewise_fallbacks",
-            "Eager fallbacks by reason.",
-            labels=["model_name", "reason"],
-        )
-        for reason, n in summary["fallbacks"].items():
-            fb.add_metric([self.model_name, reason], n)
-        yield fb
+        for runner, stats in snap.graphs.items():
+            runs.add_metric([self.model_name, runner], stats["runs"])
+            hits.add_metric([self.model_name, runner], hit_ratio(stats) or 0.0)
+            for reason, n in stats["fallbacks"].items():
+                fallbacks.add_metric([self.model_name, runner, reason], n)
+        yield from (runs, hits, fallbacks)
 
 
-def piecewise_summary(stats: dict[str, int]) -> dict[str, Any]:
-    """``PiecewiseRunner.stats()`` as runs (replays on CUDA), fallbacks by reason and the
-    hit ratio (None before the first forward or without the piecewise runner)."""
-    runs = stats.get("piecewise_runs", 0)
-    fallbacks = {
-        k.removeprefix("fallback_"): v for k, v in stats.items() if k.startswith("fallback_")
-    }
-    total = runs + sum(fallbacks.values())
-    return {
-        "enabled": bool(stats),
-        "runs": runs,
-        "fallbacks": fallbacks,
-        "hit_ratio": runs / total if total else None,
-    }
+def graph_summary(graphs: dict[str, GraphStats]) -> dict[str, dict[str, Any]]:
+    """``Engine.graph_stats()`` with each runner's hit ratio (None before its first offer)."""
+    return {name: {**stats, "hit_ratio": hit_ratio(stats)} for name, stats in graphs.items()}

@@ -92,6 +92,14 @@ class Proposer(ABC):
         """
         return None
 
+    def checkpoint(self) -> object:
+        """What ``rollback`` restores when the step launched after it fails (isolation.py)."""
+        return None
+
+    def rollback(self, checkpoint: object) -> None:
+        """A step failed and its requests run again: forget what it kept (``verified``)."""
+        return None
+
     def read(self, request: Any, rows: object, row: int, start: int, num: int) -> None:
         """The host read a verify step's results: ``request`` (row ``row`` of the step; ``rows``
         is what ``verified`` returned) committed ``num`` tokens from position ``start``.

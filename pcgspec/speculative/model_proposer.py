@@ -141,8 +141,37 @@ class ModelProposer(Proposer):
         rows: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary(
             (r, b) for b, r in enumerate(requests))  # fmt: skip
         tokens = torch.where(out.tokens < 0, FILLER_TOKEN, out.tokens)  # catch-up input ids
-        self._verified = VerifiedRows(tokens, out.accept_len + 1, hidden, rows)
+        new = VerifiedRows(tokens, out.accept_len + 1, hidden, rows)
+        self._verified = self._carried(new, self._verified)
         return self._verified
+
+    def _carried(self, new: VerifiedRows, old: VerifiedRows | None) -> VerifiedRows:
+        """``new`` and, after its rows, ``old``'s rows of the unfinished requests it lacks: no
+        step caught those up yet (the step ran only some of the last one's requests, as fault
+        isolation's reruns of halves do), so their next catch-up still reads them.
+        """
+        left = [] if old is None else [(r, b) for r, b in list(old.rows.items())
+                                       if r not in new.rows and not r.finished]  # fmt: skip
+        if not left:
+            return new
+        k1, n, device = self.num_steps + 1, len(new.num), new.num.device
+        index = torch.tensor([b for _, b in left], device=device)
+        hidden = new.hidden
+        if hidden is not None:
+            rows = (index[:, None] * k1 + torch.arange(k1, device=device)).view(-1)
+            hidden = torch.cat([hidden, old.hidden[rows]])
+        new.rows.update((r, n + i) for i, (r, _) in enumerate(left))
+        return VerifiedRows(torch.cat([new.tokens, old.tokens[index]]),
+                            torch.cat([new.num, old.num[index]]), hidden, new.rows)  # fmt: skip
+
+    def checkpoint(self) -> object:
+        return self._verified
+
+    def rollback(self, checkpoint: object) -> None:
+        """The newest verify rows are those before the failed step again (its catch-up rewrote
+        draft K/V that a rerun rewrites the same).
+        """
+        self._verified = checkpoint  # type: ignore[assignment]
 
     def read(self, request: object, rows: object, row: int, start: int, num: int) -> None:
         """The host read verify rows ``rows`` (``VerifiedRows``): ``request`` (row ``row``)

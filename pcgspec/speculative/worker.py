@@ -55,7 +55,7 @@ from pcgspec.runners.batch_builder import build_verify_batch, device_page_table
 from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
-from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
+from pcgspec.runners.verify_tail_graphs import TailBatch, VerifyTailGraphs
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import probs_from_logits, process_logits
 from pcgspec.sampling.slots import SamplingSlots
@@ -131,6 +131,7 @@ class SpecWorker:
         page_table = device_page_table([r.pages for r in reqs], self.runner.device)
         proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
         step = self.verify(reqs, seq_lens, page_table, proposal)
+        # NOTE: a raise from here on is rolled back (run_isolated: slots and drafter rows)
         if not step.committed:
             self.slots.commit(reqs, step.out.tokens, step.out.accept_len + 1)
         drafter_rows = self.proposer.verified(reqs, step.out, step.hidden)
@@ -158,7 +159,7 @@ class SpecWorker:
         graphs, tail = self.runner.verify_graphs, self.tail
         rows = None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1],
                                                              max(bounds))  # fmt: skip
-        use_tail = tail is not None and tail.can_run(len(reqs), flags, rows is not None)
+        use_tail = tail is not None and tail.can_run(TailBatch(len(reqs), flags, rows is not None))
         sampling = None if use_tail else self.slots.rows(reqs, drafts)
         slot_indices = self.slots.slot_indices(reqs)
         batch = build_verify_batch(
@@ -166,10 +167,10 @@ class SpecWorker:
             self.runner.page_size, bounds, rows, sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )  # fmt: skip
-        replays = graphs.counters["replays"] if graphs is not None else 0
+        runs = graphs.stats()["runs"] if graphs is not None else 0
         out = self.runner.forward(batch, logits=not use_tail)
         if use_tail:
-            if graphs.counters["replays"] == replays:  # NOTE: rows_for promised a replay
+            if graphs.stats()["runs"] == runs:  # NOTE: rows_for promised a replay
                 raise RuntimeError("the verify graph refused a batch built in its rows")
             results, verified = tail.replay(slot_indices, drafts, proposal.num_tokens,
                                             bool(flags["all_greedy"]))  # fmt: skip
