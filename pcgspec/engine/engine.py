@@ -224,11 +224,15 @@ class Engine:
 
     def graph_stats(self) -> dict[str, GraphStats]:
         """Runs, padding and fallbacks by reason of every graph runner built, by name: the
-        target's ``piecewise``, ``decode``, ``verify``; a model drafter's ``draft`` (its propose
+        target's ``piecewise``, ``decode``, ``verify``, the speculative step's ``verify_tail``
+        (acceptance and commit); a model drafter's ``draft`` (its propose
         phase) and ``draft_piecewise`` (a STANDALONE draft's long catch-ups).
         """
         runners = self.runner.graph_runners()
-        proposer = None if self.spec_worker is None else self.spec_worker.proposer
+        worker = self.spec_worker
+        if worker is not None and worker.tail is not None:
+            runners["verify_tail"] = worker.tail
+        proposer = None if worker is None else worker.proposer
         if isinstance(proposer, ModelProposer):
             drafter = {"draft": proposer.graphs, "draft_piecewise": proposer.runner.piecewise}
             runners |= {name: r for name, r in drafter.items() if r is not None}
