@@ -52,6 +52,10 @@ class LLM:
     """An engine with a blocking ``generate``. ``model=None`` loads the embedded default
     model (SmolLM2-135M-Instruct), fetching and converting it on first use. Every other keyword
     is an ``EngineConfig`` field; an unknown one raises ``ValueError``.
+
+    It leaves the garbage collector of the caller's process as it found it (no ``gc.freeze``);
+    a program that owns its process may freeze what start-up built once its engines are up
+    (``pcgspec.engine.collector.freeze_start_up``, as the server does).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
