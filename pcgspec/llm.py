@@ -55,6 +55,9 @@ class LLM:
     On the CPU the engine sets torch's intra-op thread count when it starts (``cpu_threads``,
     else ``OMP_NUM_THREADS``, else the idle physical cores: ``engine/cpu_threads.py``); that is
     process-wide, and importing pcgspec changes nothing.
+    It leaves the garbage collector of the caller's process as it found it (no ``gc.freeze``);
+    a program that owns its process may freeze what start-up built once its engines are up
+    (``pcgspec.engine.collector.freeze_start_up``, as the server does).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -570,6 +570,7 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     """
     from pcgspec import LLM, SamplingParams
     from pcgspec.cli import serve_engine_config
+    from pcgspec.engine.collector import freeze_start_up
 
     model = ["--model-path", str(random_weights_dir(args))] if args.random_weights else []
     config = serve_engine_config([*shlex.split(args.server_args), *model])
@@ -577,6 +578,7 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
         config = replace(config, max_running_requests=min(
             args.max_concurrency, config.max_running_requests))  # fmt: skip
     llm = LLM(**vars(config))
+    freeze_start_up()  # NOTE: as the server's processes do theirs
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos)  # fmt: skip
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in load_prompts(args)]

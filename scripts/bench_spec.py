@@ -425,6 +425,7 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     engines share the device: the first would take mem_fraction_static of the whole GPU).
     """
     from pcgspec import LLM
+    from pcgspec.engine.collector import freeze_start_up
 
     base = {"dtype": args.dtype, "log_level": "warning", "max_total_tokens": 1 << 16}
     if args.random_weights:
@@ -444,6 +445,7 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
                               speculative_num_steps=args.num_steps,
                               speculative_draft_model_path=drafts.get(method),
                               speculative_policy=args.policy, **base)  # fmt: skip
+    freeze_start_up()  # NOTE: this script owns its process, as the server does its own
     return engines
 
 

@@ -134,22 +134,51 @@ def test_bad_input(llm, smollm2_path, tmp_path):
         LLM(str(tmp_path / "nowhere"))
 
 
-def test_start_up_objects_leave_the_collector(smollm2_path):
-    """The engine freezes what start-up built (modules, graphs, tables): a full collection
-    while serving then scans only what serving allocated (H200: 280 -> 72 ms per full
-    collection in bench_spec, ``gc_freeze_ab_smollm2_h200_2026-11-26.json``). A dropped engine is
-    still freed (by the next start-up, should cycles hold it)."""
+def test_llm_leaves_the_callers_collector_as_it_found_it(smollm2_path):
+    """``LLM`` freezes nothing in the caller's process (``gc.freeze`` is process-wide); a
+    dropped engine is freed, cycles and all, by the next start-up's collection at the latest.
+    """
     import gc
     import weakref
 
+    frozen = gc.get_freeze_count()
     small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256,
                 disable_piecewise_cuda_graph=True)
-    frozen = gc.get_freeze_count()
-    assert frozen > 10_000  # the model's modules and tensors among them
-    assert gc.get_count()[2] == 0  # nothing left in the oldest generation to scan
+    assert gc.get_freeze_count() == frozen
     assert small.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    small.shutdown()
     gone = weakref.ref(small.engine)
     del small
     LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256,
         disable_piecewise_cuda_graph=True)
-    assert gone() is None  # the next start-up freed the dropped engine, cycles and all
+    assert gone() is None
+    assert gc.get_freeze_count() == frozen
+
+
+def test_the_engine_process_freezes_what_start_up_built(plain_llm, monkeypatch):
+    """The server's engine process is pcgspec's own: once the engine is built, what start-up
+    built leaves the collector (H200: 280 -> 72 ms per full collection in bench_spec).
+    """
+    import gc
+
+    import pcgspec.server.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "Engine", lambda config: plain_llm.engine)
+    if gc.get_freeze_count():  # NOTE: whatever froze this process before: start from none
+        gc.unfreeze()
+    counts = []
+
+    def deliver(message) -> None:
+        if message[0] == "ready":
+            counts.append((gc.get_freeze_count(), gc.get_count()[2]))
+            channel.inbox.put(("stop",))
+
+    channel = engine_loop.ThreadChannel(deliver)
+    try:
+        engine_loop.run_engine(plain_llm.config, channel)
+        engine_loop.run_engine(plain_llm.config, channel, freeze=True)
+    finally:
+        gc.unfreeze()
+    (before, _), (frozen, oldest) = counts
+    assert before == 0 and frozen > 10_000  # the model's modules and tensors among them
+    assert oldest == 0  # nothing left in the oldest generation to scan

@@ -1,4 +1,6 @@
 """Rank 0 hands each forward's ``ForwardBatch`` to the workers, which run the same forward.
+The channel sends any dataclass of tensors and host values; the header names its class, so
+this module needs no import of runners/.
 
 Per step: one pickled header on the host group (mode, host-side lengths, tensor shapes), one
 device broadcast of every integer tensor packed into a single int64 buffer, and one more per
@@ -17,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from pcgspec.distributed.process_group import TPProcessGroups
-from pcgspec.runners.forward_batch import ForwardBatch
 
 _RANK0_ONLY = frozenset({"sampling"})
 
 
 @dataclass(frozen=True)
 class _Header:
+    kind: type  # the batch's dataclass (pickled by name)
     values: dict[str, Any]  # the host-side fields
     ints: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # packed, in this order
     floats: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # one broadcast each
@@ -33,7 +35,7 @@ class BatchChannel:
     def __init__(self, groups: TPProcessGroups) -> None:
         self.groups = groups
 
-    def send(self, batch: ForwardBatch) -> None:
+    def send(self, batch: Any) -> None:
         """Rank 0: broadcast ``batch`` to every worker."""
         values: dict[str, Any] = {}
         ints: list[tuple[str, torch.Tensor]] = []
@@ -45,7 +47,7 @@ class BatchChannel:
             elif f.name not in _RANK0_ONLY:
                 values[f.name] = value
         spec = lambda pairs: tuple((n, tuple(t.shape), t.dtype) for n, t in pairs)  # noqa: E731
-        self._header(_Header(values, spec(ints), spec(floats)))
+        self._header(_Header(type(batch), values, spec(ints), spec(floats)))
         if ints:
             self._tensor(torch.cat([t.reshape(-1).to(torch.int64) for _, t in ints]))
         for _, t in floats:
@@ -55,7 +57,7 @@ class BatchChannel:
         """Rank 0: tell the workers to leave their loop."""
         self._header(None)
 
-    def recv(self) -> ForwardBatch | None:
+    def recv(self) -> Any:
         """Workers: the next batch, or None when rank 0 stopped."""
         header = self._header(None)
         if header is None:
@@ -68,7 +70,7 @@ class BatchChannel:
                 fields[name] = part.view(shape).to(dtype)
         for name, shape, dtype in header.floats:
             fields[name] = self._tensor(torch.empty(shape, dtype=dtype, device=device))
-        return ForwardBatch(**fields)
+        return header.kind(**fields)
 
     def _header(self, header: _Header | None) -> _Header | None:
         box = [header]

@@ -1,8 +1,9 @@
 """Rank 0's side of tensor parallelism: spawn one worker process per extra rank, join the group,
 broadcast each forward's batch, and fail fast and clean when any rank dies.
 
-Workers are ``torch.multiprocessing`` spawn children (no torchrun): each builds its own
-``ModelRunner`` on its shard and device, then replays rank 0's forwards (``worker.py``). They
+Workers are ``torch.multiprocessing`` spawn children (no torchrun) running the entry point rank
+0's runner hands in (``runners/tp_worker.py``): each builds its own ``ModelRunner`` on its shard
+and device, then replays rank 0's forwards. They
 leave when rank 0 stops them, when rank 0 dies (they watch its process), or on a signal. When a
 worker dies, rank 0's next forward raises (a dead peer's collective fails on gloo; on CUDA a
 watcher thread aborts the groups so a blocked NCCL call returns) and the group is torn down.
@@ -13,12 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
@@ -33,13 +34,14 @@ from pcgspec.distributed.process_group import (
 from pcgspec.models.loader import load_config
 from pcgspec.models.random_weights import RandomWeights, shape_config
 from pcgspec.models.registry import model_class
-from pcgspec.runners.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from pcgspec.config import EngineConfig
 
 logger = logging.getLogger("pcgspec")
 JOIN_TIMEOUT_S = 10.0
+# a worker's entry point: (config, model_path, rendezvous, rank), importable by the spawn child
+WorkerMain = Callable[["EngineConfig", "Path | RandomWeights | None", Rendezvous, int], None]
 
 
 class TPGroupFailed(RuntimeError):
@@ -57,14 +59,17 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 class TPDriver:
-    def __init__(self, config: EngineConfig, model_path: Path | RandomWeights | None) -> None:
+    """Rank 0's end of the group: spawns a process per other rank running ``worker``."""
+
+    def __init__(self, config: EngineConfig, model_path: Path | RandomWeights | None,
+                 worker: WorkerMain) -> None:  # fmt: skip
         check_shardable(model_path, config.tp_size)
         disable_nvlink_multicast()  # NOTE: before the spawn: children inherit the environment
         rendezvous = Rendezvous.local(config.tp_size)
         ctx = mp.get_context("spawn")
         self.procs: list[BaseProcess] = []
         for rank in range(1, config.tp_size):
-            proc = ctx.Process(target=_worker_main, name=f"pcgspec-tp{rank}", daemon=True,
+            proc = ctx.Process(target=worker, name=f"pcgspec-tp{rank}", daemon=True,
                                args=(config, model_path, rendezvous, rank))
             proc.start()
             self.procs.append(proc)
@@ -89,9 +94,10 @@ class TPDriver:
         return self.groups.tp
 
     @contextmanager
-    def step(self, batch: ForwardBatch) -> Iterator[None]:
-        """Broadcast ``batch``, then run rank 0's forward in the block. Any failure, here or in
-        the block, ends the group: the ranks' collectives can no longer be matched.
+    def step(self, batch: Any) -> Iterator[None]:
+        """Broadcast ``batch`` (a ``ForwardBatch``), then run rank 0's forward in the block.
+        Any failure, here or in the block, ends the group: the ranks' collectives can no longer
+        be matched.
         """
         self._check()
         try:
@@ -168,11 +174,4 @@ def _stop(procs: list[BaseProcess], stopping: threading.Event) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-
-
-def _worker_main(config: EngineConfig, model_path: Path | RandomWeights | None,
-                 rendezvous: Rendezvous, rank: int) -> None:  # fmt: skip
-    from pcgspec.distributed.worker import run_worker
-
-    run_worker(config, model_path, rendezvous, rank)
 

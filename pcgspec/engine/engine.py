@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import gc
@@ -46,7 +45,7 @@ _SEED_MASK = (1 << 63) - 1
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        _thaw()  # NOTE: engines dropped since the last start-up go before this one takes memory
+        gc.collect()  # NOTE: engines dropped in cycles go before this one sizes its KV cache
         self.config = config
         apply_cpu_threads(config)
         self.model_dir: Path = resolve_model_dir(config.model)
@@ -85,7 +84,6 @@ class Engine:
         self._rollbacks = (self.slots, *([self.spec_worker.proposer] if spec else []))
         self._capture_spec_graphs()
         warm_up_kernels(self._kernel_warmup(), self.runner.device)
-        freeze_start_up()
 
     def _load_models(self, config: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
         """The target's runner and, for a model-based drafter, the draft's. The draft loads
@@ -395,29 +393,6 @@ class Engine:
             return built
         ids = resolve_pending(built.input_ids, self.slots.last_tokens(batch.requests))
         return dataclasses.replace(built, input_ids=ids)
-
-
-def freeze_start_up() -> None:
-    """Move what start-up built (modules, graphs, tables) out of the collector's generations,
-    so that a full collection while serving scans only what serving allocated (vLLM and SGLang
-    freeze after start-up too: on an H200, bench_spec's full collections fell from 280 to 72 ms
-    each). Unfrozen when the next engine starts (``_thaw``) and at exit, where the last
-    collection frees them. The server process calls it too, once it is up (its full
-    collections took 150-300 ms on an H100's host).
-    """
-    gc.collect()
-    gc.freeze()
-
-
-atexit.register(gc.unfreeze)  # NOTE: a no-op where nothing was frozen
-
-
-def _thaw() -> None:
-    """Return frozen objects to the collector and collect: what an engine dropped since it
-    started holds (reference cycles among its modules and graphs) is freed, not kept frozen.
-    """
-    gc.unfreeze()
-    gc.collect()
 
 
 def _drained(batch: ScheduledBatch, speculate: bool) -> ScheduledBatch | None:

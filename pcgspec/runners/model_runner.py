@@ -17,6 +17,8 @@ from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
 from pcgspec.distributed.group import SINGLE, TPGroup
+from pcgspec.distributed.launcher import TPDriver
+from pcgspec.distributed.process_group import TPProcessGroups
 from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
@@ -26,8 +28,6 @@ from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
 
 if TYPE_CHECKING:
-    from pcgspec.distributed.launcher import TPDriver
-    from pcgspec.distributed.process_group import TPProcessGroups
     from pcgspec.runners.piecewise_runner import PiecewiseRunner
     from pcgspec.runners.refusals import GuardedRunner
 
@@ -64,9 +64,9 @@ class ModelRunner:
             if model is not None:
                 raise ValueError("tp_size > 1 loads a shard in every rank: pass model_path "
                                  "(a folder or RandomWeights), not a built model")
-            from pcgspec.distributed.launcher import TPDriver
+            from pcgspec.runners.tp_worker import run_worker  # NOTE: it imports this module
 
-            self.tp_driver = TPDriver(config, model_path)
+            self.tp_driver = TPDriver(config, model_path, run_worker)
             tp_groups = self.tp_driver.groups
         self.tp_groups = tp_groups
         self.tp = SINGLE if tp_groups is None else tp_groups.tp

@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pcgspec.config import EngineConfig
-from pcgspec.engine.engine import freeze_start_up
+from pcgspec.engine.collector import freeze_start_up
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
 from pcgspec.server.connections import install_log_filters, listen

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from pcgspec import envs
 from pcgspec.config import EngineConfig
+from pcgspec.engine.collector import freeze_start_up
 from pcgspec.engine.engine import Engine
 from pcgspec.engine.isolation import device_unusable
 from pcgspec.runners.refusals import GraphStats
@@ -109,7 +110,7 @@ def run_engine_process(config: EngineConfig, channel: Channel, log_level: int) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=envs.LOG_FORMAT)
     log_slow_collections("engine")
-    run_engine(config, channel)
+    run_engine(config, channel, freeze=True)
 
 
 def log_slow_collections(process: str, threshold: float = 1e-3) -> None:
@@ -130,9 +131,10 @@ def log_slow_collections(process: str, threshold: float = 1e-3) -> None:
     gc.callbacks.append(timed)
 
 
-def run_engine(config: EngineConfig, channel: Channel) -> None:
+def run_engine(config: EngineConfig, channel: Channel, freeze: bool = False) -> None:
     """Build the engine, announce it, serve commands until ``stop`` (or until the other end
-    closes)."""
+    closes). ``freeze``: this process is the engine's own; what start-up built leaves its
+    collector (``freeze_start_up``)."""
     try:
         engine = Engine(config)
     except BaseException as e:  # noqa: BLE001 - handed to the server, which raises it
@@ -141,6 +143,8 @@ def run_engine(config: EngineConfig, channel: Channel) -> None:
         except Exception:  # NOTE: it does not pickle
             channel.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
         return
+    if freeze:
+        freeze_start_up()
     stats = engine.stats()
     channel.send(("ready", EngineInfo(str(engine.model_dir), engine.runner.vocab_size,
                                       engine.context_length,

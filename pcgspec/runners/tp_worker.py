@@ -1,4 +1,6 @@
 """A tensor-parallel worker process: its shard of the model, then rank 0's forwards, replayed.
+Rank 0's ``ModelRunner`` hands ``run_worker`` to its ``TPDriver`` (distributed/launcher.py),
+which spawns it: distributed/ runs a runner without importing runners/.
 
 The worker never samples: rank 0 samples alone and the chosen tokens reach the workers as the
 next step's ``input_ids``, so every rank computes on the same tokens by construction.
@@ -14,13 +16,15 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pcgspec.distributed.broadcast import BatchChannel
+from pcgspec.distributed.launcher import rank_device
 from pcgspec.distributed.process_group import Rendezvous, TPProcessGroups
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
+from pcgspec.runners.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from pcgspec.config import EngineConfig
     from pcgspec.models.random_weights import RandomWeights
-    from pcgspec.runners.model_runner import ModelRunner
 
 logger = logging.getLogger("pcgspec")
 
@@ -31,10 +35,7 @@ def run_worker(config: EngineConfig, model_path: Path | RandomWeights | None,
     order), warm its attention kernels up, then run every batch rank 0 broadcasts until it says
     stop.
     """
-    from pcgspec.distributed.broadcast import BatchChannel
-    from pcgspec.distributed.launcher import rank_device
     from pcgspec.engine.cpu_threads import apply_cpu_threads
-    from pcgspec.runners.model_runner import ModelRunner
 
     _exit_with_parent()
     if config.log_level:
