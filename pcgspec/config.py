@@ -16,12 +16,19 @@ if TYPE_CHECKING:
 # NOTE: torch is imported where a value needs it, so `pcgspec --help` starts without it.
 _DTYPES = ("float32", "bfloat16", "float16")
 CPU_KV_CACHE_DEFAULT_BYTES = 256 << 20
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                  "half": "float16"}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "org/name", as the hub names them
-_UNSET = {"model": "no model for the embedded default (SmolLM2-135M-Instruct)",
-          "tokenizer": "no tokenizer for the model's own",
-          "speculative_draft_model_path": "no path for the algorithm's default draft"}
+_UNSET = {
+    "model": "no model for the embedded default (SmolLM2-135M-Instruct)",
+    "tokenizer": "no tokenizer for the model's own",
+    "speculative_draft_model_path": "no path for the algorithm's default draft",
+}
 
 
 @dataclass(frozen=True)
@@ -83,33 +90,49 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("context_length", "page_size", "max_total_tokens", "max_running_requests",
-                     "max_prefill_tokens", "cpu_kv_cache_bytes", "cpu_threads",
-                     "piecewise_cuda_graph_max_tokens", "cuda_graph_max_bs", "tp_size"):
+        for name in (
+            "context_length",
+            "page_size",
+            "max_total_tokens",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "cpu_kv_cache_bytes",
+            "cpu_threads",
+            "piecewise_cuda_graph_max_tokens",
+            "cuda_graph_max_bs",
+            "tp_size",
+        ):
             positive(name)
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(
-                f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+                f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}"
+            )
         self._check_device()
         for name in ("model", "tokenizer", "speculative_draft_model_path"):
             check_not_hub_id(name, getattr(self, name))
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
-                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}"
+            )
         size = self.chunked_prefill_size
         if size is not None and size != -1 and (not isinstance(size, int) or size < 1):
             raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {size!r}")
         self._int_tuple_field("piecewise_cuda_graph_tokens", minimum=1)
         self._int_tuple_field("aux_hidden_state_layers", minimum=0)
         if self.piecewise_cuda_graph_compiler not in (None, "eager", "inductor"):
-            raise ValueError("piecewise_cuda_graph_compiler must be eager or inductor, got "
-                             f"{self.piecewise_cuda_graph_compiler!r}")
+            raise ValueError(
+                "piecewise_cuda_graph_compiler must be eager or inductor, got "
+                f"{self.piecewise_cuda_graph_compiler!r}"
+            )
         if not isinstance(self.disable_overlap_schedule, (bool, type(None))):
-            raise ValueError("disable_overlap_schedule must be a bool or None, got "
-                             f"{self.disable_overlap_schedule!r}")
+            raise ValueError(
+                "disable_overlap_schedule must be a bool or None, got "
+                f"{self.disable_overlap_schedule!r}"
+            )
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
-                f"attention_backend must be torch or triton, got {self.attention_backend!r}")
+                f"attention_backend must be torch or triton, got {self.attention_backend!r}"
+            )
         spec = self.speculative_config  # validates the speculative_* fields
         if spec is not None:
             spec.draft_model_path(self.model)  # EAGLE3 without a path: the shipped head exists
@@ -119,33 +142,42 @@ class EngineConfig:
         if self.tp_size == 1:
             return
         if spec is not None and spec.algorithm != "NGRAM":
-            raise ValueError(f"speculative_algorithm {spec.algorithm} with tp_size "
-                             f"{self.tp_size} is not supported yet (its draft model is not "
-                             "sharded or placed); NGRAM is")
+            raise ValueError(
+                f"speculative_algorithm {spec.algorithm} with tp_size "
+                f"{self.tp_size} is not supported yet (its draft model is not "
+                "sharded or placed); NGRAM is"
+            )
         if self.device != "cpu":
             import torch
 
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             first = 0 if self.device == "auto" else (torch.device(self.device).index or 0)
             if count and first + self.tp_size > count:
-                raise ValueError(f"tp_size {self.tp_size} from {self.device} needs "
-                                 f"{first + self.tp_size} CUDA devices, there are {count}")
+                raise ValueError(
+                    f"tp_size {self.tp_size} from {self.device} needs "
+                    f"{first + self.tp_size} CUDA devices, there are {count}"
+                )
 
     def _check_device(self) -> None:
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
-                                                                 self.device):
+        if not isinstance(self.device, str) or not re.fullmatch(
+            r"auto|cpu|cuda(:\d+)?", self.device
+        ):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.device.startswith("cuda"):
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(f"device is {self.device!r} but CUDA is not available (torch "
-                                 f"{torch.__version__}, CUDA build {torch.version.cuda}); "
-                                 "use --device cpu or auto")
+                raise ValueError(
+                    f"device is {self.device!r} but CUDA is not available (torch "
+                    f"{torch.__version__}, CUDA build {torch.version.cuda}); "
+                    "use --device cpu or auto"
+                )
             index = torch.device(self.device).index
             if index is not None and index >= torch.cuda.device_count():
-                raise ValueError(f"device is {self.device!r} but there are only "
-                                 f"{torch.cuda.device_count()} CUDA devices")
+                raise ValueError(
+                    f"device is {self.device!r} but there are only "
+                    f"{torch.cuda.device_count()} CUDA devices"
+                )
 
     def _int_tuple_field(self, name: str, minimum: int) -> None:
         """Accept ``"4,8,16"`` or a list for a tuple-of-ints field; store the tuple."""
@@ -268,4 +300,3 @@ def _int_tuple(name: str, value: list[object] | str) -> tuple[int, ...]:
         return tuple(int(x) for x in items)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be integers, got {value!r}") from None
-

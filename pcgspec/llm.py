@@ -24,8 +24,7 @@ logger = logging.getLogger("pcgspec")
 def chat_text(tokenizer: Any, messages: Sequence[Message]) -> str:
     """A conversation through the tokenizer's chat template, ready for the assistant's turn
     (the template's errors propagate: the server answers them with a 400)."""
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                         tokenize=False)  # fmt: skip
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
 
 
 def chat_prompt(tokenizer: Any, messages: Sequence[Message]) -> tuple[str, list[int]]:
@@ -67,8 +66,11 @@ class LLM:
         self.config = config
         start = time.perf_counter()
         self.engine = Engine(config)
-        logger.info("Engine ready in %.1f s (piecewise path %s)", time.perf_counter() - start,
-                    "on" if self.engine.runner.piecewise is not None else "off")
+        logger.info(
+            "Engine ready in %.1f s (piecewise path %s)",
+            time.perf_counter() - start,
+            "on" if self.engine.runner.piecewise is not None else "off",
+        )
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done at exit)."""
@@ -87,8 +89,10 @@ class LLM:
         or ``{"prompt_token_ids": ids}`` (vLLM's forms); outputs come back in prompt order.
         """
         encode = self.engine.tokenizer.encode
-        pairs = [(text, encode(text) if ids is None else ids)
-                 for text, ids in map(_parse_prompt, _as_prompt_list(prompts))]  # fmt: skip
+        pairs = [
+            (text, encode(text) if ids is None else ids)
+            for text, ids in map(_parse_prompt, _as_prompt_list(prompts))
+        ]
         return self._generate(pairs, sampling_params, use_tqdm)
 
     def chat(
@@ -151,15 +155,19 @@ def _parse_prompt(prompt: object) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, Mapping):
         keys = set(prompt)
         if len(keys) != 1 or not keys <= set(_PROMPT_KEYS):
-            raise ValueError(f"a prompt dict needs exactly one of the keys {_PROMPT_KEYS}, "
-                             f"got keys {sorted(map(str, keys))}")
+            raise ValueError(
+                f"a prompt dict needs exactly one of the keys {_PROMPT_KEYS}, "
+                f"got keys {sorted(map(str, keys))}"
+            )
         if "prompt" in prompt:
             return _parse_text(prompt["prompt"]), None
         return None, _parse_token_ids(prompt["prompt_token_ids"])
     if isinstance(prompt, Sequence):
         return None, _parse_token_ids(prompt)
-    raise TypeError("a prompt must be a str, a list of token ids, {'prompt': str} or "
-                    f"{{'prompt_token_ids': [int, ...]}}, got {_what(prompt)}")
+    raise TypeError(
+        "a prompt must be a str, a list of token ids, {'prompt': str} or "
+        f"{{'prompt_token_ids': [int, ...]}}, got {_what(prompt)}"
+    )
 
 
 def _parse_text(text: object) -> str:

@@ -89,8 +89,15 @@ class RequestOutput:
             )
             for r in reqs
         ]
-        return cls(first.group_id, prompt, first.prompt_token_ids, outputs,
-                   all(r.finished for r in reqs), _metrics(reqs), first.num_cached_tokens)
+        return cls(
+            first.group_id,
+            prompt,
+            first.prompt_token_ids,
+            outputs,
+            all(r.finished for r in reqs),
+            _metrics(reqs),
+            first.num_cached_tokens,
+        )
 
 
 def _as_dict(lp: TokenLogprobs, decode: TokenDecoder | None) -> dict[int, Logprob]:
@@ -100,8 +107,10 @@ def _as_dict(lp: TokenLogprobs, decode: TokenDecoder | None) -> dict[int, Logpro
     def entry(token: int, logprob: float) -> Logprob:
         return Logprob(logprob, ranks.get(token), decode(token) if decode else None)
 
-    return {lp.token_id: entry(lp.token_id, lp.logprob),
-            **{t: entry(t, v) for t, v in lp.top if t != lp.token_id}}
+    return {
+        lp.token_id: entry(lp.token_id, lp.logprob),
+        **{t: entry(t, v) for t, v in lp.top if t != lp.token_id},
+    }
 
 
 def _metrics(reqs: list[Request]) -> RequestMetrics:

@@ -88,8 +88,9 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "must be an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise bad("stop", "must be a non-empty string or a list of them")

@@ -34,9 +34,16 @@ import torch
 
 from pcgspec.models.random_weights import SHAPES
 
-PROMPTS = ["The capital of France is", "def quicksort(xs):", "Once upon a time",
-           "List the planets:", "The quick brown fox", "Explain gravity simply.",
-           "1, 2, 3,", "import numpy as np"]
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(xs):",
+    "Once upon a time",
+    "List the planets:",
+    "The quick brown fox",
+    "Explain gravity simply.",
+    "1, 2, 3,",
+    "import numpy as np",
+]
 MODES = ("eager", "graphs", "bound")
 MAX_BOUND_BATCHES = 8  # each is a recompile of the same code; Dynamo's recompile limit is 8
 
@@ -53,8 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="step: subset of eager,graphs,bound")
     p.add_argument("--bound-backend", default="inductor", help="step: torch.compile backend")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed steps (default 50); vs transformers: generate calls (default 3)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed steps (default 50); vs transformers: generate calls (default 3)",
+    )
     p.add_argument("--new-tokens", type=int, default=64, help="vs transformers: N")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/decode*.json)")
     args = p.parse_args(argv)
@@ -90,12 +101,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def header(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, name: str) -> dict:
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"CPU ({platform.processor() or platform.machine()}, "
-                  f"{torch.get_num_threads()} threads)")
-    return {"date": datetime.now(timezone.utc).isoformat(), "device": where,
-            "torch": torch.__version__, "model": name, "dtype": str(dtype),
-            "command": args.command}
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads)"
+    )
+    return {
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": where,
+        "torch": torch.__version__,
+        "model": name,
+        "dtype": str(dtype),
+        "command": args.command,
+    }
 
 
 # Step benchmark --------------------------------------------------------------------------------
@@ -106,8 +125,11 @@ def bench_steps(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     modes = [m for m in args.modes if device.type == "cuda" or m != "graphs"]
     if modes != args.modes:
         print("decode graphs need CUDA: mode 'graphs' skipped")
-    runners = {mode: make_runner(args, model, graphs=mode == "graphs")
-               for mode in dict.fromkeys(("eager", *modes)) if mode != "bound"}
+    runners = {
+        mode: make_runner(args, model, graphs=mode == "graphs")
+        for mode in dict.fromkeys(("eager", *modes))
+        if mode != "bound"
+    }
     nbytes = weight_bytes(model)
     steps = []
     for bs in args.batch_sizes:
@@ -121,24 +143,41 @@ def bench_steps(args: argparse.Namespace, device: torch.device, dtype: torch.dty
             median, p90, logits = time_step(step, device, args.warmup, args.repeats)
             ref = logits if mode == "eager" else ref
             err = None if ref is None else float((logits - ref).norm() / ref.norm())
-            steps.append({"batch": bs, "mode": mode, "median_ms": median, "p90_ms": p90,
-                          "tok_s": bs / median * 1e3, "weight_gb_s": nbytes / median / 1e6,
-                          "rel_err_vs_eager": err})
-            print(f"{mode:>6} batch {bs:>3}: {median:8.3f} ms (p90 {p90:.3f}), "
-                  f"{nbytes / median / 1e6:7.1f} GB/s of weights", flush=True)
+            steps.append(
+                {
+                    "batch": bs,
+                    "mode": mode,
+                    "median_ms": median,
+                    "p90_ms": p90,
+                    "tok_s": bs / median * 1e3,
+                    "weight_gb_s": nbytes / median / 1e6,
+                    "rel_err_vs_eager": err,
+                }
+            )
+            print(
+                f"{mode:>6} batch {bs:>3}: {median:8.3f} ms (p90 {p90:.3f}), "
+                f"{nbytes / median / 1e6:7.1f} GB/s of weights",
+                flush=True,
+            )
     graphs = runners.get("graphs")
     copy = device_copy_gb_s(device) if device.type == "cuda" else None
     for step in steps:
         step["copy_fraction"] = None if copy is None else step["weight_gb_s"] / copy
-    result = {**header(args, device, dtype, name), "context": args.context,
-              "weight_bytes": nbytes, "device_copy_gb_s": copy, "steps": steps,
-              "decode_graph_stats": graphs.decode_graphs.stats() if graphs else None}
+    result = {
+        **header(args, device, dtype, name),
+        "context": args.context,
+        "weight_bytes": nbytes,
+        "device_copy_gb_s": copy,
+        "steps": steps,
+        "decode_graph_stats": graphs.decode_graphs.stats() if graphs else None,
+    }
     print_steps(result)
     return result
 
 
-def build_model(args: argparse.Namespace, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.nn.Module, str]:
+def build_model(
+    args: argparse.Namespace, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.nn.Module, str]:
     from pcgspec.models.loader import load_model, resolve_model_dir
     from pcgspec.models.random_weights import random_model
 
@@ -157,11 +196,15 @@ def make_runner(args: argparse.Namespace, model: torch.nn.Module, graphs: bool):
 
     max_bs, page = max(args.batch_sizes), 16
     config = EngineConfig(
-        device=args.device, dtype=args.dtype, page_size=page,
-        disable_cuda_graph=not graphs, disable_piecewise_cuda_graph=not graphs,
-        piecewise_cuda_graph_max_tokens=64, cuda_graph_max_bs=max_bs,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=page,
+        disable_cuda_graph=not graphs,
+        disable_piecewise_cuda_graph=not graphs,
+        piecewise_cuda_graph_max_tokens=64,
+        cuda_graph_max_bs=max_bs,
         max_total_tokens=max_bs * -(-args.context // page) * page,
-    )  # fmt: skip
+    )
     return ModelRunner(config, model=model)
 
 
@@ -190,7 +233,8 @@ def bound_step(runner, batch, compile_backend: str) -> Callable[[], torch.Tensor
 
     model = runner.model
     backend = ATTENTION_BACKENDS.get(runner.config.resolved_attention_backend)(
-        runner.kv_cache, model.num_heads, model.head_dim, model.attn_scale)
+        runner.kv_cache, model.num_heads, model.head_dim, model.attn_scale
+    )
     backend.init_forward_metadata(batch)
 
     def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -223,8 +267,9 @@ def bound_step(runner, batch, compile_backend: str) -> Callable[[], torch.Tensor
     return replay
 
 
-def time_step(step: Callable[[], torch.Tensor], device: torch.device, warmup: int,
-              repeats: int) -> tuple[float, float, torch.Tensor]:
+def time_step(
+    step: Callable[[], torch.Tensor], device: torch.device, warmup: int, repeats: int
+) -> tuple[float, float, torch.Tensor]:
     """Median and p90 ms of ``step`` on an idle device, and its last output (float32 copy)."""
     cuda = device.type == "cuda"
     for _ in range(warmup):
@@ -276,20 +321,31 @@ def device_copy_gb_s(device: torch.device, nbytes: int = 1 << 30, repeats: int =
 
 
 def print_steps(result: dict) -> None:
-    print(f"\ndecode step (decoder + LM head), {result['model']}, {result['dtype']}, "
-          f"{result['context']} tokens of context, {result['device']}; "
-          f"weights {result['weight_bytes'] / 1e9:.3g} GB")
-    print(f"{'batch':>5} {'mode':>6} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9} "
-          f"{'weight GB/s':>12} {'rel err':>8}")
+    print(
+        f"\ndecode step (decoder + LM head), {result['model']}, {result['dtype']}, "
+        f"{result['context']} tokens of context, {result['device']}; "
+        f"weights {result['weight_bytes'] / 1e9:.3g} GB"
+    )
+    print(
+        f"{'batch':>5} {'mode':>6} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9} "
+        f"{'weight GB/s':>12} {'rel err':>8}"
+    )
     for r in result["steps"]:
         err = "-" if r["rel_err_vs_eager"] is None else f"{r['rel_err_vs_eager']:.1e}"
-        print(f"{r['batch']:>5} {r['mode']:>6} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} "
-              f"{r['tok_s']:>9.1f} {r['weight_gb_s']:>12.1f} {err:>8}")
+        print(
+            f"{r['batch']:>5} {r['mode']:>6} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} "
+            f"{r['tok_s']:>9.1f} {r['weight_gb_s']:>12.1f} {err:>8}"
+        )
     copy = result.get("device_copy_gb_s")
     if copy:
-        print(f"device copy {copy:.1f} GB/s in this run; weight bandwidth as a fraction of it: "
-              + ", ".join(f"{r['mode']} batch {r['batch']} {r['copy_fraction']:.1%}"
-                          for r in result["steps"] if r["mode"] != "eager"))  # fmt: skip
+        print(
+            f"device copy {copy:.1f} GB/s in this run; weight bandwidth as a fraction of it: "
+            + ", ".join(
+                f"{r['mode']} batch {r['batch']} {r['copy_fraction']:.1%}"
+                for r in result["steps"]
+                if r["mode"] != "eager"
+            )
+        )
 
 
 # vs transformers -------------------------------------------------------------------------------
@@ -309,8 +365,10 @@ def bench_pcgspec(llm, prompts: list[str], new_tokens: int, repeats: int) -> flo
     from pcgspec import SamplingParams
 
     def run(n: int):
-        return lambda: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n,
-                                                            ignore_eos=True), use_tqdm=False)
+        return lambda: llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
+        )
+
     t_n, t_1 = _time(run(new_tokens), repeats), _time(run(1), repeats)
     return len(prompts) * (new_tokens - 1) / (t_n - t_1)
 
@@ -324,9 +382,16 @@ def bench_hf(model, tok, prompts: list[str], new_tokens: int, repeats: int) -> f
     def run(n: int):
         def go():
             with torch.inference_mode():
-                model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=tok.pad_token_id)
+                model.generate(
+                    **enc,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                )
+
         return go
+
     t_n, t_1 = _time(run(new_tokens), repeats), _time(run(1), repeats)
     return len(prompts) * (new_tokens - 1) / (t_n - t_1)
 
@@ -339,22 +404,32 @@ def bench_vs_transformers(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     cfg = llm.config
     model_dir = llm.engine.model_dir
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=cfg.torch_dtype).to(
-        cfg.torch_device).eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=cfg.torch_dtype)
+        .to(cfg.torch_device)
+        .eval()
+    )
     rows = []
     for bs in args.batch_sizes:
         prompts = (PROMPTS * (bs // len(PROMPTS) + 1))[:bs]
         ours = bench_pcgspec(llm, prompts, args.new_tokens, args.repeats)
         theirs = bench_hf(hf, llm.get_tokenizer(), prompts, args.new_tokens, args.repeats)
-        rows.append({"batch": bs, "pcgspec_tok_s": ours, "hf_tok_s": theirs,
-                     "ratio": ours / theirs})
-    result = {**header(args, cfg.torch_device, cfg.torch_dtype, model_dir.name),
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
+        rows.append(
+            {"batch": bs, "pcgspec_tok_s": ours, "hf_tok_s": theirs, "ratio": ours / theirs}
+        )
+    result = {
+        **header(args, cfg.torch_device, cfg.torch_dtype, model_dir.name),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     print(f"\ndecode tokens/s, {model_dir.name}, {cfg.torch_dtype}, {result['device']}")
     print(f"{'batch':>5} {'pcgspec':>10} {'transformers':>13} {'ratio':>7}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['pcgspec_tok_s']:>10.1f} {r['hf_tok_s']:>13.1f} "
-              f"{r['ratio']:>6.2f}x")
+        print(
+            f"{r['batch']:>5} {r['pcgspec_tok_s']:>10.1f} {r['hf_tok_s']:>13.1f} "
+            f"{r['ratio']:>6.2f}x"
+        )
     return result
 
 

@@ -49,8 +49,11 @@ PARTS = ("schedule", "build", "forward", "sample", "wait", "postprocess", "other
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="default,llama-3.2-1b",
-                   help="comma-separated: default and/or random-weight shapes")
+    p.add_argument(
+        "--models",
+        default="default,llama-3.2-1b",
+        help="comma-separated: default and/or random-weight shapes",
+    )
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=64, help="decode steps per timed window")
@@ -83,8 +86,14 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    result = {**first, "model": ",".join(args.models), "context": args.context,
-              "steps": args.steps, "repeats": args.repeats, "rows": rows}  # fmt: skip
+    result = {
+        **first,
+        "model": ",".join(args.models),
+        "context": args.context,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     print_table(result)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,8 +111,13 @@ def build_llm(args: argparse.Namespace, model: str) -> LLM:
 
     max_bs = max(args.batch_sizes)
     tokens = args.context + args.warmup + (args.repeats + 1) * args.steps * len(SCHEDULES) + 16
-    kw = {"dtype": args.dtype, "device": args.device, "log_level": "warning",
-          "cuda_graph_max_bs": max_bs, "max_total_tokens": max_bs * (tokens + 16)}
+    kw = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "log_level": "warning",
+        "cuda_graph_max_bs": max_bs,
+        "max_total_tokens": max_bs * (tokens + 16),
+    }
     if model == "default":
         return LLM(None, **kw)
     folder = write_random_checkpoint(model, tempfile.mkdtemp(prefix=f"pcgspec-{model}-"))
@@ -125,7 +139,8 @@ def bench_batch(llm: LLM, bs: int, args: argparse.Namespace) -> dict:
         set_schedule(engine, schedule == "overlap")
         steps(engine, args.warmup)
         step_ms[schedule] = statistics.median(
-            timed_window(engine, args.steps) for _ in range(args.repeats))
+            timed_window(engine, args.steps) for _ in range(args.repeats)
+        )
         with part_timers(engine) as totals:
             steps(engine, args.steps)
         parts[schedule] = {k: totals[k] / args.steps for k in (*PARTS, "step")}
@@ -133,10 +148,14 @@ def bench_batch(llm: LLM, bs: int, args: argparse.Namespace) -> dict:
     for req in reqs:
         engine.abort(req.group_id)
     set_schedule(engine, llm.config.use_overlap_schedule)
-    return {"graph_ms": graph_ms, "device_step_ms": device_ms,
-            **{f"{s}_ms": step_ms[s] for s in SCHEDULES},
-            **{f"{s}_vs_graph": graph_ms / step_ms[s] for s in SCHEDULES},
-            "parts_ms": parts, "decode_graph_stats": graph_stats(llm)}  # fmt: skip
+    return {
+        "graph_ms": graph_ms,
+        "device_step_ms": device_ms,
+        **{f"{s}_ms": step_ms[s] for s in SCHEDULES},
+        **{f"{s}_vs_graph": graph_ms / step_ms[s] for s in SCHEDULES},
+        "parts_ms": parts,
+        "decode_graph_stats": graph_stats(llm),
+    }
 
 
 def graph_times(llm: LLM, bs: int, context: int, repeats: int) -> tuple[float, float]:
@@ -202,10 +221,16 @@ def part_timers(engine) -> Iterator[dict[str, float]]:
                 return fn(*a, **kw)
             finally:
                 totals[name] += (time.perf_counter() - start) * 1e3
+
         return run
 
-    patches = [(engine.scheduler, "schedule"), (engine, "_build_forward_batch"),
-               (engine.runner, "forward"), (engine.runner, "sample"), (engine, "step")]
+    patches = [
+        (engine.scheduler, "schedule"),
+        (engine, "_build_forward_batch"),
+        (engine.runner, "forward"),
+        (engine.runner, "sample"),
+        (engine, "step"),
+    ]
     names = {"_build_forward_batch": "build", "step": "step"}
     for obj, attr in patches:
         setattr(obj, attr, timed(names.get(attr, attr), getattr(obj, attr)))
@@ -229,29 +254,40 @@ def graph_stats(llm: LLM) -> dict | None:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['model']} batch {r['batch']}: graph {r['graph_ms']:.3f} ms, device step "
-          f"{r['device_step_ms']:.3f} ms, engine overlap {r['overlap_ms']:.3f} ms "
-          f"({r['overlap_vs_graph']:.2f}x of graph rate), sync {r['sync_ms']:.3f} ms "
-          f"({r['sync_vs_graph']:.2f}x)", flush=True)
+    print(
+        f"{r['model']} batch {r['batch']}: graph {r['graph_ms']:.3f} ms, device step "
+        f"{r['device_step_ms']:.3f} ms, engine overlap {r['overlap_ms']:.3f} ms "
+        f"({r['overlap_vs_graph']:.2f}x of graph rate), sync {r['sync_ms']:.3f} ms "
+        f"({r['sync_vs_graph']:.2f}x)",
+        flush=True,
+    )
 
 
 def print_table(result: dict) -> None:
-    print(f"\nsteady-state decode step, {result['device']}, {result['dtype']}, "
-          f"{result['context']}-token prompts; ms per step (median of {result['repeats']} "
-          f"windows of {result['steps']} steps)")
-    print(f"{'model':>14} {'batch':>5} {'graph':>7} {'device':>7} {'overlap':>8} {'sync':>7} "
-          f"{'ov/graph':>9} {'sync/graph':>10}")
+    print(
+        f"\nsteady-state decode step, {result['device']}, {result['dtype']}, "
+        f"{result['context']}-token prompts; ms per step (median of {result['repeats']} "
+        f"windows of {result['steps']} steps)"
+    )
+    print(
+        f"{'model':>14} {'batch':>5} {'graph':>7} {'device':>7} {'overlap':>8} {'sync':>7} "
+        f"{'ov/graph':>9} {'sync/graph':>10}"
+    )
     for r in result["rows"]:
-        print(f"{r['model']:>14} {r['batch']:>5} {r['graph_ms']:>7.3f} {r['device_step_ms']:>7.3f} "
-              f"{r['overlap_ms']:>8.3f} {r['sync_ms']:>7.3f} {r['overlap_vs_graph']:>8.2f}x "
-              f"{r['sync_vs_graph']:>9.2f}x")
+        print(
+            f"{r['model']:>14} {r['batch']:>5} {r['graph_ms']:>7.3f} {r['device_step_ms']:>7.3f} "
+            f"{r['overlap_ms']:>8.3f} {r['sync_ms']:>7.3f} {r['overlap_vs_graph']:>8.2f}x "
+            f"{r['sync_vs_graph']:>9.2f}x"
+        )
     print(f"\nhost parts, ms per step: {', '.join(PARTS)}; host = step - wait")
     for r in result["rows"]:
         for s in SCHEDULES:
             p = r["parts_ms"][s]
             cells = " ".join(f"{p[k]:.3f}" for k in PARTS)
-            print(f"{r['model']:>14} {r['batch']:>5} {s:>7}: {cells} | step {p['step']:.3f} "
-                  f"host {p['host']:.3f}")
+            print(
+                f"{r['model']:>14} {r['batch']:>5} {s:>7}: {cells} | step {p['step']:.3f} "
+                f"host {p['host']:.3f}"
+            )
 
 
 if __name__ == "__main__":

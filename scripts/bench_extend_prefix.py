@@ -48,8 +48,9 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
-    p.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b",
-                   help=f"comma-separated, of {sorted(HEADS)}")
+    p.add_argument(
+        "--shapes", default="smollm2-135m,llama-3.2-1b", help=f"comma-separated, of {sorted(HEADS)}"
+    )
     p.add_argument("--requests", default="1,16", help="requests per pass")
     p.add_argument("--prefix", default="2000,500", help="cached tokens per request")
     p.add_argument("--new", type=int, default=32, help="new tokens per request")
@@ -67,14 +68,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown shapes {unknown}; known: {sorted(HEADS)}")
     args.requests, args.prefix, args.splits = (
-        _ints(args.requests), _ints(args.prefix), _ints(args.splits))
+        _ints(args.requests),
+        _ints(args.prefix),
+        _ints(args.splits),
+    )
     if min(args.requests + [args.new, args.repeats, args.launches]) < 1 or min(args.prefix) < 0:
         p.error("requests, --new, --repeats and --launches must be >= 1, prefixes >= 0")
     return args
 
 
-def _time(fn: Callable[[], None], device: torch.device, args: argparse.Namespace
-          ) -> dict[str, float]:  # fmt: skip
+def _time(
+    fn: Callable[[], None], device: torch.device, args: argparse.Namespace
+) -> dict[str, float]:
     """Median microseconds per launch: device (CUDA events) and host."""
     for _ in range(args.warmup):
         fn()
@@ -101,8 +106,9 @@ def _time(fn: Callable[[], None], device: torch.device, args: argparse.Namespace
     return out
 
 
-def run_case(shape: str, requests: int, prefix: int, args: argparse.Namespace,
-             device: torch.device) -> dict[str, Any]:  # fmt: skip
+def run_case(
+    shape: str, requests: int, prefix: int, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
     """One case: every variant's timing, its piece count and its output's distance to whole."""
     h, kv, d = HEADS[shape]
     dtype, page, new = getattr(torch, args.dtype), args.page_size, args.new
@@ -117,30 +123,61 @@ def run_case(shape: str, requests: int, prefix: int, args: argparse.Namespace,
     q, k, v = (torch.randn(rows, n, d, generator=gen).to(device, dtype) for n in (h, kv, kv))
     pos = torch.arange(prefix, seq, device=device)
     loc = (table[:, pos // page].long() * page + pos % page).reshape(-1)
-    seq_lens, ext_lens = (torch.full((requests,), x, dtype=torch.int32, device=device)
-                          for x in (seq, new))  # fmt: skip
+    seq_lens, ext_lens = (
+        torch.full((requests,), x, dtype=torch.int32, device=device) for x in (seq, new)
+    )
     start = torch.arange(requests, dtype=torch.int32, device=device) * new
-    num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else 8)  # fmt: skip
+    num_sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 8
+    )
     variants = {"auto": None, "whole": 1, **{f"splits_{n}": n for n in args.splits}}
     row: dict[str, Any] = {"shape": shape, "requests": requests, "prefix": prefix, "new": new}
     outs = {}
     for name, forced in variants.items():
-        plan = plan_extend([new] * requests, rows, h, kv, d, dtype, page, d**-0.5,
-                           max_prefix=prefix, num_sms=num_sms, num_splits=forced)  # fmt: skip
-        workspace = (decode_workspace(rows, h, d, plan.num_splits, device)
-                     if plan.num_splits > 1 else None)  # fmt: skip
+        plan = plan_extend(
+            [new] * requests,
+            rows,
+            h,
+            kv,
+            d,
+            dtype,
+            page,
+            d**-0.5,
+            max_prefix=prefix,
+            num_sms=num_sms,
+            num_splits=forced,
+        )
+        workspace = (
+            decode_workspace(rows, h, d, plan.num_splits, device) if plan.num_splits > 1 else None
+        )
         out = torch.empty_like(q)
         launch = functools.partial(
-            extend_attention, q, k, v, out, k_cache, v_cache, loc, table, seq_lens, ext_lens,
-            start, plan, workspace=workspace, check=False)  # fmt: skip
+            extend_attention,
+            q,
+            k,
+            v,
+            out,
+            k_cache,
+            v_cache,
+            loc,
+            table,
+            seq_lens,
+            ext_lens,
+            start,
+            plan,
+            workspace=workspace,
+            check=False,
+        )
         row[name] = {"splits": plan.num_splits, **_time(launch, device, args)}
         outs[name] = out.float()
     key = "device_us" if device.type == "cuda" else "host_us"
     for name in variants:
         row[name]["vs_whole"] = row["whole"][key] / row[name][key]
-    row["max_abs_diff_vs_whole"] = max((o - outs["whole"]).abs().max().item()
-                                       for o in outs.values())  # fmt: skip
+    row["max_abs_diff_vs_whole"] = max(
+        (o - outs["whole"]).abs().max().item() for o in outs.values()
+    )
     return row
 
 
@@ -156,12 +193,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 timings = ", ".join(
                     f"{name} {row[name].get('device_us', row[name]['host_us']):.1f} us "
                     f"({row[name]['splits']}, {row[name]['vs_whole']:.2f}x)"
-                    for name in row if isinstance(row[name], dict))  # fmt: skip
+                    for name in row
+                    if isinstance(row[name], dict)
+                )
                 print(f"{shape} {requests} x ({prefix} + {args.new}): {timings}", flush=True)
     record = {
         "date": datetime.now(timezone.utc).isoformat(),
-        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else f"cpu ({platform.machine()})"),  # fmt: skip
+        "device": (
+            torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else f"cpu ({platform.machine()})"
+        ),
         "torch": torch.__version__,
         "command": shlex.join(["scripts/bench_extend_prefix.py", *(argv or sys.argv[1:])]),
         "args": vars(args),

@@ -112,8 +112,10 @@ class Result:
     error: str = ""
 
 
-WORDS = ("apple river stone cloud paper green quiet seven window garden silver music north "
-         "winter candle bridge orange forest letter engine market yellow ocean planet").split()
+WORDS = (
+    "apple river stone cloud paper green quiet seven window garden silver music north "
+    "winter candle bridge orange forest letter engine market yellow ocean planet"
+).split()
 
 
 def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
@@ -121,8 +123,10 @@ def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     if args.dataset == "shared-prefix":
         lo, hi = args.random_token_range
         prefix = [rng.randrange(lo, hi) for _ in range(args.shared_prefix_len)]
-        return [prefix + [rng.randrange(lo, hi) for _ in range(args.question_len)]
-                for _ in range(args.num_prompts)]  # fmt: skip
+        return [
+            prefix + [rng.randrange(lo, hi) for _ in range(args.question_len)]
+            for _ in range(args.num_prompts)
+        ]
     if args.dataset == "random":
         lo, hi = args.random_token_range
         return [
@@ -158,11 +162,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
     if stream.error:
         return Result(ok=False, error=stream.error)
     times = [t for t, _ in stream.chunks]
-    return Result(ok=stream.ok, prompt_tokens=stream.prompt_tokens,
-                  cached_tokens=stream.cached_tokens, output_tokens=stream.output_tokens,
-                  text=stream.text, ttft=times[0] - stream.start if times else 0.0,
-                  e2e=stream.end - stream.start,
-                  itls=[b - a for a, b in zip(times, times[1:])])  # fmt: skip
+    return Result(
+        ok=stream.ok,
+        prompt_tokens=stream.prompt_tokens,
+        cached_tokens=stream.cached_tokens,
+        output_tokens=stream.output_tokens,
+        text=stream.text,
+        ttft=times[0] - stream.start if times else 0.0,
+        e2e=stream.end - stream.start,
+        itls=[b - a for a, b in zip(times, times[1:])],
+    )
 
 
 def _warmup_prompt(args: argparse.Namespace, prompts: list[str | list[int]]) -> str | list[int]:
@@ -203,8 +212,15 @@ async def run_chats(args: argparse.Namespace, model: str) -> tuple[list[Result],
     and the server's answers as text) plus a new question. Results of every turn."""
     url = args.base_url + "/v1/completions"
     rng = random.Random(args.seed)
-    chats = [[f"Question {c}.{t}: " + " ".join(rng.choice(WORDS) for _ in range(args.question_len))
-              + "?" for t in range(args.num_turns)] for c in range(args.num_chats)]  # fmt: skip
+    chats = [
+        [
+            f"Question {c}.{t}: "
+            + " ".join(rng.choice(WORDS) for _ in range(args.question_len))
+            + "?"
+            for t in range(args.num_turns)
+        ]
+        for c in range(args.num_chats)
+    ]
     limit = asyncio.Semaphore(args.max_concurrency or len(chats))
     async with open_session(args.api_key) as s:
         for _ in range(args.warmup):
@@ -333,9 +349,12 @@ def _post(base_url: str, path: str, api_key: str | None = None) -> None:
 
 def _repeat_row(summary: dict[str, Any]) -> dict[str, float]:
     """What a repeat's line in the JSON keeps: its spread shows the run-to-run noise."""
-    return {"ttft_p50_ms": summary["ttft"].get("p50_ms"), "duration_s": summary["duration_s"],
-            "request_throughput": summary["request_throughput"],
-            "cached_tokens": summary["total_cached_tokens"]}
+    return {
+        "ttft_p50_ms": summary["ttft"].get("p50_ms"),
+        "duration_s": summary["duration_s"],
+        "request_throughput": summary["request_throughput"],
+        "cached_tokens": summary["total_cached_tokens"],
+    }
 
 
 def print_report(summary: dict[str, Any]) -> None:
@@ -358,8 +377,10 @@ def print_report(summary: dict[str, Any]) -> None:
         value = summary.get(key)
         print(f"{key:<44}{value:>16.2f}" if isinstance(value, float) else f"{key:<44}{value!s:>16}")
     for i, row in enumerate(summary.get("repeats", [])):
-        print(f"repeat {i}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
-              f"{row['request_throughput']:.2f} requests/s")
+        print(
+            f"repeat {i}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
+            f"{row['request_throughput']:.2f} requests/s"
+        )
     for name in ("ttft", "tpot", "itl", "e2e"):
         print(f"{' ' + name.upper() + ' ':-^60}")
         for stat, value in summary[name].items():
@@ -369,8 +390,16 @@ def print_report(summary: dict[str, Any]) -> None:
 
 def launch(args: argparse.Namespace, extra: list[str] | None = None) -> subprocess.Popen:
     port = args.base_url.rsplit(":", 1)[-1].split("/")[0]
-    cmd = [sys.executable, "-m", "pcgspec", "serve", "--port", port, *shlex.split(args.server_args),
-           *(extra or [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pcgspec",
+        "serve",
+        "--port",
+        port,
+        *shlex.split(args.server_args),
+        *(extra or []),
+    ]
     if args.random_weights:
         cmd += ["--model-path", str(random_weights_dir(args))]
     if args.api_key:
@@ -397,8 +426,9 @@ def random_weights_dir(args: argparse.Namespace) -> Path:
     renamed when complete, so an interrupted write is never reused)."""
     from pcgspec import envs
 
-    folder = Path(args.random_weights_dir or envs.cache_dir() / "models" /
-                  f"random-{args.random_weights}")  # fmt: skip
+    folder = Path(
+        args.random_weights_dir or envs.cache_dir() / "models" / f"random-{args.random_weights}"
+    )
     if not (folder / "config.json").is_file():
         from pcgspec.models.default_model import default_model_path
         from pcgspec.models.draft_checkpoint import write_random_checkpoint
@@ -415,45 +445,89 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", default="random",
-                   help="random | builtin | shared-prefix | multi-turn | a prompt file")
-    p.add_argument("--shared-prefix-len", type=int, default=2000,
-                   help="shared-prefix: token ids of the system prompt all requests share")
-    p.add_argument("--question-len", type=int, default=32,
-                   help="shared-prefix: token ids per question; multi-turn: words per question")
+    p.add_argument(
+        "--dataset",
+        default="random",
+        help="random | builtin | shared-prefix | multi-turn | a prompt file",
+    )
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=2000,
+        help="shared-prefix: token ids of the system prompt all requests share",
+    )
+    p.add_argument(
+        "--question-len",
+        type=int,
+        default=32,
+        help="shared-prefix: token ids per question; multi-turn: words per question",
+    )
     p.add_argument("--num-chats", type=int, default=16, help="multi-turn: conversations")
     p.add_argument("--num-turns", type=int, default=8, help="multi-turn: turns per chat")
-    p.add_argument("--cache-modes", default="on,off",
-                   help="with --launch: run once per mode, on = radix cache, off = "
-                        "--disable-radix-cache (the default dataset runs once, as launched)")
+    p.add_argument(
+        "--cache-modes",
+        default="on,off",
+        help="with --launch: run once per mode, on = radix cache, off = "
+        "--disable-radix-cache (the default dataset runs once, as launched)",
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--random-input-len", type=int, default=64)
-    p.add_argument("--max-tokens", "--random-output-len", dest="max_tokens", type=int,
-                   default=None, help="max_tokens per request (default: 32; sweep: 128)")
+    p.add_argument(
+        "--max-tokens",
+        "--random-output-len",
+        dest="max_tokens",
+        type=int,
+        default=None,
+        help="max_tokens per request (default: 32; sweep: 128)",
+    )
     p.add_argument("--random-token-range", type=int, nargs=2, default=(1000, 20000))
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: on; off in the sweep (answers of their own length)")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: on; off in the sweep (answers of their own length)",
+    )
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per server (cache flushed between them); reported pooled")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per server (cache flushed between them); reported pooled",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launch", action="store_true", help="start `pcgspec serve` first")
     p.add_argument("--server-args", default="", help="flags for the launched server")
-    p.add_argument("--server-log", default=None,
-                   help="with --launch: append the server's output here (default: discarded)")
-    p.add_argument("--random-weights", metavar="SHAPE", default=None,
-                   help="with --launch: serve random weights of this shape (see the top)")
-    p.add_argument("--random-weights-dir", default=None,
-                   help="its folder (default: $PCGSPEC_CACHE_DIR/models/random-SHAPE)")
-    p.add_argument("--compare-engine", action="store_true",
-                   help="with --launch: also run the prompts through LLM.generate with the "
-                        "server's engine flags, after the server stopped, and compare")
+    p.add_argument(
+        "--server-log",
+        default=None,
+        help="with --launch: append the server's output here (default: discarded)",
+    )
+    p.add_argument(
+        "--random-weights",
+        metavar="SHAPE",
+        default=None,
+        help="with --launch: serve random weights of this shape (see the top)",
+    )
+    p.add_argument(
+        "--random-weights-dir",
+        default=None,
+        help="its folder (default: $PCGSPEC_CACHE_DIR/models/random-SHAPE)",
+    )
+    p.add_argument(
+        "--compare-engine",
+        action="store_true",
+        help="with --launch: also run the prompts through LLM.generate with the "
+        "server's engine flags, after the server stopped, and compare",
+    )
     _sweep_args(p)
-    p.add_argument("--device-label", default=None,
-                   help="what the JSON calls the device when nvidia-smi names none")
+    p.add_argument(
+        "--device-label",
+        default=None,
+        help="what the JSON calls the device when nvidia-smi names none",
+    )
     p.add_argument("--out", default=None, help="write the JSON summary here")
     args = p.parse_args(argv)
     args.sweep = any(getattr(args, k) is not None for k in SWEEP_DEFAULTS)
@@ -466,10 +540,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dataset {args.dataset} uses the completions endpoint")
     if args.random_weights and not args.launch:
         p.error("--random-weights needs --launch")
-    if args.compare_engine and (not args.launch or args.endpoint != "completions"
-                                or args.dataset == "multi-turn"):  # fmt: skip
-        p.error("--compare-engine needs --launch, the completions endpoint and a dataset "
-                "of single prompts")
+    if args.compare_engine and (
+        not args.launch or args.endpoint != "completions" or args.dataset == "multi-turn"
+    ):
+        p.error(
+            "--compare-engine needs --launch, the completions endpoint and a dataset "
+            "of single prompts"
+        )
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     args.cache_modes = [m.strip() for m in args.cache_modes.split(",")]
@@ -479,27 +556,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # The closed-loop sweep's options: any of them given runs it; these are their defaults.
-SWEEP_DEFAULTS = {"compare": None, "datasets": ["chat"], "concurrencies": "1,4,16,64",
-                  "temperatures": "0,0.7", "duration": 30.0, "warmup_seconds": 5.0,
-                  "text_check": 16}  # fmt: skip
+SWEEP_DEFAULTS = {
+    "compare": None,
+    "datasets": ["chat"],
+    "concurrencies": "1,4,16,64",
+    "temperatures": "0,0.7",
+    "duration": 30.0,
+    "warmup_seconds": 5.0,
+    "text_check": 16,
+}
 
 
 def _sweep_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("closed-loop sweep (see the top)")
-    s.add_argument("--compare", nargs="+", metavar="NAME=ARGS",
-                   help="with --launch: configurations, each its own server of --server-args "
-                        "plus ARGS; ratios against the first")
-    s.add_argument("--datasets", nargs="+", metavar="SPEC",
-                   help="NAME[:concurrencies=..][:temperatures=..][:configs=a,b] each; NAME "
-                        f"one of {', '.join(serving_datasets.DATASETS)} (default: chat)")
+    s.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="NAME=ARGS",
+        help="with --launch: configurations, each its own server of --server-args "
+        "plus ARGS; ratios against the first",
+    )
+    s.add_argument(
+        "--datasets",
+        nargs="+",
+        metavar="SPEC",
+        help="NAME[:concurrencies=..][:temperatures=..][:configs=a,b] each; NAME "
+        f"one of {', '.join(serving_datasets.DATASETS)} (default: chat)",
+    )
     s.add_argument("--concurrencies", help="requests in flight per point (default: 1,4,16,64)")
     s.add_argument("--temperatures", help="default: 0,0.7")
     s.add_argument("--duration", type=float, help="seconds of each point's window (default: 30)")
-    s.add_argument("--warmup-seconds", type=float,
-                   help="seconds of load before each window (default: 5)")
-    s.add_argument("--text-check", type=int, metavar="N",
-                   help="greedy texts of the first N requests per dataset, one at a time, "
-                        "compared with the first configuration's (default: 16; 0: none)")
+    s.add_argument(
+        "--warmup-seconds", type=float, help="seconds of load before each window (default: 5)"
+    )
+    s.add_argument(
+        "--text-check",
+        type=int,
+        metavar="N",
+        help="greedy texts of the first N requests per dataset, one at a time, "
+        "compared with the first configuration's (default: 16; 0: none)",
+    )
 
 
 def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -512,12 +608,15 @@ def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.compare_engine or args.repeats > 1:
         p.error("--compare-engine and --repeats belong to the single run, not the sweep")
     if args.duration <= 0 or args.warmup_seconds < 0 or args.text_check < 0:
-        p.error(f"--duration must be > 0, --warmup-seconds and --text-check >= 0; got "
-                f"{args.duration}, {args.warmup_seconds}, {args.text_check}")
+        p.error(
+            f"--duration must be > 0, --warmup-seconds and --text-check >= 0; got "
+            f"{args.duration}, {args.warmup_seconds}, {args.text_check}"
+        )
     try:
         args.configs = serving_compare.parse_configs(args.compare)
-        args.plans = serving_compare.parse_plans(args.datasets, args.concurrencies,
-                                                 args.temperatures, args.configs)  # fmt: skip
+        args.plans = serving_compare.parse_plans(
+            args.datasets, args.concurrencies, args.temperatures, args.configs
+        )
     except ValueError as e:
         p.error(str(e))
 
@@ -551,8 +650,9 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
-    summary = summarize([r for results, _ in repeats for r in results],
-                        sum(duration for _, duration in repeats))
+    summary = summarize(
+        [r for results, _ in repeats for r in results], sum(duration for _, duration in repeats)
+    )
     if args.repeats > 1:
         summary["repeats"] = [_repeat_row(summarize(*run)) for run in repeats]
     summary["model"] = model
@@ -575,12 +675,14 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     model = ["--model-path", str(random_weights_dir(args))] if args.random_weights else []
     config = serve_engine_config([*shlex.split(args.server_args), *model])
     if args.max_concurrency:  # NOTE: the server had at most this many requests in flight
-        config = replace(config, max_running_requests=min(
-            args.max_concurrency, config.max_running_requests))  # fmt: skip
+        config = replace(
+            config, max_running_requests=min(args.max_concurrency, config.max_running_requests)
+        )
     llm = LLM(**vars(config))
     freeze_start_up()  # NOTE: as the server's processes do theirs
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            ignore_eos=args.ignore_eos)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
+    )
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in load_prompts(args)]
     if args.warmup:
         llm.generate(prompts[: args.warmup], params, use_tqdm=False)
@@ -588,9 +690,13 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     duration = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"duration_s": duration, "successful_requests": len(outs),
-            "total_output_tokens": tokens, "request_throughput": len(outs) / duration,
-            "output_token_throughput": tokens / duration}  # fmt: skip
+    return {
+        "duration_s": duration,
+        "successful_requests": len(outs),
+        "total_output_tokens": tokens,
+        "request_throughput": len(outs) / duration,
+        "output_token_throughput": tokens / duration,
+    }
 
 
 def compare_engine(served: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
@@ -614,8 +720,10 @@ def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, dict[str, floa
     print(f"{' Radix cache on vs off ':=^60}")
     for key, row in out.items():
         ratio = row["ratio"]
-        print(f"{key:<28}{row['radix_cache']:>12.2f}{row['no_radix_cache']:>12.2f}"
-              f"{'' if ratio is None else f'{ratio:>7.3f}x'}")
+        print(
+            f"{key:<28}{row['radix_cache']:>12.2f}{row['no_radix_cache']:>12.2f}"
+            f"{'' if ratio is None else f'{ratio:>7.3f}x'}"
+        )
     print("=" * 60)
     return out
 
@@ -664,8 +772,13 @@ def single_run(args: argparse.Namespace) -> dict[str, Any]:
 def _device_name() -> str | None:
     """The first GPU's name from nvidia-smi, None without one."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None

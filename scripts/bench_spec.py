@@ -56,26 +56,32 @@ _PASSAGES = [
 PROMPT_SETS = {
     # The model copies the passage (code editing, quoting): where prompt lookup (NGRAM) helps.
     "repeat": [f"Text: {p}\n\nThe same text, copied exactly:\nText: " for p in _PASSAGES],
-    "general": ["Explain gravity to a child.", "List three prime numbers:",
-                "Write a haiku about the sea.", "What is 12 times 12?"],
+    "general": [
+        "Explain gravity to a child.",
+        "List three prime numbers:",
+        "Write a haiku about the sea.",
+        "What is 12 times 12?",
+    ],
     # Chat turns through the model's chat template, written for this benchmark (none is in the
     # EAGLE3 trainer's topics or templates): what a chat server sees.
-    "chat": ["How do I keep basil alive on a windowsill?",
-             "Why do cats purr?",
-             "Give me three tips for a first job interview.",
-             "What is the difference between weather and climate?",
-             "Write a short poem about a lighthouse keeper.",
-             "How does a refrigerator keep food cold?",
-             "Suggest a name for a bakery that sells only bread.",
-             "Explain what an API is to someone who does not program.",
-             "What should I pack for a two-day hike?",
-             "Summarize the story of Cinderella in three sentences.",
-             "Write a Python function that checks whether a word is a palindrome.",
-             "Why is the ocean salty?",
-             "How can I get better at remembering names?",
-             "What are the planets of the solar system, in order?",
-             "Describe a sunset to someone who has never seen one.",
-             "If a train travels 60 km in 45 minutes, what is its average speed?"],
+    "chat": [
+        "How do I keep basil alive on a windowsill?",
+        "Why do cats purr?",
+        "Give me three tips for a first job interview.",
+        "What is the difference between weather and climate?",
+        "Write a short poem about a lighthouse keeper.",
+        "How does a refrigerator keep food cold?",
+        "Suggest a name for a bakery that sells only bread.",
+        "Explain what an API is to someone who does not program.",
+        "What should I pack for a two-day hike?",
+        "Summarize the story of Cinderella in three sentences.",
+        "Write a Python function that checks whether a word is a palindrome.",
+        "Why is the ocean salty?",
+        "How can I get better at remembering names?",
+        "What are the planets of the solar system, in order?",
+        "Describe a sunset to someone who has never seen one.",
+        "If a train travels 60 km in 45 minutes, what is its average speed?",
+    ],
 }
 CHAT_SETS = {"chat"}
 PHASES = ("propose", "verify")
@@ -130,7 +136,8 @@ class StepTimes:
                 self.times["spec_step" if speculated else "plain_step"].append(seconds)
                 if mode.get("last") is (not speculated):  # the first step after a switch
                     self.times["switch_to_spec" if speculated else "switch_to_plain"].append(
-                        seconds)  # fmt: skip
+                        seconds
+                    )
                 mode["last"] = speculated
             else:
                 if mode["prefill"]:
@@ -143,8 +150,9 @@ class StepTimes:
             worker.chooses = chosen
         if self.phases:
             for name in PHASES:
-                setattr(engine.spec_worker, name, self._timed(name, getattr(engine.spec_worker,
-                                                                              name)))
+                setattr(
+                    engine.spec_worker, name, self._timed(name, getattr(engine.spec_worker, name))
+                )
         if self.parts:
             self._time_parts()
         return self
@@ -298,11 +306,16 @@ def _spec_step(llm, batches: list[list[str]], params) -> dict[str, float | None]
     split = _always(llm, batches, params, phases=True)
     synced, draft, verify = (split.median_ms(n) for n in ("step", "propose", "verify"))
     host = None if None in (synced, draft, verify) else synced - draft - verify
-    return {"spec_step_ms": overlapped.median_ms("spec_step"), "synced_step_ms": synced,
-            "draft_ms": draft, "verify_ms": verify, "host_ms": host,
-            # unsynchronized, per step: the host launching it, waiting for the previous one's
-            # results (0: the device is ahead, the host is the floor) and reading them
-            **{f"{part}_ms": overlapped.median_ms(part) for part in ("launch", "wait", "read")}}
+    return {
+        "spec_step_ms": overlapped.median_ms("spec_step"),
+        "synced_step_ms": synced,
+        "draft_ms": draft,
+        "verify_ms": verify,
+        "host_ms": host,
+        # unsynchronized, per step: the host launching it, waiting for the previous one's
+        # results (0: the device is ahead, the host is the floor) and reading them
+        **{f"{part}_ms": overlapped.median_ms(part) for part in ("launch", "wait", "read")},
+    }
 
 
 def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace) -> list[dict]:
@@ -314,18 +327,24 @@ def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace
         rate = statistics.median(rates)
         accept = [o.metrics.avg_spec_accept_length for o in outs]
         accept = [a for a in accept if a is not None]
-        row = {"batch": len(batches[0]), "batches": len(batches), "method": name, "tok_s": rate,
-               "speedup": rate / (rows[0]["tok_s"] if rows else rate),
-               "avg_accept_length": statistics.mean(accept) if accept else None,
-               "tok_s_repeats": rates, "gc_ms_repeats": pauses,
-               "prefill_ms": sum(times.times["prefill"]) * 1e3 / len(rates),  # per generation
-               "decode_step_ms": times.median_ms("step"),
-               "policy_spec_step_ms": times.median_ms("spec_step"),
-               "policy_plain_step_ms": times.median_ms("plain_step"),
-               "switch_to_spec_ms": times.median_ms("switch_to_spec"),
-               "switch_to_plain_ms": times.median_ms("switch_to_plain"),
-               "switches": len(times.times.get("switch_to_spec", [])),
-               "graphs": llm.engine.graph_stats()}
+        row = {
+            "batch": len(batches[0]),
+            "batches": len(batches),
+            "method": name,
+            "tok_s": rate,
+            "speedup": rate / (rows[0]["tok_s"] if rows else rate),
+            "avg_accept_length": statistics.mean(accept) if accept else None,
+            "tok_s_repeats": rates,
+            "gc_ms_repeats": pauses,
+            "prefill_ms": sum(times.times["prefill"]) * 1e3 / len(rates),  # per generation
+            "decode_step_ms": times.median_ms("step"),
+            "policy_spec_step_ms": times.median_ms("spec_step"),
+            "policy_plain_step_ms": times.median_ms("plain_step"),
+            "switch_to_spec_ms": times.median_ms("switch_to_spec"),
+            "switch_to_plain_ms": times.median_ms("switch_to_plain"),
+            "switches": len(times.times.get("switch_to_spec", [])),
+            "graphs": llm.engine.graph_stats(),
+        }
         if name != "none":
             row.update(llm.engine.spec_stats())
             row["policy_times"] = llm.engine.spec_worker.policy.step_times()
@@ -341,28 +360,55 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", default="NGRAM", help="comma-separated speculative algorithms")
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
-    p.add_argument("--policy", choices=("auto", "always"), default="auto",
-                   help="--speculative-policy of the speculative engines")
+    p.add_argument(
+        "--policy",
+        choices=("auto", "always"),
+        default="auto",
+        help="--speculative-policy of the speculative engines",
+    )
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0: greedy; else sampled with a fixed seed per request")
-    p.add_argument("--repeats", type=int, default=7,
-                   help="generations per engine and batch, interleaved (the median counts)")
-    p.add_argument("--prompts", default="repeat,general,chat",
-                   help="comma-separated: repeat, general, chat (chat template)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy; else sampled with a fixed seed per request",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=7,
+        help="generations per engine and batch, interleaved (the median counts)",
+    )
+    p.add_argument(
+        "--prompts",
+        default="repeat,general,chat",
+        help="comma-separated: repeat, general, chat (chat template)",
+    )
     p.add_argument("--standalone-draft", default=None, help="default: the target itself")
-    p.add_argument("--eagle3-draft", default=UNTRAINED,
-                   help="EAGLE3's head (default: the shipped head of the default model, else an "
-                   "untrained one); method EAGLE3:untrained always runs an untrained head")
-    p.add_argument("--eagle3-draft-vocab", type=int, default=16384,
-                   help="draft vocabulary of the untrained EAGLE3 head")
+    p.add_argument(
+        "--eagle3-draft",
+        default=UNTRAINED,
+        help="EAGLE3's head (default: the shipped head of the default model, else an "
+        "untrained one); method EAGLE3:untrained always runs an untrained head",
+    )
+    p.add_argument(
+        "--eagle3-draft-vocab",
+        type=int,
+        default=16384,
+        help="draft vocabulary of the untrained EAGLE3 head",
+    )
     p.add_argument("--nextn-draft", default=UNTRAINED)
-    p.add_argument("--random-weights", metavar="SHAPE", default=None,
-                   help="a target of this shape (pcgspec.models.random_weights) with random "
-                        "weights; STANDALONE drafts with it")
-    p.add_argument("--tokenizer", default=None,
-                   help="with --random-weights (default: the default model's)")
+    p.add_argument(
+        "--random-weights",
+        metavar="SHAPE",
+        default=None,
+        help="a target of this shape (pcgspec.models.random_weights) with random "
+        "weights; STANDALONE drafts with it",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="with --random-weights (default: the default model's)"
+    )
     p.add_argument("--out", default="bench/results/spec.json")
     args = p.parse_args(argv)
 
@@ -382,13 +428,23 @@ def main(argv: list[str] | None = None) -> dict:
     config = engines["none"].config
     device = torch.cuda.get_device_name() if config.torch_device.type == "cuda" else "CPU"
     model = args.random_weights or engines["none"].engine.model_dir.name
-    _print(rows, f"{model}, {config.torch_dtype}, {device}, k={args.num_steps}, "
-                 f"policy {args.policy}, temperature {args.temperature}")  # fmt: skip
-    result = {"date": datetime.now(timezone.utc).isoformat(), "device": device,
-              "torch": torch.__version__, "model": model, "dtype": str(config.torch_dtype),
-              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "num_steps": args.num_steps, "policy": args.policy,
-              "temperature": args.temperature, "rows": rows}
+    _print(
+        rows,
+        f"{model}, {config.torch_dtype}, {device}, k={args.num_steps}, "
+        f"policy {args.policy}, temperature {args.temperature}",
+    )
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": device,
+        "torch": torch.__version__,
+        "model": model,
+        "dtype": str(config.torch_dtype),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "num_steps": args.num_steps,
+        "policy": args.policy,
+        "temperature": args.temperature,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     return result
@@ -399,20 +455,24 @@ def _print(rows: list[dict], title: str) -> None:
         return "-" if x is None else f"{x:.2f}"
 
     print(f"\ndecode tokens/s, {title}")
-    print(f"{'prompts':>8} {'batch':>5} {'method':>10} {'tok/s':>9} {'speedup':>8} "
-          f"{'accept':>7} {'step ms':>8} {'spec step':>9} {'draft':>6} {'verify':>6} "
-          f"{'host':>6} {'plain by policy':>15} {'prefill':>7} {'gc ms':>6} "
-          f"{'spread':>6}")  # fmt: skip
+    print(
+        f"{'prompts':>8} {'batch':>5} {'method':>10} {'tok/s':>9} {'speedup':>8} "
+        f"{'accept':>7} {'step ms':>8} {'spec step':>9} {'draft':>6} {'verify':>6} "
+        f"{'host':>6} {'plain by policy':>15} {'prefill':>7} {'gc ms':>6} "
+        f"{'spread':>6}"
+    )
     for r in rows:
         acc = f"{r['avg_accept_length']:.2f}" if r["avg_accept_length"] is not None else "-"
         chosen = f"{r.get('policy_plain_steps', 0)}/{r.get('speculative_steps', 0)}"
-        print(f"{r['prompts']:>8} {r['batch']:>5} {r['method']:>10} {r['tok_s']:>9.1f} "
-              f"{r['speedup']:>7.2f}x {acc:>7} {ms(r['decode_step_ms']):>8} "
-              f"{ms(r.get('spec_step_ms')):>9} {ms(r.get('draft_ms')):>6} "
-              f"{ms(r.get('verify_ms')):>6} {ms(r.get('host_ms')):>6} "
-              f"{chosen if 'speculative_steps' in r else '-':>15} {ms(r['prefill_ms']):>7} "
-              f"{ms(statistics.median(r['gc_ms_repeats'])):>6} "
-              f"{_spread(r['tok_s_repeats']):>6}")  # fmt: skip
+        print(
+            f"{r['prompts']:>8} {r['batch']:>5} {r['method']:>10} {r['tok_s']:>9.1f} "
+            f"{r['speedup']:>7.2f}x {acc:>7} {ms(r['decode_step_ms']):>8} "
+            f"{ms(r.get('spec_step_ms')):>9} {ms(r.get('draft_ms')):>6} "
+            f"{ms(r.get('verify_ms')):>6} {ms(r.get('host_ms')):>6} "
+            f"{chosen if 'speculative_steps' in r else '-':>15} {ms(r['prefill_ms']):>7} "
+            f"{ms(statistics.median(r['gc_ms_repeats'])):>6} "
+            f"{_spread(r['tok_s_repeats']):>6}"
+        )
 
 
 def _spread(rates: list[float]) -> str:
@@ -441,10 +501,14 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
-        engines[method] = LLM(args.model, speculative_algorithm=method.split(":")[0],
-                              speculative_num_steps=args.num_steps,
-                              speculative_draft_model_path=drafts.get(method),
-                              speculative_policy=args.policy, **base)  # fmt: skip
+        engines[method] = LLM(
+            args.model,
+            speculative_algorithm=method.split(":")[0],
+            speculative_num_steps=args.num_steps,
+            speculative_draft_model_path=drafts.get(method),
+            speculative_policy=args.policy,
+            **base,
+        )
     freeze_start_up()  # NOTE: this script owns its process, as the server does its own
     return engines
 
@@ -459,8 +523,11 @@ def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str])
 
     config, root = load_config(target_dir), Path(tempfile.mkdtemp(prefix="pcgspec-drafts-"))
     paths = {"STANDALONE": args.standalone_draft or str(target_dir)}
-    untrained_eagle3 = str(write_eagle3_checkpoint(root / "eagle3", config, seed=0,
-                                                   draft_vocab_size=args.eagle3_draft_vocab))
+    untrained_eagle3 = str(
+        write_eagle3_checkpoint(
+            root / "eagle3", config, seed=0, draft_vocab_size=args.eagle3_draft_vocab
+        )
+    )
     paths["EAGLE3:untrained"] = untrained_eagle3
     if args.eagle3_draft != UNTRAINED:
         paths["EAGLE3"] = args.eagle3_draft
@@ -469,8 +536,11 @@ def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str])
     else:
         paths["EAGLE3"] = untrained_eagle3
     if "NEXTN" in methods:
-        paths["NEXTN"] = args.nextn_draft if args.nextn_draft != UNTRAINED else str(
-            write_mtp_checkpoint(root / "mtp", config, seed=0))
+        paths["NEXTN"] = (
+            args.nextn_draft
+            if args.nextn_draft != UNTRAINED
+            else str(write_mtp_checkpoint(root / "mtp", config, seed=0))
+        )
     return {m: paths[m] for m in methods if m in paths}
 
 

@@ -58,11 +58,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--context", type=int, default=1024, help="tokens before the decode step")
     p.add_argument("--prefill-tokens", type=int, default=2048)
-    p.add_argument("--whole-tokens", default="16,128,512,2048",
-                   help="lengths compiled whole (each compile is slow)")
-    p.add_argument("--bound-backend", default=None,
-                   help="torch.compile backend of the whole step (default: inductor on CUDA, "
-                        "aot_eager on CPU)")
+    p.add_argument(
+        "--whole-tokens",
+        default="16,128,512,2048",
+        help="lengths compiled whole (each compile is slow)",
+    )
+    p.add_argument(
+        "--bound-backend",
+        default=None,
+        help="torch.compile backend of the whole step (default: inductor on CUDA, "
+        "aot_eager on CPU)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -75,16 +81,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def engine_config(args: argparse.Namespace, tp: int, max_tokens: int,
-                  decode_graphs: bool) -> EngineConfig:  # fmt: skip
+def engine_config(
+    args: argparse.Namespace, tp: int, max_tokens: int, decode_graphs: bool
+) -> EngineConfig:
     """KV for one prompt of ``max_tokens`` or one decode request of ``--context`` (both start
     at page 0: the timed steps need the shapes, not the cached values).
     """
     pages = -(-max(max_tokens, args.context + 1) // 16)
-    return EngineConfig(device=args.device, dtype=args.dtype, tp_size=tp, page_size=16,
-                        max_total_tokens=pages * 16, cuda_graph_max_bs=1,
-                        disable_cuda_graph=not decode_graphs,
-                        piecewise_cuda_graph_max_tokens=max_tokens)  # fmt: skip
+    return EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        tp_size=tp,
+        page_size=16,
+        max_total_tokens=pages * 16,
+        cuda_graph_max_bs=1,
+        disable_cuda_graph=not decode_graphs,
+        piecewise_cuda_graph_max_tokens=max_tokens,
+    )
 
 
 def tokens(args: argparse.Namespace, n: int) -> torch.Tensor:
@@ -96,26 +109,40 @@ def engine_part(args: argparse.Namespace, tp: int, results: mp.Queue) -> None:
     """Startup, decode and prefill through the engine's runner (rank 0 spawns the workers)."""
     disable_nvlink_multicast()
     start = time.perf_counter()
-    runner = ModelRunner(engine_config(args, tp, args.prefill_tokens, True),
-                         RandomWeights(args.shape, args.seed))  # fmt: skip
+    runner = ModelRunner(
+        engine_config(args, tp, args.prefill_tokens, True), RandomWeights(args.shape, args.seed)
+    )
     startup = time.perf_counter() - start
     device, page = runner.device, runner.page_size
     decode = decode_batch(1, args.context, runner)
-    decode = time_steps(lambda b: runner.forward(b).logits, lambda: decode, device,
-                        args.warmup, args.repeats)  # fmt: skip
+    decode = time_steps(
+        lambda b: runner.forward(b).logits, lambda: decode, device, args.warmup, args.repeats
+    )
     prompt = tokens(args, args.prefill_tokens)
-    prefill = time_steps(lambda b: runner.forward(b).logits,
-                         lambda: prefill_batch(prompt, page, device), device, args.warmup,
-                         args.repeats)  # fmt: skip
-    results.put({"tp": tp, "startup_s": startup, "decode_bs1": decode.summary(),
-                 "prefill": prefill.summary(), "device": device_name(device),
-                 "decode_graph_stats": runner.decode_graphs and runner.decode_graphs.stats(),
-                 "piecewise_stats": runner.piecewise and runner.piecewise.stats()})
+    prefill = time_steps(
+        lambda b: runner.forward(b).logits,
+        lambda: prefill_batch(prompt, page, device),
+        device,
+        args.warmup,
+        args.repeats,
+    )
+    results.put(
+        {
+            "tp": tp,
+            "startup_s": startup,
+            "decode_bs1": decode.summary(),
+            "prefill": prefill.summary(),
+            "device": device_name(device),
+            "decode_graph_stats": runner.decode_graphs and runner.decode_graphs.stats(),
+            "piecewise_stats": runner.piecewise and runner.piecewise.stats(),
+        }
+    )
     runner.shutdown()
 
 
-def spmd_part(args: argparse.Namespace, rendezvous: Rendezvous, rank: int,
-              results: mp.Queue) -> None:  # fmt: skip
+def spmd_part(
+    args: argparse.Namespace, rendezvous: Rendezvous, rank: int, results: mp.Queue
+) -> None:
     """Every rank: piecewise and whole-graph steps at each length, then the decode step, in
     the same order.
     """
@@ -125,18 +152,30 @@ def spmd_part(args: argparse.Namespace, rendezvous: Rendezvous, rank: int,
     device, page = runner.device, runner.page_size
     prompt, rows = tokens(args, max(args.whole_tokens)), []
     for n in args.whole_tokens:
-        piecewise = time_steps(lambda b: runner.forward(b).logits,
-                               lambda n=n: prefill_batch(prompt[:n], page, device), device,
-                               args.warmup, args.repeats)  # fmt: skip
+        piecewise = time_steps(
+            lambda b: runner.forward(b).logits,
+            lambda n=n: prefill_batch(prompt[:n], page, device),
+            device,
+            args.warmup,
+            args.repeats,
+        )
         whole = time_bound(runner, prompt[:n], args)
-        rows.append({"tokens": n, "piecewise": piecewise.summary(), "whole": whole.summary(),
-                     "piecewise_over_whole": piecewise.median_ms / whole.median_ms})
+        rows.append(
+            {
+                "tokens": n,
+                "piecewise": piecewise.summary(),
+                "whole": whole.summary(),
+                "piecewise_over_whole": piecewise.median_ms / whole.median_ms,
+            }
+        )
     decode = decode_batch(1, args.context, runner)
-    decode = time_steps(lambda b: runner.forward(b).logits, lambda: decode, device, args.warmup,
-                        args.repeats)  # fmt: skip
+    decode = time_steps(
+        lambda b: runner.forward(b).logits, lambda: decode, device, args.warmup, args.repeats
+    )
     if rank == 0:
-        results.put({"tp": args.tp_size, "whole_vs_piecewise": rows,
-                     "decode_bs1_spmd": decode.summary()})  # fmt: skip
+        results.put(
+            {"tp": args.tp_size, "whole_vs_piecewise": rows, "decode_bs1_spmd": decode.summary()}
+        )
     groups.destroy()
 
 
@@ -151,8 +190,13 @@ def run_spmd(args: argparse.Namespace) -> dict:
     """``spmd_part`` in one fresh process per rank; rank 0's result."""
     ctx = mp.get_context("spawn")
     results, rendezvous = ctx.Queue(), Rendezvous.local(args.tp_size)
-    return collect([ctx.Process(target=spmd_part, args=(args, rendezvous, r, results))
-                    for r in range(args.tp_size)], results)  # fmt: skip
+    return collect(
+        [
+            ctx.Process(target=spmd_part, args=(args, rendezvous, r, results))
+            for r in range(args.tp_size)
+        ],
+        results,
+    )
 
 
 def collect(procs: list[BaseProcess], results: mp.Queue) -> dict:
@@ -187,8 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         "startup": split["startup_s"] / single["startup_s"],
         "decode": split["decode_bs1"]["median_ms"] / single["decode_bs1"]["median_ms"],
         "prefill": split["prefill"]["median_ms"] / single["prefill"]["median_ms"],
-        "piecewise_over_whole": max(r["piecewise_over_whole"]
-                                    for r in whole["whole_vs_piecewise"]),
+        "piecewise_over_whole": max(r["piecewise_over_whole"] for r in whole["whole_vs_piecewise"]),
     }
     diagnostics = {  # where the decode step's time goes: the broadcast, the collectives
         "decode_spmd": whole["decode_bs1_spmd"]["median_ms"] / single["decode_bs1"]["median_ms"],
@@ -196,19 +239,32 @@ def main(argv: list[str] | None = None) -> dict:
         / whole["decode_bs1_spmd"]["median_ms"],
     }
     result = {
-        "date": datetime.now(timezone.utc).isoformat(), "device": single["device"],
-        "torch": torch.__version__, "command": args.command, "model": args.shape,
-        "dtype": args.dtype, "tp_size": args.tp_size, "context": args.context,
-        "prefill_tokens": args.prefill_tokens, "runs": [single, split], **whole,
-        "ratios": ratios, "diagnostics": diagnostics, "targets": TARGETS,
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": single["device"],
+        "torch": torch.__version__,
+        "command": args.command,
+        "model": args.shape,
+        "dtype": args.dtype,
+        "tp_size": args.tp_size,
+        "context": args.context,
+        "prefill_tokens": args.prefill_tokens,
+        "runs": [single, split],
+        **whole,
+        "ratios": ratios,
+        "diagnostics": diagnostics,
+        "targets": TARGETS,
         "met": {k: ratios[k] <= TARGETS[k] for k in TARGETS},
     }
     for key, ratio in ratios.items():
         print(f"{key:>22}: {ratio:6.3f} (target <= {TARGETS[key]})")
-    print(f"{'decode_spmd':>22}: {diagnostics['decode_spmd']:6.3f} (TP={args.tp_size} decode "
-          f"without the broadcast, over TP=1)")
-    print(f"{'decode_over_spmd':>22}: {diagnostics['decode_over_spmd']:6.3f} (the engine's "
-          f"TP={args.tp_size} decode over the SPMD one)")
+    print(
+        f"{'decode_spmd':>22}: {diagnostics['decode_spmd']:6.3f} (TP={args.tp_size} decode "
+        f"without the broadcast, over TP=1)"
+    )
+    print(
+        f"{'decode_over_spmd':>22}: {diagnostics['decode_over_spmd']:6.3f} (the engine's "
+        f"TP={args.tp_size} decode over the SPMD one)"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -70,27 +70,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded model)")
     p.add_argument("--random-weights", action="store_true", help="random weights of --shape")
-    p.add_argument("--shape", default="llama-3.2-1b", choices=list(SHAPES),
-                   help="shape for --random-weights")
+    p.add_argument(
+        "--shape", default="llama-3.2-1b", choices=list(SHAPES), help="shape for --random-weights"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths (tokens)")
     p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
-    p.add_argument("--bound-lengths", default="16,128,512,2048",
-                   help="lengths the bound is compiled for (each compile is slow)")
+    p.add_argument(
+        "--bound-lengths",
+        default="16,128,512,2048",
+        help="lengths the bound is compiled for (each compile is slow)",
+    )
     p.add_argument("--bound-backend", default="inductor", help="torch.compile backend of bound")
-    p.add_argument("--peer", choices=("hf",), action="append", default=[],
-                   help="also time transformers on the same weights")
-    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
-                   help="largest bucket (engine default: the chunked-prefill size); "
-                        "longer lengths are dropped")
+    p.add_argument(
+        "--peer",
+        choices=("hf",),
+        action="append",
+        default=[],
+        help="also time transformers on the same weights",
+    )
+    p.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=None,
+        help="largest bucket (engine default: the chunked-prefill size); "
+        "longer lengths are dropped",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cold-start", action="store_true",
-                   help="also time a second piecewise ModelRunner (warm compile cache)")
-    p.add_argument("--compile-cache-dir", default=None,
-                   help="PCGSPEC_CACHE_DIR for compiling (an empty dir = a truly cold start)")
+    p.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="also time a second piecewise ModelRunner (warm compile cache)",
+    )
+    p.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="PCGSPEC_CACHE_DIR for compiling (an empty dir = a truly cold start)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default bench/results/ttft_<name>)")
     args = p.parse_args(argv)
     args.lengths = _ints(p, "--lengths", args.lengths)
@@ -119,8 +138,13 @@ def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
 # Timing ----------------------------------------------------------------------------------------
 
 
-def time_steps(step: Callable[[object], torch.Tensor], setup: Callable[[], object],
-               device: torch.device, warmup: int, repeats: int) -> Timing:
+def time_steps(
+    step: Callable[[object], torch.Tensor],
+    setup: Callable[[], object],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> Timing:
     """``setup()`` untimed, then ``step(setup())`` timed, ``repeats`` times after ``warmup``."""
     for _ in range(warmup):
         step(setup())
@@ -152,8 +176,9 @@ def _sync(device: torch.device) -> None:
 # Models and modes ------------------------------------------------------------------------------
 
 
-def build_hf(args: argparse.Namespace, dtype: torch.dtype, device: torch.device,
-             model_dir: Path | None) -> torch.nn.Module:
+def build_hf(
+    args: argparse.Namespace, dtype: torch.dtype, device: torch.device, model_dir: Path | None
+) -> torch.nn.Module:
     """The transformers model: from ``model_dir``, or of ``--shape`` with its own random init."""
     from transformers import AutoModelForCausalLM
 
@@ -166,8 +191,13 @@ def build_hf(args: argparse.Namespace, dtype: torch.dtype, device: torch.device,
     return hf.to(device).requires_grad_(False).eval()
 
 
-def build_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device,
-                model_dir: Path | None, hf: torch.nn.Module | None) -> torch.nn.Module:
+def build_model(
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    device: torch.device,
+    model_dir: Path | None,
+    hf: torch.nn.Module | None,
+) -> torch.nn.Module:
     """Our model; with random weights and a transformers peer, the peer's weights (loaded
     through our loader), so both compute the same function.
     """
@@ -182,7 +212,9 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
 def engine_config(args: argparse.Namespace, max_len: int, piecewise: bool) -> EngineConfig:
     """KV pool capped at one prompt, so several runners fit next to each other."""
     return EngineConfig(
-        device=args.device, dtype=args.dtype, disable_cuda_graph=True,
+        device=args.device,
+        dtype=args.dtype,
+        disable_cuda_graph=True,
         disable_piecewise_cuda_graph=not piecewise,
         piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         max_total_tokens=max_len,
@@ -198,9 +230,13 @@ def prefill_batch(tokens: torch.Tensor, page_size: int, device: torch.device) ->
 
 def time_runner(runner: ModelRunner, tokens: torch.Tensor, args: argparse.Namespace) -> Timing:
     device = runner.device
-    return time_steps(lambda batch: runner.forward(batch).logits,
-                      lambda: prefill_batch(tokens, runner.page_size, device),
-                      device, args.warmup, args.repeats)
+    return time_steps(
+        lambda batch: runner.forward(batch).logits,
+        lambda: prefill_batch(tokens, runner.page_size, device),
+        device,
+        args.warmup,
+        args.repeats,
+    )
 
 
 def time_bound(runner: ModelRunner, tokens: torch.Tensor, args: argparse.Namespace) -> Timing:
@@ -211,7 +247,8 @@ def time_bound(runner: ModelRunner, tokens: torch.Tensor, args: argparse.Namespa
     """
     model, device = runner.model, runner.device
     backend = ATTENTION_BACKENDS.get(runner.config.resolved_attention_backend)(
-        runner.kv_cache, model.num_heads, model.head_dim, model.attn_scale)
+        runner.kv_cache, model.num_heads, model.head_dim, model.attn_scale
+    )
     batch = prefill_batch(tokens, runner.page_size, device)
     backend.init_forward_metadata(batch)
 
@@ -283,8 +320,9 @@ def main(argv: list[str] | None = None) -> dict:
     _sync(device)
     cold = {"load_s": time.perf_counter() - t0}
     runners = build_runners(args, model, max_len, cold)
-    prompt = torch.randint(model.vocab_size, (max(lengths),),
-                           generator=torch.Generator().manual_seed(args.seed))
+    prompt = torch.randint(
+        model.vocab_size, (max(lengths),), generator=torch.Generator().manual_seed(args.seed)
+    )
     results = run_modes(args, lengths, prompt, runners, hf)
     stats = _stats(runners.get("piecewise"))
     if args.cold_start and "piecewise" in runners:
@@ -293,7 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         **describe(args, device, dtype, model_dir),
         "settings": settings(args, list(results), runners, device, hf),
-        "cold_start": cold, "piecewise_stats": stats, "rows": table_rows(lengths, results),
+        "cold_start": cold,
+        "piecewise_stats": stats,
+        "rows": table_rows(lengths, results),
     }
     print_table(result)
     write(result, args.out)
@@ -303,15 +343,18 @@ def main(argv: list[str] | None = None) -> dict:
 def timed_lengths(lengths: list[int], max_bucket: int) -> list[int]:
     kept = [n for n in lengths if n <= max_bucket]
     if len(kept) < len(lengths):
-        print(f"lengths {[n for n in lengths if n > max_bucket]} exceed the largest piecewise "
-              f"bucket {max_bucket}: dropped (raise --piecewise-cuda-graph-max-tokens)")
+        print(
+            f"lengths {[n for n in lengths if n > max_bucket]} exceed the largest piecewise "
+            f"bucket {max_bucket}: dropped (raise --piecewise-cuda-graph-max-tokens)"
+        )
     if not kept:
         raise SystemExit("no length left to time")
     return kept
 
 
-def build_runners(args: argparse.Namespace, model: torch.nn.Module, max_len: int,
-                  cold: dict[str, float]) -> dict[str, ModelRunner]:
+def build_runners(
+    args: argparse.Namespace, model: torch.nn.Module, max_len: int, cold: dict[str, float]
+) -> dict[str, ModelRunner]:
     """The piecewise runner first, so its cold start pays every kernel compile (attention's
     Triton kernels included); the eager runner serves eager and bound.
     """
@@ -326,9 +369,13 @@ def build_runners(args: argparse.Namespace, model: torch.nn.Module, max_len: int
     return runners
 
 
-def run_modes(args: argparse.Namespace, lengths: list[int], prompt: torch.Tensor,
-              runners: dict[str, ModelRunner],
-              hf: torch.nn.Module | None) -> dict[str, dict[int, Timing]]:
+def run_modes(
+    args: argparse.Namespace,
+    lengths: list[int],
+    prompt: torch.Tensor,
+    runners: dict[str, ModelRunner],
+    hf: torch.nn.Module | None,
+) -> dict[str, dict[int, Timing]]:
     results: dict[str, dict[int, Timing]] = {}
     for mode in [*args.modes, *args.peer]:
         results[mode] = {}
@@ -343,16 +390,20 @@ def run_modes(args: argparse.Namespace, lengths: list[int], prompt: torch.Tensor
             else:
                 timing = time_runner(runners[mode], tokens, args)
             results[mode][n] = timing
-            print(f"{mode:>9} {n:>5} tokens: median {timing.median_ms:8.3f} ms, "
-                  f"p90 {timing.p90_ms:8.3f} ms", flush=True)
+            print(
+                f"{mode:>9} {n:>5} tokens: median {timing.median_ms:8.3f} ms, "
+                f"p90 {timing.p90_ms:8.3f} ms",
+                flush=True,
+            )
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
 
 
-def second_construction(args: argparse.Namespace, runners: dict[str, ModelRunner],
-                        max_len: int, model: torch.nn.Module) -> dict[str, float]:
+def second_construction(
+    args: argparse.Namespace, runners: dict[str, ModelRunner], max_len: int, model: torch.nn.Module
+) -> dict[str, float]:
     """Rebuild the piecewise runner in this process: on-disk and in-process caches are warm."""
     device = runners["piecewise"].device
     del runners["piecewise"]
@@ -383,8 +434,11 @@ def table_rows(lengths: list[int], results: dict[str, dict[int, Timing]]) -> lis
                 row[mode] = per_len[n].summary()
                 if ref is not None and mode != "eager":
                     row[mode]["rel_err_vs_eager"] = rel_err(per_len[n].logits, ref.logits)
-        row["ratios"] = {f"{a}/{b}": row[a]["median_ms"] / row[b]["median_ms"]
-                         for a, b in RATIOS if a in row and b in row}
+        row["ratios"] = {
+            f"{a}/{b}": row[a]["median_ms"] / row[b]["median_ms"]
+            for a, b in RATIOS
+            if a in row and b in row
+        }
         rows.append(row)
     return rows
 
@@ -395,31 +449,49 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def describe(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
-             model_dir: Path | None) -> dict:
+def describe(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, model_dir: Path | None
+) -> dict:
     import transformers
 
     return {
-        "date": datetime.now(timezone.utc).isoformat(), "device": device_name(device),
-        "torch": torch.__version__, "triton": _version("triton"),
-        "transformers": transformers.__version__, "command": args.command,
-        "model": args.shape if args.random_weights else model_dir.name, "dtype": str(dtype),
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": transformers.__version__,
+        "command": args.command,
+        "model": args.shape if args.random_weights else model_dir.name,
+        "dtype": str(dtype),
     }
 
 
-def settings(args: argparse.Namespace, modes: list[str], runners: dict[str, ModelRunner],
-             device: torch.device, hf: torch.nn.Module | None) -> dict:
+def settings(
+    args: argparse.Namespace,
+    modes: list[str],
+    runners: dict[str, ModelRunner],
+    device: torch.device,
+    hf: torch.nn.Module | None,
+) -> dict:
     out = {
-        "modes": modes, "bound_lengths": args.bound_lengths, "bound_backend": args.bound_backend,
-        "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
+        "modes": modes,
+        "bound_lengths": args.bound_lengths,
+        "bound_backend": args.bound_backend,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "seed": args.seed,
         "random_weights": args.random_weights,
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
     }
     if runners:
         cfg = next(iter(runners.values())).config
-        out.update(page_size=cfg.page_size, attention_backend=cfg.resolved_attention_backend,
-                   piecewise_max_tokens=cfg.resolved_piecewise_max_tokens,
-                   piecewise_compiler=cfg.resolved_piecewise_compiler, decode_graphs=False)
+        out.update(
+            page_size=cfg.page_size,
+            attention_backend=cfg.resolved_attention_backend,
+            piecewise_max_tokens=cfg.resolved_piecewise_max_tokens,
+            piecewise_compiler=cfg.resolved_piecewise_compiler,
+            decode_graphs=False,
+        )
     if hf is not None:
         out["hf_attn_implementation"] = hf.config._attn_implementation
     return out
@@ -449,22 +521,34 @@ def print_table(result: dict) -> None:
     modes = result["settings"]["modes"]
     ratios = [f"{a}/{b}" for a, b in RATIOS if a in modes and b in modes]
     print(f"\nprefill TTFT (median ms), {result['model']}, {result['dtype']}, {result['device']}")
-    print(f"{'tokens':>6} " + " ".join(f"{m:>9}" for m in modes)
-          + " " + " ".join(f"{r:>15}" for r in ratios))
+    print(
+        f"{'tokens':>6} "
+        + " ".join(f"{m:>9}" for m in modes)
+        + " "
+        + " ".join(f"{r:>15}" for r in ratios)
+    )
     for row in result["rows"]:
         cells = [f"{row[m]['median_ms']:9.3f}" if m in row else f"{'-':>9}" for m in modes]
-        ratio_cells = [f"{row['ratios'][r]:15.2f}" if r in row["ratios"] else f"{'-':>15}"
-                       for r in ratios]
+        ratio_cells = [
+            f"{row['ratios'][r]:15.2f}" if r in row["ratios"] else f"{'-':>15}" for r in ratios
+        ]
         print(f"{row['length']:>6} " + " ".join(cells) + " " + " ".join(ratio_cells))
-    errs = {(row["length"], m): row[m]["rel_err_vs_eager"] for row in result["rows"]
-            for m in modes if "rel_err_vs_eager" in row.get(m, {})}
+    errs = {
+        (row["length"], m): row[m]["rel_err_vs_eager"]
+        for row in result["rows"]
+        for m in modes
+        if "rel_err_vs_eager" in row.get(m, {})
+    }
     if errs:
         worst = max(errs.values(), key=lambda e: math.inf if math.isnan(e) else e)
         bad = sorted(k for k, e in errs.items() if not e <= MAX_REL_ERR)  # NaN is bad too
-        print(f"last-row logits vs eager: worst relative error {worst:.1e}"
-              + (f"; MISMATCH (> {MAX_REL_ERR}) at {bad}" if bad else ""))
-    fallbacks = {k: v for k, v in (result["piecewise_stats"] or {}).get("fallbacks", {}).items()
-                 if v}
+        print(
+            f"last-row logits vs eager: worst relative error {worst:.1e}"
+            + (f"; MISMATCH (> {MAX_REL_ERR}) at {bad}" if bad else "")
+        )
+    fallbacks = {
+        k: v for k, v in (result["piecewise_stats"] or {}).get("fallbacks", {}).items() if v
+    }
     if fallbacks:
         print(f"WARNING: piecewise steps that ran eagerly: {fallbacks}")
     for key, seconds in result["cold_start"].items():
@@ -484,8 +568,13 @@ def plot(result: dict, path: Path) -> None:
     for mode in result["settings"]["modes"]:
         pts = [(r["length"], r[mode]["median_ms"]) for r in result["rows"] if mode in r]
         ax.plot(*zip(*pts), marker="o", label=mode)
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="median prefill ms",
-           title=f"{result['model']} {result['dtype']}, {result['device']}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt tokens",
+        ylabel="median prefill ms",
+        title=f"{result['model']} {result['dtype']}, {result['device']}",
+    )
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")

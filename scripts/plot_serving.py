@@ -48,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xscale("log", base=2)
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.minorticks_off()
-    ax.set(xlabel="concurrency (requests in flight)", ylabel=f"output tok/s / {first['name']}",
-           title=f"{first.get('model', '')}, {record.get('device')}")  # fmt: skip
+    ax.set(
+        xlabel="concurrency (requests in flight)",
+        ylabel=f"output tok/s / {first['name']}",
+        title=f"{first.get('model', '')}, {record.get('device')}",
+    )
     ax.legend(fontsize="small")
     ax.grid(True, which="both", alpha=0.3)
     out = path.with_suffix(".png")

@@ -48,8 +48,11 @@ from pcgspec.speculative import model_proposer, ngram, worker  # noqa: E402
 
 # the host's CUDA calls by kind, by name prefix: kernel launches through the runtime (ATen) and
 # through the driver (Triton, inductor), copies, graph launches
-HOST_CALLS = {("cudaLaunchKernel", "cuLaunchKernel"): "kernel_launches",
-              ("cudaMemcpy",): "copies", ("cudaGraphLaunch",): "graph_launches"}  # fmt: skip
+HOST_CALLS = {
+    ("cudaLaunchKernel", "cuLaunchKernel"): "kernel_launches",
+    ("cudaMemcpy",): "copies",
+    ("cudaGraphLaunch",): "graph_launches",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,8 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384)
     p.add_argument("--disable-overlap-schedule", action="store_true")
-    p.add_argument("--policy", choices=("always", "auto"), default="always",
-                   help="--speculative-policy of the speculative engines")
+    p.add_argument(
+        "--policy",
+        choices=("always", "auto"),
+        default="always",
+        help="--speculative-policy of the speculative engines",
+    )
     p.add_argument("--host-stages", action="store_true", help="host time per step stage")
     p.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile reports")
     p.add_argument("--out", type=Path, default=None)
@@ -76,14 +83,19 @@ def _model(args: argparse.Namespace) -> tuple[str, dict]:
     from pcgspec.models.default_model import default_model_path
     from pcgspec.models.draft_checkpoint import write_random_checkpoint
 
-    base = {"log_level": "warning", "max_total_tokens": 1 << 16,
-            "disable_overlap_schedule": args.disable_overlap_schedule}  # fmt: skip
+    base = {
+        "log_level": "warning",
+        "max_total_tokens": 1 << 16,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
+    }
     if args.model is not None:
         return args.model, base
     tokenizer = str(default_model_path())
     folder = tempfile.mkdtemp(prefix=f"pcgspec-{args.shape}-")
-    return str(write_random_checkpoint(args.shape, folder, tokenizer)), {**base,
-                                                                        "tokenizer": tokenizer}
+    return str(write_random_checkpoint(args.shape, folder, tokenizer)), {
+        **base,
+        "tokenizer": tokenizer,
+    }
 
 
 def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
@@ -92,11 +104,18 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
     from pcgspec.models.eagle3 import write_eagle3_checkpoint
     from pcgspec.models.loader import load_config
 
-    kw = {"speculative_algorithm": method, "speculative_num_steps": args.num_steps,
-          "speculative_policy": args.policy}  # fmt: skip
+    kw = {
+        "speculative_algorithm": method,
+        "speculative_num_steps": args.num_steps,
+        "speculative_policy": args.policy,
+    }
     if method == "EAGLE3":
-        head = write_eagle3_checkpoint(Path(tempfile.mkdtemp()) / "eagle3", load_config(model),
-                                       seed=0, draft_vocab_size=args.eagle3_draft_vocab)
+        head = write_eagle3_checkpoint(
+            Path(tempfile.mkdtemp()) / "eagle3",
+            load_config(model),
+            seed=0,
+            draft_vocab_size=args.eagle3_draft_vocab,
+        )
         kw["speculative_draft_model_path"] = str(head)
     elif method == "STANDALONE":
         kw["speculative_draft_model_path"] = model
@@ -152,14 +171,18 @@ def _stage_row(totals: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     """Per engine step: each stage's host microseconds and calls, dearest first."""
     steps = max(totals["Engine.step"][1], 1)
     ranked = sorted(((k, v) for k, v in totals.items() if v[1]), key=lambda kv: -kv[1][0])
-    return {k: {"us": round(ns / 1e3 / steps, 1), "calls": round(n / steps, 2)}
-            for k, (ns, n) in ranked}  # fmt: skip
+    return {
+        k: {"us": round(ns / 1e3 / steps, 1), "calls": round(n / steps, 2)} for k, (ns, n) in ranked
+    }
 
 
 def _busy_ms(events: list) -> float:
     """The union of the CUDA kernel intervals, in ms."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
     total, current = 0.0, None
     for start, end in spans:
         if current is None or start > current[1]:
@@ -207,18 +230,24 @@ def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> 
     finally:
         del engine.step
     events, n = prof.events(), len(steps)
-    host = collections.Counter(label for e in events for prefixes, label in HOST_CALLS.items()
-                               if e.name.startswith(prefixes))  # fmt: skip
+    host = collections.Counter(
+        label
+        for e in events
+        for prefixes, label in HOST_CALLS.items()
+        if e.name.startswith(prefixes)
+    )
     kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
     row = {
-        "engine": name, "batch": batch, "decode_steps": len(times.times["step"]),
+        "engine": name,
+        "batch": batch,
+        "decode_steps": len(times.times["step"]),
         "step_ms_median": times.median_ms("step"),
         "gpu_busy_ms_per_step": _busy_ms(events) / n if on_cuda else None,
         "gpu_activities_per_step": kernels / n if on_cuda else None,  # kernels, copies, sets
         **{label: host[label] / n if on_cuda else None for label in HOST_CALLS.values()},
         "spec": engine.spec_stats(),
         "host_stages_us_per_step": stages,
-    }  # fmt: skip
+    }
     if args.cprofile is not None:
         args.cprofile.mkdir(parents=True, exist_ok=True)
         profiler = cProfile.Profile()
@@ -248,10 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "date": datetime.now(timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "command": " ".join(sys.argv),
-        "model": args.model or f"{args.shape} (random weights)", "num_steps": args.num_steps,
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "model": args.model or f"{args.shape} (random weights)",
+        "num_steps": args.num_steps,
         "rows": rows,
-    }  # fmt: skip
+    }
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -39,8 +39,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eager", action="store_true", help="profile the eager path instead")
-    p.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
-                   help="default: triton on CUDA, torch elsewhere")  # fmt: skip
+    p.add_argument(
+        "--attention-backend",
+        choices=("torch", "triton"),
+        default=None,
+        help="default: triton on CUDA, torch elsewhere",
+    )
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--bound", action="store_true", help="also time the whole-graph bound (CUDA)")
     p.add_argument(
@@ -189,8 +193,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(args.shape, dtype, device)
-    ns = argparse.Namespace(device=str(device), dtype=str(dtype).split(".")[-1],
-                            piecewise_cuda_graph_max_tokens=None)  # fmt: skip
+    ns = argparse.Namespace(
+        device=str(device), dtype=str(dtype).split(".")[-1], piecewise_cuda_graph_max_tokens=None
+    )
     config = engine_config(ns, args.tokens + 16, not args.eager)
     config = dataclasses.replace(config, attention_backend=args.attention_backend)
     runner = ModelRunner(config, model=model)

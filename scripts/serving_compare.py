@@ -50,8 +50,10 @@ def parse_configs(values: list[str] | None) -> list[Config]:
     for value in values:
         name, eq, flags = value.partition("=")
         if not eq or not NAME.fullmatch(name):
-            raise ValueError(f"--compare: expected NAME=ARGS with NAME of letters, digits and "
-                             f"_.+-, got {value!r}")  # fmt: skip
+            raise ValueError(
+                f"--compare: expected NAME=ARGS with NAME of letters, digits and "
+                f"_.+-, got {value!r}"
+            )
         try:
             shlex.split(flags)
         except ValueError as e:
@@ -68,10 +70,13 @@ def parse_list(text: str, kind: type, field: str) -> tuple[Any, ...]:
         values = tuple(kind(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise ValueError(
-            f"{field}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+            f"{field}: expected comma-separated {kind.__name__}s, got {text!r}"
+        ) from None
     if not values or any(v < (1 if kind is int else 0) for v in values):
-        raise ValueError(f"{field}: expected {'positive' if kind is int else 'non-negative'} "
-                         f"values, got {text!r}")  # fmt: skip
+        raise ValueError(
+            f"{field}: expected {'positive' if kind is int else 'non-negative'} "
+            f"values, got {text!r}"
+        )
     return values
 
 
@@ -86,22 +91,30 @@ def parse_plans(
         dataset, *parts = spec.split(":")
         if dataset not in DATASETS:
             raise ValueError(f"--datasets: unknown {dataset!r}; known: {', '.join(DATASETS)}")
-        given = {"concurrencies": concurrencies, "temperatures": temperatures,
-                 "configs": ",".join(names)}  # fmt: skip
+        given = {
+            "concurrencies": concurrencies,
+            "temperatures": temperatures,
+            "configs": ",".join(names),
+        }
         field = {"concurrencies": "--concurrencies", "temperatures": "--temperatures"}
         for part in parts:
             key, _, value = part.partition("=")
             if key not in PLAN_KEYS:
-                raise ValueError(f"--datasets: unknown key {key!r} in {spec!r}; known: "
-                                 f"{', '.join(PLAN_KEYS)}")  # fmt: skip
+                raise ValueError(
+                    f"--datasets: unknown key {key!r} in {spec!r}; known: {', '.join(PLAN_KEYS)}"
+                )
             given[key], field[key] = value, f"--datasets {spec!r}: {key}"
         chosen = tuple(n for n in given["configs"].split(",") if n)
         if not chosen or not set(chosen) <= set(names):
             raise ValueError(f"--datasets: configs of {spec!r} must be among {names}")
-        plans.append(Plan(dataset,
-                          parse_list(given["concurrencies"], int, field["concurrencies"]),
-                          parse_list(given["temperatures"], float, field["temperatures"]),
-                          tuple(n for n in names if n in chosen)))  # fmt: skip
+        plans.append(
+            Plan(
+                dataset,
+                parse_list(given["concurrencies"], int, field["concurrencies"]),
+                parse_list(given["temperatures"], float, field["temperatures"]),
+                tuple(n for n in names if n in chosen),
+            )
+        )
     if len({p.dataset for p in plans}) < len(plans):
         raise ValueError(f"--datasets: a dataset repeats: {specs}")
     return plans
@@ -132,24 +145,41 @@ async def _config_run(
         info = await _server_info(session, args.base_url)
         model = args.model or await _first_model(session, args.base_url)
         for plan in (p for p in plans if config.name in p.configs):
-            work = Load(args.base_url, model, load(plan.dataset), args.max_tokens, args.seed,
-                        args.ignore_eos)  # fmt: skip
+            work = Load(
+                args.base_url,
+                model,
+                load(plan.dataset),
+                args.max_tokens,
+                args.seed,
+                args.ignore_eos,
+            )
             if args.text_check:
                 texts[plan.dataset] = await text_check(session, work, args.text_check)
-                clock.log(f"{config.name}: {plan.dataset} text check of "
-                          f"{len(texts[plan.dataset])} requests")  # fmt: skip
+                clock.log(
+                    f"{config.name}: {plan.dataset} text check of "
+                    f"{len(texts[plan.dataset])} requests"
+                )
             for temperature in plan.temperatures:
                 for concurrency in plan.concurrencies:
-                    row = await run_point(session, work, concurrency, temperature,
-                                          args.warmup_seconds, args.duration)  # fmt: skip
-                    points.append({"config": config.name, "dataset": plan.dataset,
-                                   "temperature": temperature, "concurrency": concurrency,
-                                   **row})  # fmt: skip
+                    row = await run_point(
+                        session, work, concurrency, temperature, args.warmup_seconds, args.duration
+                    )
+                    points.append(
+                        {
+                            "config": config.name,
+                            "dataset": plan.dataset,
+                            "temperature": temperature,
+                            "concurrency": concurrency,
+                            **row,
+                        }
+                    )
                     accept = row["server"]["accept_length"]
-                    clock.log(f"{config.name}: {plan.dataset} T={temperature:g} "
-                              f"C={concurrency}: {row['output_tok_s']:.1f} tok/s, "
-                              f"{row['requests_completed']} done"
-                              + (f", accept {accept:.2f}" if accept else ""))  # fmt: skip
+                    clock.log(
+                        f"{config.name}: {plan.dataset} T={temperature:g} "
+                        f"C={concurrency}: {row['output_tok_s']:.1f} tok/s, "
+                        f"{row['requests_completed']} done"
+                        + (f", accept {accept:.2f}" if accept else "")
+                    )
     return points, texts, {"model": model, **info}
 
 
@@ -179,8 +209,9 @@ def run_configs(
             server = launch(args, shlex.split(config.args)) if args.launch else None
         except RuntimeError as e:  # NOTE: the other configurations still run
             clock.log(f"{config.name}: {e}")
-            configs.append({"name": config.name, "args": config.args, "server_args": flags,
-                            "error": str(e)})  # fmt: skip
+            configs.append(
+                {"name": config.name, "args": config.args, "server_args": flags, "error": str(e)}
+            )
             continue
         up = time.perf_counter() - began
         if args.launch:
@@ -189,8 +220,15 @@ def run_configs(
             points, texts, info = asyncio.run(_config_run(args, config, args.plans, clock))
         finally:
             _stop(server)
-        configs.append({"name": config.name, "args": config.args, "server_args": flags,
-                        "start_s": up if args.launch else None, **info})  # fmt: skip
+        configs.append(
+            {
+                "name": config.name,
+                "args": config.args,
+                "server_args": flags,
+                "start_s": up if args.launch else None,
+                **info,
+            }
+        )
         results["points"] += points
         results["text_check"][config.name] = texts
         if args.out:  # NOTE: what ran so far survives a run cut short
@@ -229,12 +267,21 @@ def compare_texts(texts: dict[str, dict[str, list[str]]], first: str) -> dict[st
     for config, by_dataset in texts.items():
         for dataset, got in by_dataset.items():
             ref = texts.get(first, {}).get(dataset)
-            diffs = [] if ref is None else [
-                {"index": i, "position": first_difference(a, b)}
-                for i, (a, b) in enumerate(zip(ref, got)) if a != b]  # fmt: skip
+            diffs = (
+                []
+                if ref is None
+                else [
+                    {"index": i, "position": first_difference(a, b)}
+                    for i, (a, b) in enumerate(zip(ref, got))
+                    if a != b
+                ]
+            )
             out.setdefault(dataset, {})[config] = {
-                "requests": len(got), "differ": None if ref is None else len(diffs),
-                "first_differences": diffs, "texts": got}  # fmt: skip
+                "requests": len(got),
+                "differ": None if ref is None else len(diffs),
+                "first_differences": diffs,
+                "texts": got,
+            }
     return out
 
 
@@ -243,28 +290,37 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(points: list[dict[str, Any]], text_check: dict[str, Any]) -> None:
-    head = (f"{'config':<12}{'dataset':<12}{'T':>5}{'C':>5}{'tok/s':>10}{'ratio':>8}"
-            f"{'accept':>8}{'plain':>7}{'TPOT p50':>10}{'TTFT p50':>10}{'done':>6}{'len':>6}")
+    head = (
+        f"{'config':<12}{'dataset':<12}{'T':>5}{'C':>5}{'tok/s':>10}{'ratio':>8}"
+        f"{'accept':>8}{'plain':>7}{'TPOT p50':>10}{'TTFT p50':>10}{'done':>6}{'len':>6}"
+    )
     print(f"{' Served speculative decoding ':=^{len(head)}}\n{head}")
     for p in points:
         spec, lengths, tpot, ttft = p["server"], p["output_len"], p["tpot"], p["ttft"]
-        print(f"{p['config']:<12}{p['dataset']:<12}{p['temperature']:>5g}{p['concurrency']:>5}"
-              f"{p['output_tok_s']:>10.1f}{_fmt(p['tok_s_ratio'], '.3f'):>8}"
-              f"{_fmt(spec['accept_length'], '.2f'):>8}{_fmt(spec['plain_step_share'], '.2f'):>7}"
-              f"{_fmt(tpot.get('p50_ms'), '.2f'):>10}{_fmt(ttft.get('p50_ms'), '.1f'):>10}"
-              f"{p['requests_completed']:>6}{_fmt(lengths.get('mean'), '.0f'):>6}")  # fmt: skip
+        print(
+            f"{p['config']:<12}{p['dataset']:<12}{p['temperature']:>5g}{p['concurrency']:>5}"
+            f"{p['output_tok_s']:>10.1f}{_fmt(p['tok_s_ratio'], '.3f'):>8}"
+            f"{_fmt(spec['accept_length'], '.2f'):>8}{_fmt(spec['plain_step_share'], '.2f'):>7}"
+            f"{_fmt(tpot.get('p50_ms'), '.2f'):>10}{_fmt(ttft.get('p50_ms'), '.1f'):>10}"
+            f"{p['requests_completed']:>6}{_fmt(lengths.get('mean'), '.0f'):>6}"
+        )
     for p in points:
         if p["client_cpu_busy"] > 0.8:
-            print(f"client-bound? {p['config']} {p['dataset']} T={p['temperature']:g} "
-                  f"C={p['concurrency']}: this process was busy {p['client_cpu_busy']:.0%} "
-                  "of the window")
+            print(
+                f"client-bound? {p['config']} {p['dataset']} T={p['temperature']:g} "
+                f"C={p['concurrency']}: this process was busy {p['client_cpu_busy']:.0%} "
+                "of the window"
+            )
     for dataset, by_config in text_check.items():
         for config, row in by_config.items():
             if row["differ"]:
-                where = ", ".join(f"#{d['index']}@{d['position']}" for d in
-                                  row["first_differences"])  # fmt: skip
-                print(f"greedy text: {config} {dataset}: {row['differ']} of {row['requests']} "
-                      f"differ from the first configuration ({where})")
+                where = ", ".join(
+                    f"#{d['index']}@{d['position']}" for d in row["first_differences"]
+                )
+                print(
+                    f"greedy text: {config} {dataset}: {row['differ']} of {row['requests']} "
+                    f"differ from the first configuration ({where})"
+                )
     print("=" * len(head))
 
 
@@ -275,9 +331,14 @@ def sweep(args: argparse.Namespace, launch: Callable[..., subprocess.Popen]) -> 
     first = args.configs[0].name
     add_ratios(results["points"], first)
     results["text_check"] = compare_texts(results.pop("text_check"), first)
-    results["datasets"] = {p.dataset: {"requests": len(DATASETS[p.dataset]),
-                                       "concurrencies": p.concurrencies,
-                                       "temperatures": p.temperatures, "configs": p.configs}
-                           for p in args.plans}  # fmt: skip
+    results["datasets"] = {
+        p.dataset: {
+            "requests": len(DATASETS[p.dataset]),
+            "concurrencies": p.concurrencies,
+            "temperatures": p.temperatures,
+            "configs": p.configs,
+        }
+        for p in args.plans
+    }
     print_table(results["points"], results["text_check"])
     return results

@@ -3,26 +3,26 @@ given text or code, written for the benchmark (``serving_datasets.py`` holds the
 
 from __future__ import annotations
 
-_AVERAGE = '''def average(x):
+_AVERAGE = """def average(x):
     total = 0
     for v in x:
         total += v
-    return total / len(x)'''
+    return total / len(x)"""
 
-_INVENTORY = '''def restock(items, minimum):
+_INVENTORY = """def restock(items, minimum):
     low = []
     for name, qty in items.items():
         if qty < minimum:
             low.append(name)
-    return sorted(low)'''
+    return sorted(low)"""
 
-_GREETING = '''function greet(userName) {
+_GREETING = """function greet(userName) {
   const hour = new Date().getHours()
   if (hour < 12) {
     return "Good morning, " + userName
   }
   return "Good afternoon, " + userName
-}'''
+}"""
 
 _TEMPS = '''def to_fahrenheit(celsius):
     return celsius * 9 / 5 + 32
@@ -34,7 +34,7 @@ def describe(celsius):
         return "mild"
     return "warm"'''
 
-_CART = '''class Cart:
+_CART = """class Cart:
     def __init__(self):
         self.items = []
 
@@ -42,9 +42,9 @@ _CART = '''class Cart:
         self.items.append((name, price, quantity))
 
     def total(self):
-        return sum(price * quantity for _, price, quantity in self.items)'''
+        return sum(price * quantity for _, price, quantity in self.items)"""
 
-_LOG = '''import sys
+_LOG = """import sys
 
 def read_errors(path):
     print("reading", path)
@@ -55,22 +55,22 @@ def read_errors(path):
             if "ERROR" in line:
                 errors.append(line.strip())
     print("found", len(errors))
-    return errors'''
+    return errors"""
 
-_SQL = '''select c.name, count(o.id) as orders
+_SQL = """select c.name, count(o.id) as orders
 from customers c
 left join orders o on o.customer_id = c.id
 where c.country = 'NL'
 group by c.name
-order by orders desc'''
+order by orders desc"""
 
-_CONFIG = '''server:
+_CONFIG = """server:
   host: 0.0.0.0
   port: 8080
   workers: 4
 logging:
   level: info
-  file: /var/log/app.log'''
+  file: /var/log/app.log"""
 
 REPETITION = (
     "Fix the spelling mistakes in this paragraph and change nothing else: Last wensday our "
@@ -85,8 +85,7 @@ REPETITION = (
     "- Anna Berg, designer, Oslo\n- Tom Reyes, engineer, Manila\n- Lea Martin, teacher, Lyon\n"
     "- Omar Haddad, nurse, Amman\n- Kenji Sato, chef, Osaka",
     f"Add the missing semicolons to this JavaScript function:\n```js\n{_GREETING}\n```",
-    f"Rewrite this code so that every function has a one-line docstring:\n```python\n{_TEMPS}\n"
-    "```",
+    f"Rewrite this code so that every function has a one-line docstring:\n```python\n{_TEMPS}\n```",
     f"Add type hints to every method of this class:\n```python\n{_CART}\n```",
     f"Remove all the print statements from this function and keep the rest as it is:\n"
     f"```python\n{_LOG}\n```",
@@ -108,8 +107,8 @@ REPETITION = (
     "def calc(principal, rate, months):\n    r = rate / 12\n    return principal * r / "
     "(1 - (1 + r) ** -months)\n\nprint(calc(20000, 0.05, 60))\nprint(calc(5000, 0.03, 24))\n```",
     "Convert this Python function to use an f-string instead of string concatenation:\n"
-    "```python\ndef label(name, age, city):\n    return \"Name: \" + name + \", age: \" + "
-    "str(age) + \", city: \" + city\n```",
+    '```python\ndef label(name, age, city):\n    return "Name: " + name + ", age: " + '
+    'str(age) + ", city: " + city\n```',
     "Fix the indentation of this Python code:\n```python\ndef count_vowels(text):\ncount = 0\n"
     "for ch in text.lower():\n        if ch in 'aeiou':\n    count += 1\n  return count\n```",
     "Sort this shopping list alphabetically and keep each item as written: oranges, bread, "

@@ -43,8 +43,11 @@ class Stream:
 
 def open_session(api_key: str | None) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
-                                 connector=aiohttp.TCPConnector(limit=0))  # fmt: skip
+    return aiohttp.ClientSession(
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=None),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
 
 
 def _chunk_text(choice: dict[str, Any]) -> str:
@@ -69,7 +72,8 @@ async def post_stream(
                     res.prompt_tokens = usage["prompt_tokens"]
                     res.output_tokens = usage["completion_tokens"]
                     res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens") or 0  # fmt: skip
+                        "cached_tokens"
+                    ) or 0
                 for choice in chunk.get("choices", []):
                     res.finish_reason = choice.get("finish_reason") or res.finish_reason
                 text = "".join(_chunk_text(c) for c in chunk.get("choices", []))
@@ -85,10 +89,16 @@ async def post_stream(
 def chat_body(
     model: str, message: str, max_tokens: int, temperature: float, seed: int, ignore_eos: bool
 ) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": message}],
-            "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-            "ignore_eos": ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 @dataclass(frozen=True)
@@ -103,8 +113,14 @@ class Load:
     ignore_eos: bool = False
 
     def body(self, index: int, temperature: float) -> dict[str, Any]:
-        return chat_body(self.model, self.messages[index], self.max_tokens, temperature,
-                         self.seed + index, self.ignore_eos)  # fmt: skip
+        return chat_body(
+            self.model,
+            self.messages[index],
+            self.max_tokens,
+            temperature,
+            self.seed + index,
+            self.ignore_eos,
+        )
 
 
 async def text_check(session: aiohttp.ClientSession, load: Load, n: int) -> list[str]:
@@ -145,8 +161,10 @@ async def run_point(
     after, cpu = await read_counters(session, load.base_url), time.process_time() - cpu
     await asyncio.gather(*workers)
     # NOTE: a client near 1.0 reads its streams late: the server may be faster than it shows
-    return {**summarize_window(streams, window, before, after),
-            "client_cpu_busy": cpu / (after["time"] - before["time"])}  # fmt: skip
+    return {
+        **summarize_window(streams, window, before, after),
+        "client_cpu_busy": cpu / (after["time"] - before["time"]),
+    }
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> str:
@@ -162,7 +180,8 @@ async def read_counters(session: aiohttp.ClientSession, base_url: str) -> dict[s
     state = json.loads(text)["internal_states"][0] if text else {}
     for key, value in (state.get("speculative") or {}).items():
         if key == "accepted_per_position" or (
-                isinstance(value, int) and not isinstance(value, bool)):  # fmt: skip
+            isinstance(value, int) and not isinstance(value, bool)
+        ):
             out[key] = value
     out["num_steps"] = state.get("num_steps", 0)
     for line in (await _get(session, base_url + "/metrics")).splitlines():
@@ -177,8 +196,11 @@ def _dist_ms(values: list[float]) -> dict[str, float]:
         return {}
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return {"mean_ms": statistics.fmean(values) * 1e3,
-            "p50_ms": statistics.median(values) * 1e3, "p99_ms": p99 * 1e3}  # fmt: skip
+    return {
+        "mean_ms": statistics.fmean(values) * 1e3,
+        "p50_ms": statistics.median(values) * 1e3,
+        "p99_ms": p99 * 1e3,
+    }
 
 
 def tokens_in_window(stream: Stream, window: tuple[float, float]) -> float:
@@ -192,16 +214,21 @@ def tokens_in_window(stream: Stream, window: tuple[float, float]) -> float:
 
 
 def summarize_window(
-    streams: list[Stream], window: tuple[float, float],
-    before: dict[str, Any], after: dict[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+    streams: list[Stream],
+    window: tuple[float, float],
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> dict[str, Any]:
     """Output tokens whose chunks arrived in the window; latency and lengths of the requests
     that completed in it; the server's counters over it."""
     span = window[1] - window[0]
     tokens = sum(tokens_in_window(s, window) for s in streams)
     done = [s for s in streams if s.ok and window[0] <= s.end < window[1]]
-    tpots = [(s.chunks[-1][0] - s.chunks[0][0]) / (s.output_tokens - 1)
-             for s in done if s.output_tokens > 1 and s.chunks]  # fmt: skip
+    tpots = [
+        (s.chunks[-1][0] - s.chunks[0][0]) / (s.output_tokens - 1)
+        for s in done
+        if s.output_tokens > 1 and s.chunks
+    ]
     lengths = [s.output_tokens for s in done]
     return {
         "window_s": span,
@@ -213,8 +240,14 @@ def summarize_window(
         "errors": sorted({s.error for s in streams if s.error})[:5],
         "tpot": _dist_ms(tpots),
         "ttft": _dist_ms([s.first - s.start for s in done if s.first is not None]),
-        "output_len": {"mean": statistics.fmean(lengths), "p50": statistics.median(lengths),
-                       "min": min(lengths), "max": max(lengths)} if lengths else {},
+        "output_len": {
+            "mean": statistics.fmean(lengths),
+            "p50": statistics.median(lengths),
+            "min": min(lengths),
+            "max": max(lengths),
+        }
+        if lengths
+        else {},
         "finished_by_length": sum(s.finish_reason == "length" for s in done),
         "server": server_window(before, after),
     }
@@ -224,12 +257,20 @@ def server_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     """The differences of the server's counters over the window, the accept length from them
     (accepted drafts + 1 per verify step), each draft position's acceptance rate, and the share
     of decode steps the speculative policy ran plain (None without speculation)."""
-    delta = {k: v - before.get(k, 0) for k, v in after.items()
-             if k not in ("time", "accepted_per_position")}  # fmt: skip
+    delta = {
+        k: v - before.get(k, 0)
+        for k, v in after.items()
+        if k not in ("time", "accepted_per_position")
+    }
     verify = delta.get("verify_steps", 0)
-    accepted = [a - b for a, b in itertools.zip_longest(
-        after.get("accepted_per_position", []), before.get("accepted_per_position", []),
-        fillvalue=0)]  # fmt: skip
+    accepted = [
+        a - b
+        for a, b in itertools.zip_longest(
+            after.get("accepted_per_position", []),
+            before.get("accepted_per_position", []),
+            fillvalue=0,
+        )
+    ]
     steps = delta.get("speculative_steps", 0) + delta.get("policy_plain_steps", 0)
     span = after["time"] - before["time"]
     return {

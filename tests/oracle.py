@@ -32,12 +32,20 @@ PROMPTS = [
 
 
 @torch.inference_mode()
-def hf_greedy(hf_model, prompt_ids: Sequence[int], max_new_tokens: int,
-              eos_token_id: int | None = None) -> list[int]:
+def hf_greedy(
+    hf_model, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[int]:
     ids = torch.tensor([list(prompt_ids)])
     out = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=eos_token_id, pad_token_id=0, top_p=None, top_k=None, temperature=None,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        top_p=None,
+        top_k=None,
+        temperature=None,
     )
     return out[0, ids.shape[1] :].tolist()
 
@@ -50,8 +58,9 @@ def top2_gap(hf_model, ids: Sequence[int]) -> tuple[float, list[int]]:
     return (top.values[0] - top.values[1]).item(), top.indices.tolist()
 
 
-def assert_greedy_match(hf_model, prompt_ids: Sequence[int], ours: Sequence[int],
-                        ref: Sequence[int]) -> None:
+def assert_greedy_match(
+    hf_model, prompt_ids: Sequence[int], ours: Sequence[int], ref: Sequence[int]
+) -> None:
     """``ours`` equals ``ref`` token for token, except after a divergence at a measured
     near-tie (both tokens are the model's top two and their logit gap is < NEAR_TIE).
     """

@@ -50,8 +50,9 @@ def test_random_model_is_seeded_and_initialized():
     c = random_model("tiny", torch.float32, "cpu", seed=2)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), name
-    assert not torch.equal(a.model.layers[0].mlp.down_proj.weight,
-                           c.model.layers[0].mlp.down_proj.weight)
+    assert not torch.equal(
+        a.model.layers[0].mlp.down_proj.weight, c.model.layers[0].mlp.down_proj.weight
+    )
     for module in a.modules():
         if isinstance(module, RMSNorm):
             assert torch.all(module.weight == 1)
@@ -67,17 +68,50 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "unused"))
     bench = _load_script("bench_ttft")
     out = tmp_path / "ttft.json"
-    result = bench.main([
-        "--random-weights", "--shape", "tiny", "--device", "cpu", "--lengths", "8,16",
-        "--repeats", "2", "--warmup", "1", "--modes", "eager,piecewise,bound",
-        "--bound-backend", "eager", "--bound-lengths", "16", "--peer", "hf",
-        "--piecewise-cuda-graph-max-tokens", "16", "--cold-start",
-        "--compile-cache-dir", str(tmp_path / "cache"), "--out", str(out),
-    ])
+    result = bench.main(
+        [
+            "--random-weights",
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--lengths",
+            "8,16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--modes",
+            "eager,piecewise,bound",
+            "--bound-backend",
+            "eager",
+            "--bound-lengths",
+            "16",
+            "--peer",
+            "hf",
+            "--piecewise-cuda-graph-max-tokens",
+            "16",
+            "--cold-start",
+            "--compile-cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ]
+    )
     written = json.loads(out.read_text())
     assert written["rows"] == json.loads(json.dumps(result["rows"]))
-    for key in ("date", "device", "torch", "command", "model", "dtype", "settings",
-                "cold_start", "piecewise_stats", "rows"):
+    for key in (
+        "date",
+        "device",
+        "torch",
+        "command",
+        "model",
+        "dtype",
+        "settings",
+        "cold_start",
+        "piecewise_stats",
+        "rows",
+    ):
         assert key in written, key
     assert written["settings"]["modes"] == ["eager", "piecewise", "bound", "hf"]
     assert [row["length"] for row in written["rows"]] == [8, 16]
@@ -88,8 +122,10 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
             assert 0 < row[mode]["median_ms"] <= row[mode]["p90_ms"]
             # Same weights, float32: every mode computes eager's logits.
             assert row[mode].get("rel_err_vs_eager", 0.0) < 1e-4
-        assert math.isclose(row["ratios"]["piecewise/eager"],
-                            row["piecewise"]["median_ms"] / row["eager"]["median_ms"])
+        assert math.isclose(
+            row["ratios"]["piecewise/eager"],
+            row["piecewise"]["median_ms"] / row["eager"]["median_ms"],
+        )
     assert written["cold_start"]["load_s"] > 0
     assert written["cold_start"]["piecewise_runner_s"] > 0
     assert written["cold_start"]["piecewise_runner_warm_cache_s"] > 0
@@ -103,10 +139,24 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
     bench = _load_script("bench_spec")
     out = tmp_path / "spec.json"
-    result = bench.main([
-        "--model", str(smollm2_path), "--methods", "NGRAM", "--batch-sizes", "8,16",
-        "--max-tokens", "6", "--repeats", "1", "--prompts", "chat", "--out", str(out),
-    ])
+    result = bench.main(
+        [
+            "--model",
+            str(smollm2_path),
+            "--methods",
+            "NGRAM",
+            "--batch-sizes",
+            "8,16",
+            "--max-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--prompts",
+            "chat",
+            "--out",
+            str(out),
+        ]
+    )
     written = json.loads(out.read_text())
     assert written["rows"] == json.loads(json.dumps(result["rows"]))
     for key in ("date", "device", "torch", "command", "model", "num_steps", "policy"):
@@ -120,8 +170,9 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
         assert math.isclose(ngram["speedup"], ngram["tok_s"] / plain["tok_s"])
         for key in ("spec_step_ms", "synced_step_ms", "draft_ms", "verify_ms"):
             assert ngram[key] > 0, key
-        assert math.isclose(ngram["host_ms"],
-                            ngram["synced_step_ms"] - ngram["draft_ms"] - ngram["verify_ms"])
+        assert math.isclose(
+            ngram["host_ms"], ngram["synced_step_ms"] - ngram["draft_ms"] - ngram["verify_ms"]
+        )
         assert ngram["launch_ms"] > 0 and ngram["wait_ms"] >= 0 and ngram["read_ms"] > 0
         assert ngram["speculative_steps"] + ngram["policy_plain_steps"] > 0
     from pcgspec.speculative.worker import LaunchedSpecStep  # the patches are gone
@@ -132,9 +183,25 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
 def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
     profile = _load_script("profile_spec_step")
     out = tmp_path / "profile.json"
-    result = profile.main(["--shape", "tiny", "--methods", "NGRAM", "--batch-sizes", "1,2",
-                           "--max-tokens", "8", "--repeats", "1", "--out", str(out),
-                           "--cprofile", str(tmp_path / "cprofile"), "--host-stages"])  # fmt: skip
+    result = profile.main(
+        [
+            "--shape",
+            "tiny",
+            "--methods",
+            "NGRAM",
+            "--batch-sizes",
+            "1,2",
+            "--max-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            "--cprofile",
+            str(tmp_path / "cprofile"),
+            "--host-stages",
+        ]
+    )
     written = json.loads(out.read_text())
     assert written["rows"] == json.loads(json.dumps(result["rows"]))
     rows = {(r["engine"], r["batch"]): r for r in written["rows"]}
@@ -154,7 +221,11 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
     assert Engine.step.__qualname__ == "Engine.step"  # the stages' wrappers are gone
     assert not hasattr(Engine.step, "__wrapped__")
     assert sorted(p.name for p in (tmp_path / "cprofile").iterdir()) == [
-        "NGRAM_1.prof", "NGRAM_2.prof", "none_1.prof", "none_2.prof"]
+        "NGRAM_1.prof",
+        "NGRAM_2.prof",
+        "none_1.prof",
+        "none_2.prof",
+    ]
 
 
 def test_bench_tp_writes_json(tmp_path, monkeypatch):
@@ -163,18 +234,38 @@ def test_bench_tp_writes_json(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))  # its imports, here and in the spawned ranks
     bench = _load_script("bench_tp")
     out = tmp_path / "tp.json"
-    result = bench.main(["--device", "cpu", "--shape", "tiny", "--prefill-tokens", "64",
-                         "--whole-tokens", "16,32", "--context", "64", "--warmup", "1",
-                         "--repeats", "2", "--out", str(out)])  # fmt: skip
+    result = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--prefill-tokens",
+            "64",
+            "--whole-tokens",
+            "16,32",
+            "--context",
+            "64",
+            "--warmup",
+            "1",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     written = json.loads(out.read_text())
     assert written["ratios"] == pytest.approx(result["ratios"])
     single, split = written["runs"]
     assert (single["tp"], split["tp"]) == (1, 2)
     assert [r["tokens"] for r in written["whole_vs_piecewise"]] == [16, 32]
     spmd = written["decode_bs1_spmd"]["median_ms"]
-    assert spmd > 0 and written["diagnostics"] == pytest.approx({
-        "decode_spmd": spmd / single["decode_bs1"]["median_ms"],
-        "decode_over_spmd": split["decode_bs1"]["median_ms"] / spmd})  # fmt: skip
+    assert spmd > 0 and written["diagnostics"] == pytest.approx(
+        {
+            "decode_spmd": spmd / single["decode_bs1"]["median_ms"],
+            "decode_over_spmd": split["decode_bs1"]["median_ms"] / spmd,
+        }
+    )
     assert set(written["met"]) == set(written["targets"]) == set(written["ratios"])
 
 
@@ -189,8 +280,9 @@ def test_random_weights_folder_serves_with_the_tokenizer(tmp_path, smollm2_path)
     bench = _load_script("bench_serving")
     with pytest.raises(SystemExit):
         bench.parse_args(["--random-weights", "tiny"])  # needs --launch
-    args = bench.parse_args(["--launch", "--random-weights", "tiny", "--random-weights-dir",
-                             str(tmp_path / "tiny")])  # fmt: skip
+    args = bench.parse_args(
+        ["--launch", "--random-weights", "tiny", "--random-weights-dir", str(tmp_path / "tiny")]
+    )
     folder = bench.random_weights_dir(args)
     weights = folder / "model.safetensors"
     written = weights.stat().st_mtime_ns
@@ -207,16 +299,18 @@ def test_random_weights_folder_serves_with_the_tokenizer(tmp_path, smollm2_path)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0]
     out = LLM(str(folder), dtype="float32", device="cpu").generate(
-        {"prompt_token_ids": prompt}, greedy(6), use_tqdm=False)[0]  # fmt: skip
-    assert_greedy_match(hf, prompt, out.token_ids, ref[len(prompt):].tolist())
+        {"prompt_token_ids": prompt}, greedy(6), use_tqdm=False
+    )[0]
+    assert_greedy_match(hf, prompt, out.token_ids, ref[len(prompt) :].tolist())
 
 
 def test_model_runner_rejects_a_model_of_another_dtype():
     from pcgspec.config import EngineConfig
     from pcgspec.runners.model_runner import ModelRunner
 
-    config = EngineConfig(device="cpu", dtype="float32", disable_piecewise_cuda_graph=True,
-                          max_total_tokens=64)
+    config = EngineConfig(
+        device="cpu", dtype="float32", disable_piecewise_cuda_graph=True, max_total_tokens=64
+    )
     with pytest.raises(ValueError, match="bfloat16"):
         ModelRunner(config, model=random_model("tiny", torch.bfloat16, "cpu"))
     runner = ModelRunner(config, model=random_model("tiny", torch.float32, "cpu"))
@@ -226,11 +320,28 @@ def test_model_runner_rejects_a_model_of_another_dtype():
 def test_bench_engine_writes_json(tmp_path):
     bench = _load_script("bench_engine")
     out = tmp_path / "engine.json"
-    result = bench.main([
-        "--models", "tiny", "--batch-sizes", "1,3", "--context", "20", "--steps", "4",
-        "--repeats", "2", "--graph-repeats", "3", "--warmup", "2", "--device", "cpu",
-        "--out", str(out),
-    ])
+    result = bench.main(
+        [
+            "--models",
+            "tiny",
+            "--batch-sizes",
+            "1,3",
+            "--context",
+            "20",
+            "--steps",
+            "4",
+            "--repeats",
+            "2",
+            "--graph-repeats",
+            "3",
+            "--warmup",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     written = json.loads(out.read_text())
     assert written["rows"] == json.loads(json.dumps(result["rows"]))
     for key in ("date", "device", "torch", "command", "model", "context", "steps", "rows"):
@@ -249,15 +360,46 @@ def test_bench_extend_prefix_writes_json(tmp_path):
     """Every variant of each case is timed and computes whole's output (float32, interpreter)."""
     bench = _load_script("bench_extend_prefix")
     out = tmp_path / "extend.json"
-    bench.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "1,2",
-                "--prefix", "40", "--new", "3", "--splits", "2,3", "--page-size", "4",
-                "--warmup", "1", "--repeats", "1", "--launches", "1", "--out", str(out)])
+    bench.main(
+        [
+            "--shapes",
+            "tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--requests",
+            "1,2",
+            "--prefix",
+            "40",
+            "--new",
+            "3",
+            "--splits",
+            "2,3",
+            "--page-size",
+            "4",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--launches",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     written = json.loads(out.read_text())
     assert written["command"].startswith("scripts/bench_extend_prefix.py --shapes tiny")
     assert [(r["requests"], r["prefix"]) for r in written["rows"]] == [(1, 40), (2, 40)]
     for row in written["rows"]:
         assert {n: row[n]["splits"] for n in ("auto", "whole", "splits_2", "splits_3")} == {
-            "auto": 1, "whole": 1, "splits_2": 2, "splits_3": 3}
-        assert all(row[n]["host_us"] > 0 and row[n]["vs_whole"] > 0
-                   for n in ("auto", "whole", "splits_2", "splits_3"))
+            "auto": 1,
+            "whole": 1,
+            "splits_2": 2,
+            "splits_3": 3,
+        }
+        assert all(
+            row[n]["host_us"] > 0 and row[n]["vs_whole"] > 0
+            for n in ("auto", "whole", "splits_2", "splits_3")
+        )
         assert row["max_abs_diff_vs_whole"] < 1e-5

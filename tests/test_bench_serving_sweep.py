@@ -76,12 +76,24 @@ def test_window_arithmetic(bench):
     assert tokens_in_window(stream, (1.0, 3.0)) == 6.0  # 6 of its 8 characters arrived inside
     assert tokens_in_window(stream, (0.0, 3.0)) == 8.0
     assert tokens_in_window(Stream(0, 0.0, error="HTTP 503"), (0.0, 3.0)) == 0.0
-    before = {"time": 1.0, "verify_steps": 10, "accepted_draft_tokens": 5,
-              "speculative_steps": 4, "policy_plain_steps": 2, "generation_tokens": 100.0,
-              "accepted_per_position": [4, 1]}  # fmt: skip
-    after = {"time": 3.0, "verify_steps": 30, "accepted_draft_tokens": 35,
-             "speculative_steps": 10, "policy_plain_steps": 4, "generation_tokens": 180.0,
-             "accepted_per_position": [20, 10, 2]}  # fmt: skip
+    before = {
+        "time": 1.0,
+        "verify_steps": 10,
+        "accepted_draft_tokens": 5,
+        "speculative_steps": 4,
+        "policy_plain_steps": 2,
+        "generation_tokens": 100.0,
+        "accepted_per_position": [4, 1],
+    }
+    after = {
+        "time": 3.0,
+        "verify_steps": 30,
+        "accepted_draft_tokens": 35,
+        "speculative_steps": 10,
+        "policy_plain_steps": 4,
+        "generation_tokens": 180.0,
+        "accepted_per_position": [20, 10, 2],
+    }
     window = server_window(before, after)
     assert window["accept_length"] == (30 + 20) / 20 and window["output_tok_s"] == 40.0
     assert window["plain_step_share"] == 2 / 8
@@ -90,24 +102,34 @@ def test_window_arithmetic(bench):
     assert plain["accept_length"] is None and plain["plain_step_share"] is None
     assert first_difference("abcd", "abxd") == 2 and first_difference("ab", "abc") == 2
     assert first_difference("same", "same") is None
-    points = [{"config": c, "dataset": "chat", "temperature": 0.0, "concurrency": n,
-               "output_tok_s": tok_s} for c, n, tok_s in
-              (("a", 1, 10.0), ("b", 1, 15.0), ("b", 4, 40.0))]  # fmt: skip
+    points = [
+        {
+            "config": c,
+            "dataset": "chat",
+            "temperature": 0.0,
+            "concurrency": n,
+            "output_tok_s": tok_s,
+        }
+        for c, n, tok_s in (("a", 1, 10.0), ("b", 1, 15.0), ("b", 4, 40.0))
+    ]
     add_ratios(points, "a")
     assert [p["tok_s_ratio"] for p in points] == [1.0, 1.5, None]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--compare", "plain="], "--compare needs --launch"),
-    (["--launch", "--compare", "plain"], "--compare: expected NAME=ARGS"),
-    (["--launch", "--compare", "a=", "a=--x"], "configuration names repeat"),
-    (["--datasets", "poems"], "--datasets: unknown 'poems'"),
-    (["--datasets", "chat:speed=2"], "unknown key 'speed'"),
-    (["--launch", "--compare", "a=", "--datasets", "chat:configs=b"], "must be among"),
-    (["--concurrencies", "1,0"], "--concurrencies: expected positive"),
-    (["--datasets", "chat:temperatures=x"], "temperatures: expected comma-separated floats"),
-    (["--duration", "0"], "--duration must be > 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--compare", "plain="], "--compare needs --launch"),
+        (["--launch", "--compare", "plain"], "--compare: expected NAME=ARGS"),
+        (["--launch", "--compare", "a=", "a=--x"], "configuration names repeat"),
+        (["--datasets", "poems"], "--datasets: unknown 'poems'"),
+        (["--datasets", "chat:speed=2"], "unknown key 'speed'"),
+        (["--launch", "--compare", "a=", "--datasets", "chat:configs=b"], "must be among"),
+        (["--concurrencies", "1,0"], "--concurrencies: expected positive"),
+        (["--datasets", "chat:temperatures=x"], "temperatures: expected comma-separated floats"),
+        (["--duration", "0"], "--duration must be > 0"),
+    ],
+)
 def test_sweep_options_are_checked(bench, capsys, argv, message):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -118,9 +140,14 @@ def test_sweep_defaults(bench):
     args = bench.parse_args(["--text-check", "4"])
     assert args.sweep and [c.name for c in args.configs] == ["server"]
     assert [(p.dataset, p.concurrencies, p.temperatures) for p in args.plans] == [
-        ("chat", (1, 4, 16, 64), (0.0, 0.7))]
+        ("chat", (1, 4, 16, 64), (0.0, 0.7))
+    ]
     assert (args.max_tokens, args.ignore_eos, args.duration, args.warmup_seconds) == (
-        128, False, 30.0, 5.0)
+        128,
+        False,
+        30.0,
+        5.0,
+    )
     single = bench.parse_args([])
     assert not single.sweep and (single.max_tokens, single.ignore_eos) == (32, True)
 
@@ -130,31 +157,71 @@ def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
     repetition sampled at concurrency 1 on NGRAM only; the JSON, its ratios and the plot."""
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")  # NOTE: starts the servers sooner
     out = tmp_path / "sweep.json"
-    record = bench.main([
-        "--launch", "--base-url", f"http://127.0.0.1:{free_port()}", "--api-key", API_KEY,
-        "--server-args", " ".join(DEFAULT_ARGS), "--server-log", str(tmp_path / "server.log"),
-        "--compare", "plain=", "ngram=--speculative-algorithm NGRAM --speculative-num-steps 4 "
-        "--speculative-policy always", "--datasets", "chat:concurrencies=1,2:temperatures=0",
-        "repetition:concurrencies=1:temperatures=0.7:configs=ngram", "--duration", "1.5",
-        "--warmup-seconds", "0.5", "--text-check", "2", "--max-tokens", "8", "--out", str(out),
-    ])  # fmt: skip
+    record = bench.main(
+        [
+            "--launch",
+            "--base-url",
+            f"http://127.0.0.1:{free_port()}",
+            "--api-key",
+            API_KEY,
+            "--server-args",
+            " ".join(DEFAULT_ARGS),
+            "--server-log",
+            str(tmp_path / "server.log"),
+            "--compare",
+            "plain=",
+            "ngram=--speculative-algorithm NGRAM --speculative-num-steps 4 "
+            "--speculative-policy always",
+            "--datasets",
+            "chat:concurrencies=1,2:temperatures=0",
+            "repetition:concurrencies=1:temperatures=0.7:configs=ngram",
+            "--duration",
+            "1.5",
+            "--warmup-seconds",
+            "0.5",
+            "--text-check",
+            "2",
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     written = json.loads(out.read_text())
     assert written["points"] == json.loads(json.dumps(record["points"]))
-    for key in ("date", "device", "torch", "command", "configs", "datasets", "points",
-                "text_check", "elapsed_s"):
+    for key in (
+        "date",
+        "device",
+        "torch",
+        "command",
+        "configs",
+        "datasets",
+        "points",
+        "text_check",
+        "elapsed_s",
+    ):
         assert key in written, key
     assert written["device"] == "cpu" and "--compare plain=" in written["command"]
     plain, ngram = written["configs"]
     assert (plain["name"], ngram["name"], plain["model"]) == ("plain", "ngram", MODEL)
-    assert ngram["server_args"][-6:] == ["--speculative-algorithm", "NGRAM",
-                                         "--speculative-num-steps", "4",
-                                         "--speculative-policy", "always"]  # fmt: skip
+    assert ngram["server_args"][-6:] == [
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-steps",
+        "4",
+        "--speculative-policy",
+        "always",
+    ]
     assert ngram["engine_config"]["speculative_algorithm"] == "NGRAM" and plain["start_s"] > 0
     assert written["datasets"]["chat"]["requests"] >= 64
     points = {(p["config"], p["dataset"], p["concurrency"]): p for p in written["points"]}
-    assert sorted(points) == [("ngram", "chat", 1), ("ngram", "chat", 2),
-                              ("ngram", "repetition", 1), ("plain", "chat", 1),
-                              ("plain", "chat", 2)]  # fmt: skip
+    assert sorted(points) == [
+        ("ngram", "chat", 1),
+        ("ngram", "chat", 2),
+        ("ngram", "repetition", 1),
+        ("plain", "chat", 1),
+        ("plain", "chat", 2),
+    ]
     for key, p in points.items():
         assert p["output_tokens"] > 0 and p["requests_completed"] > 0, key
         assert p["requests_failed"] == 0 and 1 <= p["output_len"]["max"] <= 8, key
@@ -164,15 +231,18 @@ def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
         # the client counts chunks by arrival, the server tokens by delivery: the window's
         # edges split at most the requests in flight differently
         assert abs(server["counters"]["generation_tokens"] - p["output_tokens"]) <= (
-            p["concurrency"] * 8)
+            p["concurrency"] * 8
+        )
         if key[0] == "plain":
             assert p["tok_s_ratio"] == 1.0 and server["accept_length"] is None
         else:
             assert server["accept_length"] >= 1.0 and server["plain_step_share"] == 0.0
             assert server["counters"]["verify_steps"] > 0
     for n in (1, 2):
-        ratio = points[("ngram", "chat", n)]["output_tok_s"] / points[("plain", "chat", n)][
-            "output_tok_s"]  # fmt: skip
+        ratio = (
+            points[("ngram", "chat", n)]["output_tok_s"]
+            / points[("plain", "chat", n)]["output_tok_s"]
+        )
         assert points[("ngram", "chat", n)]["tok_s_ratio"] == pytest.approx(ratio)
     assert points[("ngram", "repetition", 1)]["tok_s_ratio"] is None  # plain did not run it
     chat = written["text_check"]["chat"]

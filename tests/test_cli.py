@@ -34,10 +34,16 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_help_imports_no_torch():
-    code = ("import sys\nfrom pcgspec.cli import main\ntry:\n    main(['serve', '--help'])\n"
-            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys\nfrom pcgspec.cli import main\ntry:\n    main(['serve', '--help'])\n"
+        "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr
     assert "--max-running-requests" in result.stdout
 
@@ -95,8 +101,13 @@ def test_busy_port_fails_before_the_model_loads(capsys, tmp_path):
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
 
 
-@pytest.mark.parametrize("argv", [["serve", "meta-llama/Llama-3.2-1B", "--port", "0"],
-                                  ["generate", "--model-path", "Qwen/Qwen2.5-0.5B"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "meta-llama/Llama-3.2-1B", "--port", "0"],
+        ["generate", "--model-path", "Qwen/Qwen2.5-0.5B"],
+    ],
+)
 def test_a_hub_id_says_what_to_pass_instead(capsys, argv):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -114,8 +125,20 @@ def test_device_cuda_without_cuda_is_an_error(capsys):
 def test_context_length_above_the_models_maximum(capsys, smollm2_path):
     hf = SimpleNamespace(max_position_embeddings=8192)
     assert context_length(None, hf) == 8192 and context_length(100, hf) == 100
-    code = main(["generate", "--model-path", str(smollm2_path), *SMALL,
-                 "--context-length", "100000", "--prompt", "hi", "--max-tokens", "1"])
+    code = main(
+        [
+            "generate",
+            "--model-path",
+            str(smollm2_path),
+            *SMALL,
+            "--context-length",
+            "100000",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "context_length 100000 exceeds the model's maximum" in err
     assert "max_position_embeddings = 8192" in err
@@ -140,11 +163,14 @@ def test_convert_into_an_existing_folder(capsys, tmp_path):
 def _start(args: list[str], **env: str) -> subprocess.Popen[str]:
     # NOTE: a shell without job control starts background jobs with SIGINT ignored, and a
     # Python started so keeps ignoring it: Ctrl-C must reach the CLI wherever the suite runs.
-    return subprocess.Popen([sys.executable, "-m", "pcgspec", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "PCGSPEC_LOG_LEVEL":
-                                 "INFO", **env},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "pcgspec", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PCGSPEC_LOG_LEVEL": "INFO", **env},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _interrupt_after(
@@ -168,8 +194,21 @@ def _interrupt_after(
 
 
 def test_ctrl_c_in_generate_prints_what_was_generated_and_exits_130(smollm2_path):
-    proc = _start(["generate", "--model-path", str(smollm2_path), *SMALL, "--prompt", "Count:",
-                   "--max-tokens", "4000", "--ignore-eos", "--context-length", "4096"])
+    proc = _start(
+        [
+            "generate",
+            "--model-path",
+            str(smollm2_path),
+            *SMALL,
+            "--prompt",
+            "Count:",
+            "--max-tokens",
+            "4000",
+            "--ignore-eos",
+            "--context-length",
+            "4096",
+        ]
+    )
     # NOTE: the delay lets tokenizing the prompt pass; 4000 tokens take minutes on CPU.
     out, err = _interrupt_after(proc, "Generating for 1 prompt", delay_s=1.0)
     assert proc.returncode == 130, err
@@ -180,8 +219,9 @@ def test_ctrl_c_in_generate_prints_what_was_generated_and_exits_130(smollm2_path
 def test_ctrl_c_during_serve_start_up_never_announces_serving(smollm2_path):
     port = str(_free_port())
     # NOTE: the piecewise trace keeps the engine starting for seconds after the weights load.
-    proc = _start(["serve", str(smollm2_path), "--port", port, "--device", "cpu"],
-                  PCGSPEC_CPU_PIECEWISE="1")
+    proc = _start(
+        ["serve", str(smollm2_path), "--port", port, "--device", "cpu"], PCGSPEC_CPU_PIECEWISE="1"
+    )
     _, err = _interrupt_after(proc, "Loaded LlamaForCausalLM")
     assert proc.returncode == 130, err
     assert "serving" not in err and "Traceback" not in err, err

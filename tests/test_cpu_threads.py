@@ -51,9 +51,15 @@ def test_probe_reads_this_machine():
     assert 1 <= info.physical <= info.allowed <= info.online and info.load >= 0
 
 
-@pytest.mark.parametrize(("quota", "period", "want"),
-                         [("200000", "100000", 2), ("150000", "100000", 2), ("max", "100000", None),
-                          ("-1", "100000", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("quota", "period", "want"),
+    [
+        ("200000", "100000", 2),
+        ("150000", "100000", 2),
+        ("max", "100000", None),
+        ("-1", "100000", None),
+    ],
+)
 def test_cgroup_quota_in_whole_cpus(quota, period, want):
     assert cpu_threads._quota_cpus(quota, period) == want
 
@@ -94,12 +100,18 @@ def test_default_is_applied_without_omp_num_threads(restore_threads, monkeypatch
 
 
 def test_import_and_config_leave_torch_threads_alone():
-    code = ("import torch\ntorch.set_num_threads(1)\nimport pcgspec\n"
-            "from pcgspec import LLM\nfrom pcgspec.config import EngineConfig\n"
-            "EngineConfig(device='cpu', cpu_threads=2)\nassert torch.get_num_threads() == 1")
+    code = (
+        "import torch\ntorch.set_num_threads(1)\nimport pcgspec\n"
+        "from pcgspec import LLM\nfrom pcgspec.config import EngineConfig\n"
+        "EngineConfig(device='cpu', cpu_threads=2)\nassert torch.get_num_threads() == 1"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**env, "PYTHONPATH": str(REPO)})  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr
 
 

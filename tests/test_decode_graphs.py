@@ -42,9 +42,16 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory):
 
 
 def tiny_runner(path, device: str = "cpu", **kw: object) -> ModelRunner:
-    config = EngineConfig(model=str(path), dtype="float32", device=device, page_size=PAGE_SIZE,
-                          max_total_tokens=2048, cuda_graph_max_bs=MAX_BS,
-                          piecewise_cuda_graph_max_tokens=64, **kw)
+    config = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        device=device,
+        page_size=PAGE_SIZE,
+        max_total_tokens=2048,
+        cuda_graph_max_bs=MAX_BS,
+        piecewise_cuda_graph_max_tokens=64,
+        **kw,
+    )
     return ModelRunner(config, path)
 
 
@@ -70,8 +77,9 @@ class Requests:
         rng = random.Random(seed)
         self.runner = runner
         self.lens = [rng.randrange(1, 62) for _ in range(num)]
-        self.ids = [[rng.randrange(runner.vocab_size) for _ in range(n + MAX_NEW)]
-                    for n in self.lens]
+        self.ids = [
+            [rng.randrange(runner.vocab_size) for _ in range(n + MAX_NEW)] for n in self.lens
+        ]
         need = [-(-(n + MAX_NEW) // PAGE_SIZE) for n in self.lens]
         free = rng.sample(range(runner.kv_cache.num_pages), sum(need))
         self.pages = [free[sum(need[:i]) : sum(need[: i + 1])] for i in range(num)]
@@ -120,8 +128,9 @@ def check_against_eager(runner: ModelRunner, graphs: DecodeGraphRunner, tol: flo
         want, _ = runner.run_eager(batch)
         torch.testing.assert_close(hidden, want, atol=tol, rtol=tol)
         # the LM head inside the graph: every row's logits
-        torch.testing.assert_close(logits, runner.model.compute_logits(want), atol=10 * tol,
-                                   rtol=tol)  # fmt: skip
+        torch.testing.assert_close(
+            logits, runner.model.compute_logits(want), atol=10 * tol, rtol=tol
+        )
         reqs.advance(rows)
     buckets = [next(bs for bs in graphs.batch_sizes if bs >= len(rows)) for rows in STEPS]
     stats = graphs.stats()
@@ -168,8 +177,12 @@ def test_model_runner_forward_replays_decode_batches_only(tiny_path) -> None:
     extend = build_forward_batch(ForwardMode.EXTEND, [SeqChunk([1, 2], 0, [0])], PAGE_SIZE, "cpu")
     runner.forward(extend)  # never offered to the decode graphs: no refusal
     no_fallbacks = dict.fromkeys(DecodeGraphRunner.reasons, 0)
-    assert runner.decode_graphs.stats() == {"graphs": 5, "runs": 1, "padded_rows": 1,
-                                            "fallbacks": no_fallbacks}
+    assert runner.decode_graphs.stats() == {
+        "graphs": 5,
+        "runs": 1,
+        "padded_rows": 1,
+        "fallbacks": no_fallbacks,
+    }
 
 
 def test_can_run_refusals(tiny_path) -> None:
@@ -183,8 +196,9 @@ def test_can_run_refusals(tiny_path) -> None:
     assert graphs.can_run(batch)
     too_wide = SeqChunk([1], 0, [0] * (graphs.max_pages + 1))  # more pages than the context
     refused = {
-        "mode": build_forward_batch(ForwardMode.EXTEND, [SeqChunk([1, 2], 0, [0])], PAGE_SIZE,
-                                    "cpu"),
+        "mode": build_forward_batch(
+            ForwardMode.EXTEND, [SeqChunk([1, 2], 0, [0])], PAGE_SIZE, "cpu"
+        ),
         "batch_size": reqs.decode(range(MAX_BS + 1)),
         "hidden_mode": reqs.decode([0], capture_hidden_mode=CaptureHiddenMode.LAST),
         "input_embeds": dataclasses.replace(batch, input_embeds=torch.zeros(2, 64)),
@@ -257,7 +271,6 @@ def _padded_static_batch(real: ForwardBatch, bs: int, max_pages: int) -> Forward
 # GPU -------------------------------------------------------------------------------------------
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("piecewise", [False, True], ids=["plain-decoder", "compiled-decoder"])
 def test_cuda_graphs_match_eager_decode(tiny_path, piecewise: bool) -> None:
@@ -275,8 +288,13 @@ def test_smollm2_greedy_with_and_without_decode_graphs(smollm2_path) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     tokens, stats = {}, {}
     for disable in (True, False):
-        llm = LLM(str(smollm2_path), dtype="float32", disable_cuda_graph=disable,
-                  max_total_tokens=16384, piecewise_cuda_graph_max_tokens=512)
+        llm = LLM(
+            str(smollm2_path),
+            dtype="float32",
+            disable_cuda_graph=disable,
+            max_total_tokens=16384,
+            piecewise_cuda_graph_max_tokens=512,
+        )
         tokens[disable] = [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
         prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
         if not disable:

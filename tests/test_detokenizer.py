@@ -11,8 +11,10 @@ from transformers import AutoTokenizer
 from pcgspec.engine import detokenizer
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 
-TEXT = ("Sure! Here is 🎉 a naïve café — 東京 <|im_end|> def f(x):\n    return x ** 2\n"
-        "<|im_start|>assistant\n  spaced   out\tand ✔︎ done.")
+TEXT = (
+    "Sure! Here is 🎉 a naïve café — 東京 <|im_end|> def f(x):\n    return x ** 2\n"
+    "<|im_start|>assistant\n  spaced   out\tand ✔︎ done."
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,9 @@ def test_incremental_text_equals_whole_decode(tokenizer, monkeypatch, fast, skip
     out = tokenizer.encode(TEXT, add_special_tokens=False)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in out
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
-    assert isinstance(detok._decoder, detokenizer._StreamDecoder if fast else
-                      detokenizer._WindowDecoder)  # fmt: skip
+    assert isinstance(
+        detok._decoder, detokenizer._StreamDecoder if fast else detokenizer._WindowDecoder
+    )
     deltas = [detok.add_token(t) for t in out]
     whole = tokenizer.decode(prompt + out, skip_special_tokens=skip_special_tokens)
     head = tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens)

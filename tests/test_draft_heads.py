@@ -32,11 +32,19 @@ PAGE_SIZE = 4
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # checkpoint name (under the layer prefix) -> our module, per MTP layout; the rest is the block
 MTP_SPECIAL = {
-    "deepseek": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-                 "shared_head.norm": "final_norm"},
-    "mimo": {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
-             "final_layernorm": "final_norm"},
-}  # fmt: skip
+    "deepseek": {
+        "enorm": "enorm",
+        "hnorm": "hnorm",
+        "eh_proj": "eh_proj",
+        "shared_head.norm": "final_norm",
+    },
+    "mimo": {
+        "token_layernorm": "enorm",
+        "hidden_layernorm": "hnorm",
+        "input_proj": "eh_proj",
+        "final_layernorm": "final_norm",
+    },
+}
 PREFIX = {"deepseek": "model.layers.2.", "mimo": "model.mtp_layers.0."}
 
 
@@ -114,8 +122,13 @@ def ref_mlp(t: dict, p: str, x: torch.Tensor) -> torch.Tensor:
 
 def ref_eagle3(t: dict, embed, ids, pos, hidden) -> tuple[torch.Tensor, ...]:
     h = hidden @ t["fc.weight"].T if hidden.shape[-1] != 64 else hidden
-    x = torch.cat([rms(embed[ids], t["midlayer.input_layernorm.weight"]),
-                   rms(h, t["midlayer.hidden_norm.weight"])], -1)  # fmt: skip
+    x = torch.cat(
+        [
+            rms(embed[ids], t["midlayer.input_layernorm.weight"]),
+            rms(h, t["midlayer.hidden_norm.weight"]),
+        ],
+        -1,
+    )
     r = h + ref_attention(t, "midlayer.", x, pos)
     y = r + ref_mlp(t, "midlayer.", rms(r, t["midlayer.post_attention_layernorm.weight"]))
     return rms(y, t["norm.weight"]), y
@@ -139,8 +152,9 @@ class HeadDriver:
     def __init__(self, head: DraftHead, num_pages: int = 16) -> None:
         spec = KVCacheSpec(head.num_layers, head.num_kv_heads, head.head_dim, head.dtype)
         self.head, self.kv_cache = head, KVCache(spec, num_pages, PAGE_SIZE, CPU)
-        self.backend = TorchAttentionBackend(self.kv_cache, head.num_heads, head.head_dim,
-                                             head.attn_scale)  # fmt: skip
+        self.backend = TorchAttentionBackend(
+            self.kv_cache, head.num_heads, head.head_dim, head.attn_scale
+        )
 
     @torch.inference_mode()
     def step(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -244,8 +258,10 @@ def test_eagle3_aux_layers(tmp_path, target) -> None:
     edit_config(folder := rewrite(path, tmp_path / "two"), eagle_aux_hidden_state_layer_ids=[1, 2])
     with pytest.raises(ValueError, match="must name 3 layers"):
         load_eagle3_head(folder, target, torch.float32, CPU)
-    edit_config(folder := rewrite(path, tmp_path / "no-aux", drop=("fc.weight",)),
-                eagle_config={"use_aux_hidden_state": False})  # fmt: skip
+    edit_config(
+        folder := rewrite(path, tmp_path / "no-aux", drop=("fc.weight",)),
+        eagle_config={"use_aux_hidden_state": False},
+    )
     head = load_eagle3_head(folder, target, torch.float32, CPU)
     assert head.target_aux_layers(30) is None and head.target_hidden_size == 64
 
@@ -270,8 +286,12 @@ def test_eagle3_compiled_head_matches_reference(tmp_path, target, compiler) -> N
     head = load_eagle3_head(path, target, torch.float32, CPU)
     head.compiled_decoder = CompiledDecoder(head.decode, PiecewiseBackend(compiler))
     t = load_file(path / "model.safetensors")
-    check_forward(head, lambda embed, ids, pos, hidden: ref_eagle3(t, embed, ids, pos, hidden),
-                  target, project=lambda aux: aux @ t["fc.weight"].T)  # fmt: skip
+    check_forward(
+        head,
+        lambda embed, ids, pos, hidden: ref_eagle3(t, embed, ids, pos, hidden),
+        target,
+        project=lambda aux: aux @ t["fc.weight"].T,
+    )
     backend = head.compiled_decoder.backend
     assert backend.num_traces == 1 and len(backend.split.compute_pieces) == 2
 
@@ -353,8 +373,10 @@ def test_mtp_missing_extra_or_ignored_tensors(tmp_path) -> None:
     for case, (change, match) in cases.items():
         with pytest.raises(ValueError, match=match):
             load_mtp_head(rewrite(src, tmp_path / case, **change), target, torch.float32, CPU)
-    copies = {"model.layers.2.embed_tokens.weight": torch.zeros(512, 64),
-              "model.layers.2.shared_head.head.weight": torch.zeros(512, 64)}  # fmt: skip
+    copies = {
+        "model.layers.2.embed_tokens.weight": torch.zeros(512, 64),
+        "model.layers.2.shared_head.head.weight": torch.zeros(512, 64),
+    }
     load_mtp_head(rewrite(src, tmp_path / "copies", add=copies), target, torch.float32, CPU)
     plain = write_eagle3_checkpoint(tmp_path / "eagle", shape_config("tiny"), 0)
     with pytest.raises(ValueError, match="no MTP layer"):

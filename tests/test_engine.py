@@ -53,8 +53,13 @@ def test_preempted_request_finishes_with_same_tokens(smollm2_path, llm, hf_model
     prompts = PROMPTS[:4]
     ref = [o.token_ids for o in llm.generate(prompts, _greedy(40), use_tqdm=False)]
     # 4 pages of 16 tokens per request cannot hold 4 requests growing to ~50 tokens each.
-    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=160,
-                disable_piecewise_cuda_graph=True)
+    small = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=160,
+        disable_piecewise_cuda_graph=True,
+    )
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     for prompt, out, want in zip(prompts, outs, ref):
@@ -63,15 +68,20 @@ def test_preempted_request_finishes_with_same_tokens(smollm2_path, llm, hf_model
 
 
 def test_seeded_sampling_reproduces_alone_and_in_batch(llm):
-    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True
+    )
     alone = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].token_ids
     mixed = [SamplingParams(temperature=1.0, max_tokens=8 + i, ignore_eos=True) for i in range(5)]
     batch = llm.generate(PROMPTS[1:6] + [PROMPTS[0]], mixed + [params], use_tqdm=False)
     assert batch[-1].token_ids == alone
-    other = llm.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.95, top_k=50,
-                                                    seed=4321, max_tokens=24, ignore_eos=True),
-                         use_tqdm=False)[0].token_ids
+    other = llm.generate(
+        PROMPTS[0],
+        SamplingParams(
+            temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=24, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )[0].token_ids
     assert other != alone
 
 
@@ -82,15 +92,17 @@ def test_stop_string_and_stop_token(llm):
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == " 8,"
     assert out.text == base.text[: base.text.index(" 8,")]
     stop_id = base.token_ids[3]
-    out = llm.generate("1, 2, 3, 4, 5,", _greedy(24, stop_token_ids=[stop_id]),
-                       use_tqdm=False)[0]
+    out = llm.generate("1, 2, 3, 4, 5,", _greedy(24, stop_token_ids=[stop_id]), use_tqdm=False)[0]
     assert out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
     assert out.finish_reason == "stop"
 
 
 def test_eos_and_max_tokens(llm):
-    out = llm.chat([{"role": "user", "content": "Say hi."}],
-                   SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(temperature=0, max_tokens=200),
+        use_tqdm=False,
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
     out = llm.generate("Hello", _greedy(5), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
@@ -114,8 +126,11 @@ def test_logprobs_are_raw_log_softmax(llm, hf_model):
 
 
 def test_n_sequences_and_metrics(llm):
-    out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
-                                                  ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        PROMPTS[0],
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert out.metrics.ttft is not None and out.metrics.ttft > 0
@@ -124,8 +139,9 @@ def test_n_sequences_and_metrics(llm):
 
 def test_bad_input(llm, smollm2_path, tmp_path):
     with pytest.raises(ValueError, match=r"prompt has \d+ tokens but the context length is 64"):
-        LLM(str(smollm2_path), dtype="float32", context_length=64,
-            disable_piecewise_cuda_graph=True).generate("hi " * 100)  # fmt: skip
+        LLM(
+            str(smollm2_path), dtype="float32", context_length=64, disable_piecewise_cuda_graph=True
+        ).generate("hi " * 100)
     with pytest.raises(ValueError, match="bogus"):
         LLM(str(smollm2_path), bogus=1)
     with pytest.raises(ValueError, match="temperature"):
@@ -142,15 +158,25 @@ def test_llm_leaves_the_callers_collector_as_it_found_it(smollm2_path):
     import weakref
 
     frozen = gc.get_freeze_count()
-    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256,
-                disable_piecewise_cuda_graph=True)
+    small = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=256,
+        disable_piecewise_cuda_graph=True,
+    )
     assert gc.get_freeze_count() == frozen
     assert small.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
     small.shutdown()
     gone = weakref.ref(small.engine)
     del small
-    LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=256,
-        disable_piecewise_cuda_graph=True)
+    LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=256,
+        disable_piecewise_cuda_graph=True,
+    )
     assert gone() is None
     assert gc.get_freeze_count() == frozen
 

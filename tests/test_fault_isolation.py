@@ -180,9 +180,16 @@ def test_a_failing_request_in_a_speculative_step_ends_alone(
     if algorithm == "EAGLE3":
         path = write_eagle3_checkpoint(tmp_path, load_config(smollm2_path), seed=0)
         draft = {"speculative_draft_model_path": str(path)}
-    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
-               speculative_num_steps=3, speculative_policy="always",
-               disable_piecewise_cuda_graph=True, **draft)  # fmt: skip
+    spec = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm=algorithm,
+        speculative_num_steps=3,
+        speculative_policy="always",
+        disable_piecewise_cuda_graph=True,
+        **draft,
+    )
     tok = spec.get_tokenizer()
     good = PROMPTS[:3]
     params = [greedy(NEW_TOKENS)] * 3 + [greedy(NEW_TOKENS, seed=MARK)]
@@ -224,15 +231,26 @@ def _fault_after_commit(monkeypatch, site: str) -> None:
     monkeypatch.setattr(spec_worker.LaunchedSpecStep, "start", classmethod(fail_then_start))
 
 
-CASES = [*((a, o, "commit") for a in ("NGRAM", "EAGLE3", "STANDALONE", "NEXTN")
-           for o in (False, True)),
-         *((a, True, "drafter") for a in ("EAGLE3", "STANDALONE", "NEXTN"))]  # fmt: skip
+CASES = [
+    *((a, o, "commit") for a in ("NGRAM", "EAGLE3", "STANDALONE", "NEXTN") for o in (False, True)),
+    *((a, True, "drafter") for a in ("EAGLE3", "STANDALONE", "NEXTN")),
+]
 
 
-@pytest.mark.parametrize(("algorithm", "overlap", "site"), CASES,
-                         ids=["-".join((a, "overlap" if o else "sync", s)) for a, o, s in CASES])
+@pytest.mark.parametrize(
+    ("algorithm", "overlap", "site"),
+    CASES,
+    ids=["-".join((a, "overlap" if o else "sync", s)) for a, o, s in CASES],
+)
 def test_a_step_failing_after_its_commit_advances_the_others_once(
-    smollm2_path, plain_llm, hf_model, drafts, monkeypatch, algorithm, overlap, site  # noqa: F811
+    smollm2_path,
+    plain_llm,
+    hf_model,
+    drafts,  # noqa: F811
+    monkeypatch,
+    algorithm,
+    overlap,
+    site,  # noqa: F811
 ):
     """The halves run again from the positions before the failed step (rolled back): the
     greedy requests equal plain decoding and the seeded one, whose random stream follows its
@@ -246,10 +264,17 @@ def test_a_step_failing_after_its_commit_advances_the_others_once(
     # NOTE: SmolLM2 drafting for itself: every draft is accepted, unless a catch-up went wrong
     path = str(smollm2_path) if algorithm == "STANDALONE" else drafts.get(algorithm)
     draft = {} if path is None else {"speculative_draft_model_path": path}
-    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
-               speculative_num_steps=3, speculative_policy="always",
-               disable_piecewise_cuda_graph=True, disable_overlap_schedule=not overlap,
-               **draft)  # fmt: skip
+    spec = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm=algorithm,
+        speculative_num_steps=3,
+        speculative_policy="always",
+        disable_piecewise_cuda_graph=True,
+        disable_overlap_schedule=not overlap,
+        **draft,
+    )
     prompts = [PROMPTS[0], REPEATED, PROMPTS[2], PROMPTS[7]]
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=LATE_TOKENS, ignore_eos=True)
     params = [greedy(LATE_TOKENS), greedy(LATE_TOKENS), sampled, greedy(LATE_TOKENS, seed=MARK)]
@@ -293,8 +318,10 @@ def test_extreme_sampling_values_that_pass_sample_next_to_others(llm, hf_model, 
         {"repetition_penalty": 1.2e-38, "top_k": 5, "temperature": 0.7},
         {"repetition_penalty": 3e38, "min_p": 0.5},
     ]
-    params = [greedy(NEW_TOKENS), *(SamplingParams(max_tokens=NEW_TOKENS, seed=1, ignore_eos=True,
-                                                   **kw) for kw in odd)]  # fmt: skip
+    params = [
+        greedy(NEW_TOKENS),
+        *(SamplingParams(max_tokens=NEW_TOKENS, seed=1, ignore_eos=True, **kw) for kw in odd),
+    ]
     outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     assert_greedy_match(hf_model, tok.encode(PROMPTS[0]), outs[0].token_ids, refs[PROMPTS[0]][0])
     assert all(o.finish_reason == "length" and len(o.token_ids) == NEW_TOKENS for o in outs)
@@ -304,8 +331,14 @@ def test_extreme_sampling_values_that_pass_sample_next_to_others(llm, hf_model, 
 
 
 async def _complete(client: TestClient, prompt: str, stream: bool, **extra: object):
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **extra}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **extra,
+    }
     resp = await client.post("/v1/completions", json=body)
     if not stream:
         return resp.status, await resp.json()

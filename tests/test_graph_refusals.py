@@ -31,8 +31,7 @@ class _Bounded(GuardedRunner):
 
 def test_can_run_counts_each_refusal_by_reason() -> None:
     runner = _Bounded()
-    assert runner.stats() == {"graphs": 1, "runs": 0, "padded_rows": 0,
-                              "fallbacks": {"too_big": 0}}  # fmt: skip
+    assert runner.stats() == {"graphs": 1, "runs": 0, "padded_rows": 0, "fallbacks": {"too_big": 0}}
     assert hit_ratio(runner.stats()) is None
     for batch in (1, 3, 9, 7):
         if runner.can_run(batch):
@@ -55,12 +54,17 @@ def _stats(runs: int, **fallbacks: int) -> GraphStats:
 
 
 def test_metrics_and_server_info_carry_every_runner_and_reason() -> None:
-    graphs = {"verify": _stats(6, batch_size=2, mode=0), "draft": _stats(0, seq_len=1),
-              "piecewise": _stats(3, target_verify=0)}  # fmt: skip
+    graphs = {
+        "verify": _stats(6, batch_size=2, mode=0),
+        "draft": _stats(0, seq_len=1),
+        "piecewise": _stats(3, target_verify=0),
+    }
     metrics = ServerMetrics("m", lambda: EngineSnapshot(graphs=graphs))
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(metrics.render().decode())
-               for s in family.samples}  # fmt: skip
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
 
     def value(name: str, **labels: str) -> float:
         return samples[(f"pcgspec:{name}", tuple(sorted({"model_name": "m", **labels}.items())))]

@@ -46,12 +46,17 @@ def test_distributed_imports_nothing_of_runners():
 
 def test_the_scan_sees_imports_in_functions_and_type_checking_blocks(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                      "    from pcgspec.runners.forward_batch import ForwardBatch\n"
-                      "def f():\n    import pcgspec.runners.model_runner\n"
-                      "    from pcgspec import runners\n")  # fmt: skip
-    assert {"pcgspec.runners.forward_batch", "pcgspec.runners.model_runner",
-            "pcgspec.runners"} <= _imported(source)  # fmt: skip
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from pcgspec.runners.forward_batch import ForwardBatch\n"
+        "def f():\n    import pcgspec.runners.model_runner\n"
+        "    from pcgspec import runners\n"
+    )
+    assert {
+        "pcgspec.runners.forward_batch",
+        "pcgspec.runners.model_runner",
+        "pcgspec.runners",
+    } <= _imported(source)
 
 
 @pytest.mark.parametrize("first", ["distributed", "runners"])
@@ -60,15 +65,18 @@ def test_every_module_imports_in_a_fresh_interpreter_in_either_order(first: str)
     modules load no runners module on their own.
     """
     second = "runners" if first == "distributed" else "distributed"
-    script = "\n".join([
-        "import importlib, sys",
-        f"for name in {_modules(first)!r}:",
-        "    importlib.import_module(name)",
-        "loaded = sorted(k for k in sys.modules if k.startswith('pcgspec.runners'))",
-        f"assert {first!r} != 'distributed' or not loaded, loaded",
-        f"for name in {_modules(second)!r}:",
-        "    importlib.import_module(name)",
-    ])  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    script = "\n".join(
+        [
+            "import importlib, sys",
+            f"for name in {_modules(first)!r}:",
+            "    importlib.import_module(name)",
+            "loaded = sorted(k for k in sys.modules if k.startswith('pcgspec.runners'))",
+            f"assert {first!r} != 'distributed' or not loaded, loaded",
+            f"for name in {_modules(second)!r}:",
+            "    importlib.import_module(name)",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -58,8 +58,16 @@ def test_extend_variants_of_a_head_config(shape, block_ms, lengths) -> None:
     rng = random.Random(0)
     for _ in range(200):
         lens = [rng.randrange(0, 600) for _ in range(rng.randrange(1, 9))]
-        plan = plan_extend(lens, sum(lens) + rng.randrange(0, 64), shape.num_heads,
-                           shape.num_kv_heads, shape.head_dim, shape.dtype, shape.page_size, 0.1)
+        plan = plan_extend(
+            lens,
+            sum(lens) + rng.randrange(0, 64),
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.dtype,
+            shape.page_size,
+            0.1,
+        )
         assert plan.specialization in planned, lens
 
 
@@ -91,8 +99,11 @@ def _key(fn, args: tuple, kwargs: dict) -> tuple:  # noqa: ANN001
         if "constexpr" in str(p.annotation):
             key.append(("constexpr", value))
         else:
-            key.append(native_specialize_impl(_cuda_backend(), value, False, name not in dns,
-                                              name not in dnsa))  # fmt: skip
+            key.append(
+                native_specialize_impl(
+                    _cuda_backend(), value, False, name not in dns, name not in dnsa
+                )
+            )
     options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
     return (*key, options)
 
@@ -136,35 +147,83 @@ def _serve_like(shape: AttentionShape) -> None:
     rng, page = random.Random(1), shape.page_size
     cache = [torch.zeros(65 * page + 1, shape.num_kv_heads, shape.head_dim) for _ in range(2)]
     for lens in ([1], [3, 2], [7, 1, 30], [12, 5, 9, 2], [40], [2, 2, 2, 2, 2]):
-        chunks = [SeqChunk([1] * n, s, list(range(16))) for n, s in
-                  zip(lens, rng.choices([0, 3, 9], k=len(lens)))]  # fmt: skip
+        chunks = [
+            SeqChunk([1] * n, s, list(range(16)))
+            for n, s in zip(lens, rng.choices([0, 3, 9], k=len(lens)))
+        ]
         batch = build_forward_batch(ForwardMode.EXTEND, chunks, page, "cpu")
         rows = sum(lens) + rng.randrange(0, 5)
         ids, pos, loc = (torch.zeros(rows, dtype=torch.int64) for _ in range(3))
         start = torch.zeros(len(lens), dtype=torch.int32)
-        pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens, ids,
-                  pos, loc, start)  # fmt: skip
+        pad_batch(
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            batch.extend_lens,
+            ids,
+            pos,
+            loc,
+            start,
+        )
         splits = rng.choice([1, 2, 5, 16])  # a long prefix's pieces
-        plan = plan_extend(lens, rows, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                           shape.dtype, page, 0.25, num_splits=splits)  # fmt: skip
-        workspace = None if splits == 1 else decode_workspace(sum(lens), shape.num_heads,
-                                                               shape.head_dim, splits, "cpu")
-        extend_attention(*_qkv(rows, shape), *cache, loc, batch.page_table, batch.seq_lens,
-                         batch.extend_lens, start, plan, workspace=workspace)  # fmt: skip
+        plan = plan_extend(
+            lens,
+            rows,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.dtype,
+            page,
+            0.25,
+            num_splits=splits,
+        )
+        workspace = (
+            None
+            if splits == 1
+            else decode_workspace(sum(lens), shape.num_heads, shape.head_dim, splits, "cpu")
+        )
+        extend_attention(
+            *_qkv(rows, shape),
+            *cache,
+            loc,
+            batch.page_table,
+            batch.seq_lens,
+            batch.extend_lens,
+            start,
+            plan,
+            workspace=workspace,
+        )
         for n in (1, K + 1):  # decode, verify
             chunks = [SeqChunk([1] * n, s, list(range(16))) for s in lens]
-            batch = build_forward_batch(ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY,
-                                        chunks, page, "cpu")  # fmt: skip
+            batch = build_forward_batch(
+                ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY, chunks, page, "cpu"
+            )
             out_rows = len(lens) * n
-            pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
-                      *(torch.zeros(out_rows + 1, dtype=torch.int64) for _ in range(3)), None)
+            pad_batch(
+                batch.input_ids,
+                batch.positions,
+                batch.out_cache_loc,
+                batch.extend_lens,
+                *(torch.zeros(out_rows + 1, dtype=torch.int64) for _ in range(3)),
+                None,
+            )
             q, k, v, out = _qkv(out_rows, shape)
             store_kv(k, v, *cache, torch.full((out_rows,), -1))
             splits = rng.choice([1, 2, 3, 7, 32])
-            decode_attention(q, *cache, out, batch.page_table, batch.seq_lens, page, 0.25, splits,
-                             tokens_per_seq=n,
-                             workspace=decode_workspace(out_rows, shape.num_heads,
-                                                        shape.head_dim, splits, "cpu"))  # fmt: skip
+            decode_attention(
+                q,
+                *cache,
+                out,
+                batch.page_table,
+                batch.seq_lens,
+                page,
+                0.25,
+                splits,
+                tokens_per_seq=n,
+                workspace=decode_workspace(
+                    out_rows, shape.num_heads, shape.head_dim, splits, "cpu"
+                ),
+            )
     # NOTE: 3 slots: misaligned table rows; 7 tokens of history: rows of odd stride
     slots = SamplingSlots(3, VOCAB, "cpu", triton=True, history_len=7)
     reqs = [_Req(SamplingParams(temperature=t, seed=7), 7, [1, 2]) for t in (0.0, 0.8, 0.5)]
@@ -178,24 +237,33 @@ def _serve_like(shape: AttentionShape) -> None:
         slots.commit(batch_reqs, torch.zeros(b, K + 1, dtype=torch.int64), ones)  # a verify step
         for strategy in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH):
             verify_draft_tokens(
-                torch.rand(b, K + 1, VOCAB), torch.randint(0, VOCAB, (b, K)), strategy,
-                seed=rows.seed.view(b, K + 1), position=rows.position.view(b, K + 1),
+                torch.rand(b, K + 1, VOCAB),
+                torch.randint(0, VOCAB, (b, K)),
+                strategy,
+                seed=rows.seed.view(b, K + 1),
+                position=rows.position.view(b, K + 1),
                 num_draft=torch.full((b,), K),
-            )  # fmt: skip
-        ngram_propose(slots.token_history, slots.slot_indices(batch_reqs),
-                      slots.seq_lens(batch_reqs), *NGRAM)  # fmt: skip
+            )
+        ngram_propose(
+            slots.token_history, slots.slot_indices(batch_reqs), slots.seq_lens(batch_reqs), *NGRAM
+        )
         slots.rows(batch_reqs)
     for b in (1, 2, 3, 5):  # verify passes and draft catch-ups (build_padded_batch)
         starts = torch.arange(b, dtype=torch.int64) * 3
         table = torch.arange(b * (b + 1), dtype=torch.int32).view(b, b + 1)
-        tokens = VerifyTokens(torch.zeros(4, dtype=torch.int64), torch.arange(b) % 4,
-                              torch.zeros(b, K, dtype=torch.int64))  # fmt: skip
+        tokens = VerifyTokens(
+            torch.zeros(4, dtype=torch.int64),
+            torch.arange(b) % 4,
+            torch.zeros(b, K, dtype=torch.int64),
+        )
         padded_rows(starts + 1, table, page, K + 1, start_offset=-1, tokens=tokens)  # verify
         bucket = b + 1  # a verify graph's bucket, built in place
-        rows = GraphRows(*(torch.zeros(bucket * (K + 1), dtype=torch.int64) for _ in range(3)),
-                         torch.zeros(bucket, dtype=torch.int32),
-                         torch.full((bucket,), K + 1, dtype=torch.int32),
-                         torch.arange(bucket * (K + 1)))  # fmt: skip
+        rows = GraphRows(
+            *(torch.zeros(bucket * (K + 1), dtype=torch.int64) for _ in range(3)),
+            torch.zeros(bucket, dtype=torch.int32),
+            torch.full((bucket,), K + 1, dtype=torch.int32),
+            torch.arange(bucket * (K + 1)),
+        )
         padded_rows_into(rows, starts + 1, table, page, K + 1, start_offset=-1, tokens=tokens)
         padded_rows(starts, table, page, K + 1, num_valid=torch.ones(b, dtype=torch.int64))
 
@@ -203,27 +271,48 @@ def _serve_like(shape: AttentionShape) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
 def test_warmup_covers_every_serving_specialization(record) -> None:
     warmed = record()
-    warmup = KernelWarmup(attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB),
-                          ngram=NGRAM)  # fmt: skip
+    warmup = KernelWarmup(
+        attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB), ngram=NGRAM
+    )
     assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + 3 * 3 + 3 + 3 + 2 * 2 + 3 + 1
     served = record()
     _serve_like(TINY)
-    assert set(served) == set(warmed) == {
-        "_pad_batch_kernel", "_build_kernel", "_advance_kernel", "_extend_kernel",
-        "_store_kv_kernel", "_split_kv_kernel", "_split_kv_reduce_kernel", "_merge_kernel",
-        "_verify_rows_kernel", "_accept_kernel", "_ngram_kernel", "_padded_rows_kernel",
-    }  # fmt: skip
+    assert (
+        set(served)
+        == set(warmed)
+        == {
+            "_pad_batch_kernel",
+            "_build_kernel",
+            "_advance_kernel",
+            "_extend_kernel",
+            "_store_kv_kernel",
+            "_split_kv_kernel",
+            "_split_kv_reduce_kernel",
+            "_merge_kernel",
+            "_verify_rows_kernel",
+            "_accept_kernel",
+            "_ngram_kernel",
+            "_padded_rows_kernel",
+        }
+    )
     for name, keys in served.items():
         missing = keys - warmed[name]
         assert not missing, f"{name}: {len(missing)} not warmed, e.g. {missing.pop()}"
     # One compiled kernel per family member (the sizes and index alignments are runtime values).
     assert {n: len(k) for n, k in warmed.items()} == {
-        "_pad_batch_kernel": 2, "_build_kernel": 1, "_advance_kernel": 2, "_extend_kernel": 6,
-        "_store_kv_kernel": 1, "_split_kv_kernel": 2, "_split_kv_reduce_kernel": 1,
+        "_pad_batch_kernel": 2,
+        "_build_kernel": 1,
+        "_advance_kernel": 2,
+        "_extend_kernel": 6,
+        "_store_kv_kernel": 1,
+        "_split_kv_kernel": 2,
+        "_split_kv_reduce_kernel": 1,
         "_merge_kernel": 1,
-        "_verify_rows_kernel": 2, "_accept_kernel": 1, "_ngram_kernel": 1,
+        "_verify_rows_kernel": 2,
+        "_accept_kernel": 1,
+        "_ngram_kernel": 1,
         "_padded_rows_kernel": 3,
-    }  # fmt: skip
+    }
 
 
 def test_warmup_is_a_no_op_off_cuda() -> None:
@@ -240,10 +329,18 @@ def test_warmup_is_a_no_op_off_cuda() -> None:
 def test_first_concurrent_wave_compiles_nothing(smollm2_path, speculative, monkeypatch) -> None:
     from pcgspec import LLM
 
-    spec = {} if speculative is None else {"speculative_algorithm": speculative,
-                                           "speculative_num_steps": K}  # fmt: skip
-    llm = LLM(str(smollm2_path), dtype="bfloat16", max_total_tokens=32768,
-              piecewise_cuda_graph_max_tokens=512, **spec)  # fmt: skip
+    spec = (
+        {}
+        if speculative is None
+        else {"speculative_algorithm": speculative, "speculative_num_steps": K}
+    )
+    llm = LLM(
+        str(smollm2_path),
+        dtype="bfloat16",
+        max_total_tokens=32768,
+        piecewise_cuda_graph_max_tokens=512,
+        **spec,
+    )
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
     from triton.runtime.jit import JITFunction
 
@@ -257,10 +354,16 @@ def test_first_concurrent_wave_compiles_nothing(smollm2_path, speculative, monke
     monkeypatch.setattr(JITFunction, "_do_compile", counting)
     rng = random.Random(0)
     lengths = [1, 2, 3, 5, 7, 9, 12, 17, 23, 33, 48, 64, 90, 130, 200, 300]
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(n)]}
-               for n in lengths]  # fmt: skip
-    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0 if i % 2 else 0.8,
-                             seed=None if i % 2 else i) for i in range(len(lengths))]  # fmt: skip
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(n)]} for n in lengths]
+    params = [
+        SamplingParams(
+            max_tokens=24,
+            ignore_eos=True,
+            temperature=0.0 if i % 2 else 0.8,
+            seed=None if i % 2 else i,
+        )
+        for i in range(len(lengths))
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.token_ids) == 24 for o in outputs)
     assert not counts, f"Triton compiled after start-up: {dict(counts)}"

@@ -27,8 +27,13 @@ def test_default_budget_is_what_the_sequences_use_capped():
 
 def test_a_runner_sizes_its_pool_by_the_budget():
     model = random_model("tiny", torch.float32, "cpu")
-    config = EngineConfig(device="cpu", disable_piecewise_cuda_graph=True, max_running_requests=2,
-                          context_length=64, page_size=16)  # fmt: skip
+    config = EngineConfig(
+        device="cpu",
+        disable_piecewise_cuda_graph=True,
+        max_running_requests=2,
+        context_length=64,
+        page_size=16,
+    )
     assert ModelRunner(config, model=model).kv_cache.num_slots == 2 * 64
 
 
@@ -56,8 +61,17 @@ def _generate(path, *argv: str) -> None:
 
 def test_generate_sizes_the_pool_to_its_prompts(built, smollm2_path):
     prompts = ["hi", "a longer prompt of a few more tokens than the first one"]
-    _generate(smollm2_path, "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens",
-              "20", "-n", "2")  # fmt: skip
+    _generate(
+        smollm2_path,
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+        "--max-new-tokens",
+        "20",
+        "-n",
+        "2",
+    )
     tokenizer = load_tokenizer(smollm2_path)
     pages = sum(2 * -(-(len(tokenizer.encode(p)) + 20 + 16) // 16) for p in prompts)
     assert built["max_total_tokens"] == pages * 16 < 300
@@ -70,8 +84,9 @@ def test_generate_with_the_chat_template_counts_the_template(built, smollm2_path
     assert with_template > built["max_total_tokens"]
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--max-total-tokens", 1000),
-                                             ("--cpu-kv-cache-bytes", 1 << 30)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--max-total-tokens", 1000), ("--cpu-kv-cache-bytes", 1 << 30)]
+)
 def test_generate_keeps_an_explicit_size(built, smollm2_path, flag, value):
     _generate(smollm2_path, flag, str(value))
     assert built[flag[2:].replace("-", "_")] == value

@@ -21,19 +21,37 @@ from pcgspec.kernels import launches
 from pcgspec.kernels.launches import CompiledLaunches, lean_launches_supported, scalar_key
 
 
-@pytest.mark.parametrize(("version", "lean"), [("3.6.0", True), ("3.6.1+git9a8b", True),
-                                               ("3.5.1", False), ("3.9.0", False),
-                                               ("4.0.0", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("version", "lean"),
+    [
+        ("3.6.0", True),
+        ("3.6.1+git9a8b", True),
+        ("3.5.1", False),
+        ("3.9.0", False),
+        ("4.0.0", False),
+    ],
+)
 def test_the_version_gate(version, lean):
     assert lean_launches_supported(version) is lean
 
 
-@pytest.mark.parametrize(("value", "specialized", "key"), [
-    (32, True, (32, False, True)), (33, True, (32, False, False)), (1, True, (32, True, False)),
-    (-16, True, (32, False, True)), (2**31, True, (64, False, True)), (2**31, False, 64),
-    (-(2**31), False, 32), (2**63, False, 65), (7, False, 32), (0.5, True, float),
-    (True, True, bool), (None, False, type(None)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "specialized", "key"),
+    [
+        (32, True, (32, False, True)),
+        (33, True, (32, False, False)),
+        (1, True, (32, True, False)),
+        (-16, True, (32, False, True)),
+        (2**31, True, (64, False, True)),
+        (2**31, False, 64),
+        (-(2**31), False, 32),
+        (2**63, False, 65),
+        (7, False, 32),
+        (0.5, True, float),
+        (True, True, bool),
+        (None, False, type(None)),
+    ],
+)
 def test_scalar_key_is_what_triton_specializes(value, specialized, key):
     assert scalar_key(value, specialized) == key
 
@@ -64,8 +82,13 @@ class _Jit:
     """``A`` aligned-specialized, ``B`` not; ``n`` value-specialized, ``m`` not; ``BLOCK``."""
 
     arg_names = ["A", "B", "n", "m", "BLOCK"]
-    params = [_Param(), _Param(do_not_specialize_on_alignment=True), _Param(),
-              _Param(do_not_specialize=True), _Param(is_constexpr=True)]  # fmt: skip
+    params = [
+        _Param(),
+        _Param(do_not_specialize_on_alignment=True),
+        _Param(),
+        _Param(do_not_specialize=True),
+        _Param(is_constexpr=True),
+    ]
 
     def __init__(self) -> None:
         self.calls: list = []
@@ -101,13 +124,17 @@ def test_only_a_launch_of_the_cached_specialization_runs_its_binary(jit):
     assert launch is not None and _paths(jit) == ["triton"]
     a2, b2 = _buffer(), _buffer()
     kernels((2, 1, 1), (a2, b2), (48, 7), {"BLOCK": 16})  # the same key
-    assert jit.calls[-1] == ("lean", (2, 1, 1, 7, "fn", "meta", None, None, None,
-                                      a2.data_ptr(), b2.data_ptr(), 48, 7, 16))  # fmt: skip
-    changed = [((a, b), (33, 5), {"BLOCK": 16}),  # 16 no longer divides n
-               ((a, b), (1, 5), {"BLOCK": 16}),  # n is 1
-               ((a, b), (32, 2**31), {"BLOCK": 16}),  # m is an i64
-               ((a, b), (32, 5), {"BLOCK": 32}),  # another constexpr
-               ((_buffer(torch.float32), b), (32, 5), {"BLOCK": 16})]  # another dtype
+    assert jit.calls[-1] == (
+        "lean",
+        (2, 1, 1, 7, "fn", "meta", None, None, None, a2.data_ptr(), b2.data_ptr(), 48, 7, 16),
+    )
+    changed = [
+        ((a, b), (33, 5), {"BLOCK": 16}),  # 16 no longer divides n
+        ((a, b), (1, 5), {"BLOCK": 16}),  # n is 1
+        ((a, b), (32, 2**31), {"BLOCK": 16}),  # m is an i64
+        ((a, b), (32, 5), {"BLOCK": 32}),  # another constexpr
+        ((_buffer(torch.float32), b), (32, 5), {"BLOCK": 16}),
+    ]  # another dtype
     for tensors, scalars, constants in changed:
         jit.calls.clear()
         kernels((1, 1, 1), tensors, scalars, constants)
@@ -121,8 +148,7 @@ def test_only_a_launch_of_the_cached_specialization_runs_its_binary(jit):
     assert _paths(jit) == ["lean", "triton"], "a misaligned A takes Triton's path"
 
 
-def test_another_triton_version_launches_through_triton_with_one_warning(jit, monkeypatch,
-                                                                           caplog):  # fmt: skip
+def test_another_triton_version_launches_through_triton_with_one_warning(jit, monkeypatch, caplog):
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     launches._warn_unsupported.cache_clear()
     kernels = CompiledLaunches(jit)
@@ -141,22 +167,39 @@ def _flags(fn: object) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """A launcher's alignment-checked positions and value flags from an interpreted kernel's
     decorator arguments (compiled kernels carry them as ``params``)."""
     opts = getattr(fn, "kwargs", {})
-    dns, dnsa = set(opts.get("do_not_specialize") or ()), set(
-        opts.get("do_not_specialize_on_alignment") or ())
-    names = [n for n, p in inspect.signature(fn.fn).parameters.items()
-             if "constexpr" not in str(p.annotation)]  # fmt: skip
-    return (tuple(i for i, n in enumerate(names) if n not in dnsa),
-            tuple(n not in dns for n in names))  # fmt: skip
+    dns, dnsa = (
+        set(opts.get("do_not_specialize") or ()),
+        set(opts.get("do_not_specialize_on_alignment") or ()),
+    )
+    names = [
+        n
+        for n, p in inspect.signature(fn.fn).parameters.items()
+        if "constexpr" not in str(p.annotation)
+    ]
+    return (
+        tuple(i for i, n in enumerate(names) if n not in dnsa),
+        tuple(n not in dns for n in names),
+    )
 
 
 def _all_launchers() -> dict[str, CompiledLaunches]:
     from pcgspec import kernels
 
-    names = ("build_sampling_params", "extend_attention", "ngram_propose", "pad_batch",
-             "padded_rows", "verify_draft_tokens")  # fmt: skip
+    names = (
+        "build_sampling_params",
+        "extend_attention",
+        "ngram_propose",
+        "pad_batch",
+        "padded_rows",
+        "verify_draft_tokens",
+    )
     modules = [importlib.import_module(f"{kernels.__name__}.{name}") for name in names]
-    return {value.fn.__name__: value for m in modules for value in vars(m).values()
-            if isinstance(value, CompiledLaunches)}  # fmt: skip
+    return {
+        value.fn.__name__: value
+        for m in modules
+        for value in vars(m).values()
+        if isinstance(value, CompiledLaunches)
+    }
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
@@ -167,7 +210,8 @@ def test_one_launch_key_is_one_triton_specialization(monkeypatch):
 
     current: list[tuple] = []
     seen: dict[str, dict[tuple, set]] = collections.defaultdict(
-        lambda: collections.defaultdict(set))
+        lambda: collections.defaultdict(set)
+    )
     for launcher in _all_launchers().values():
         align, values = _flags(launcher.fn)
         monkeypatch.setattr(launcher, "_align_checked", align)
@@ -194,8 +238,9 @@ def test_one_launch_key_is_one_triton_specialization(monkeypatch):
     monkeypatch.setattr(kernel_type, "run", recording_run)
     _serve_like(TINY)
     for k, v in ((1, 32), (2, 33), (16, 48), (17, 47)):  # value-specialized ints: 1, 16 | n
-        verify_draft_tokens(torch.rand(2, k + 1, v), torch.randint(0, v, (2, k)),
-                            VerifyStrategy.GREEDY)  # fmt: skip
+        verify_draft_tokens(
+            torch.rand(2, k + 1, v), torch.randint(0, v, (2, k)), VerifyStrategy.GREEDY
+        )
     assert set(seen) == set(_all_launchers())
     for name, by_key in seen.items():
         for triton_keys in by_key.values():
@@ -231,10 +276,12 @@ def _padded_rows_case() -> list[torch.Tensor]:
     valid = torch.randint(0, k1 + 1, (b,), generator=torch.Generator().manual_seed(3))
     out = padded_rows(starts, table, page, k1, valid.to(DEVICE), start_offset=1, tokens=tokens)
     bucket = b + 3
-    rows = GraphRows(*(torch.full((bucket * k1,), -7, device=DEVICE) for _ in range(3)),
-                     torch.zeros(bucket, dtype=torch.int32, device=DEVICE),
-                     torch.full((bucket,), k1, dtype=torch.int32, device=DEVICE),
-                     torch.arange(bucket * k1, device=DEVICE))  # fmt: skip
+    rows = GraphRows(
+        *(torch.full((bucket * k1,), -7, device=DEVICE) for _ in range(3)),
+        torch.zeros(bucket, dtype=torch.int32, device=DEVICE),
+        torch.full((bucket,), k1, dtype=torch.int32, device=DEVICE),
+        torch.arange(bucket * k1, device=DEVICE),
+    )
     padded_rows_into(rows, starts, table, page, k1, start_offset=-1, tokens=tokens)
     return [t for t in vars(out).values() if t is not None] + list(vars(rows).values())
 
@@ -253,8 +300,15 @@ def _sampling_case() -> list[torch.Tensor]:
     tokens = _int64(20, gen, 0, 500).view(5, 4)
     last, prompt = _int64(12, gen, 0, 500), _int64(12, gen, 0, 6)
     history = torch.randint(0, 500, (12, 17), generator=gen, dtype=torch.int32).to(DEVICE)
-    advance_positions(table.position, emitted, slots, tokens=tokens, last_token=last,
-                      history=history, prompt_len=prompt)  # fmt: skip
+    advance_positions(
+        table.position,
+        emitted,
+        slots,
+        tokens=tokens,
+        last_token=last,
+        history=history,
+        prompt_len=prompt,
+    )
     return [*built.tensors(), table.position, last, history]
 
 
@@ -292,11 +346,23 @@ def _extend_case() -> list[torch.Tensor]:
 
     case, splits = SPLIT_CASES["mixed_prefixes_padded"]
     page_size, h, kv, d, reqs, _, block = case
-    (q, k, v), caches, index = _extend_problem(case, torch.float32, torch.float32,
-                                               torch.Generator().manual_seed(7))  # fmt: skip
+    (q, k, v), caches, index = _extend_problem(
+        case, torch.float32, torch.float32, torch.Generator().manual_seed(7)
+    )
     ext = [new for _, new in reqs]
-    plan = plan_extend(ext, len(q), h, kv, d, torch.float32, page_size, d**-0.5,
-                       num_splits=splits, block_m=block, block_n=block)  # fmt: skip
+    plan = plan_extend(
+        ext,
+        len(q),
+        h,
+        kv,
+        d,
+        torch.float32,
+        page_size,
+        d**-0.5,
+        num_splits=splits,
+        block_m=block,
+        block_n=block,
+    )
     workspace = decode_workspace(len(q), h, d, splits, DEVICE)
     outs = []
     for layer_caches in (caches, tuple(c.clone() for c in caches)):  # two layers, one plan

@@ -18,8 +18,11 @@ def llm(smollm2_path) -> LLM:
 
 
 def test_a_hub_id_is_refused_naming_what_to_pass(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"model 'Qwen/Qwen2.5-0.5B' .*hub are not available"
-                                         r".*config\.json.*\.gguf file, or no model"):
+    with pytest.raises(
+        ValueError,
+        match=r"model 'Qwen/Qwen2.5-0.5B' .*hub are not available"
+        r".*config\.json.*\.gguf file, or no model",
+    ):
         LLM("Qwen/Qwen2.5-0.5B")
     with pytest.raises(ValueError, match="tokenizer 'org/tok' .*hub"):
         LLM(tokenizer="org/tok")
@@ -33,8 +36,13 @@ def test_every_prompt_form_generates_the_same_tokens(llm):
     text = "The capital of France is"
     ids = llm.get_tokenizer().encode(text)
     want = llm.generate(text, GREEDY, use_tqdm=False)[0].token_ids
-    forms = [{"prompt": text}, {"prompt_token_ids": ids}, ids, [{"prompt": text}],
-             [{"prompt_token_ids": ids}, text, ids]]
+    forms = [
+        {"prompt": text},
+        {"prompt_token_ids": ids},
+        ids,
+        [{"prompt": text}],
+        [{"prompt_token_ids": ids}, text, ids],
+    ]
     for form in forms:
         outs = llm.generate(form, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == [want] * len(outs), form

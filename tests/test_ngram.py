@@ -45,8 +45,15 @@ def _drafts(drafts: torch.Tensor, counts: torch.Tensor, k: int) -> list[list[int
     return [row[:n] for row, n in zip(drafts.tolist(), counts.tolist())]
 
 
-def _search(search: Search, seqs: list[list[int]], k: int, min_window: int, max_window: int,
-            history_len: int | None = None, seed: int = 0) -> list[list[int]]:  # fmt: skip
+def _search(
+    search: Search,
+    seqs: list[list[int]],
+    k: int,
+    min_window: int,
+    max_window: int,
+    history_len: int | None = None,
+    seed: int = 0,
+) -> list[list[int]]:
     """``search`` over ``seqs`` laid into shuffled rows of a history table (with a spill
     column, as ``SamplingSlots`` keeps it) whose entries past each length hold junk tokens.
     """
@@ -59,8 +66,9 @@ def _search(search: Search, seqs: list[list[int]], k: int, min_window: int, max_
         table[row, : len(seq)] = torch.tensor(seq, dtype=torch.int32)
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
     history = table.to(DEVICE)[:, :width]
-    return _drafts(*search(history, rows.to(DEVICE), lengths.to(DEVICE), k, min_window,
-                           max_window), k)  # fmt: skip
+    return _drafts(
+        *search(history, rows.to(DEVICE), lengths.to(DEVICE), k, min_window, max_window), k
+    )
 
 
 def _random_seqs(rng: random.Random, count: int, max_len: int) -> list[list[int]]:
@@ -76,24 +84,40 @@ def _random_seqs(rng: random.Random, count: int, max_len: int) -> list[list[int]
 
 
 @pytest.mark.parametrize("search", SEARCHES)
-@pytest.mark.parametrize("k, min_window, max_window", [
-    (1, 1, 12), (3, 1, 3), (4, 2, 5), (2, 3, 3), (5, 1, 1), (3, 4, 8), (2, 1, 20),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "k, min_window, max_window",
+    [
+        (1, 1, 12),
+        (3, 1, 3),
+        (4, 2, 5),
+        (2, 3, 3),
+        (5, 1, 1),
+        (3, 4, 8),
+        (2, 1, 20),
+    ],
+)
 def test_search_matches_python_reference(
     search: Search, k: int, min_window: int, max_window: int
 ) -> None:
     rng = random.Random(1000 * k + 10 * min_window + max_window)
     seqs = _random_seqs(rng, 30, 40)
     # Longer than a kernel block (256 ends): the match may lie blocks before the end.
-    seqs += [s + [rng.randrange(1000, 2000) for _ in range(rng.randrange(250, 700))] + s[:8]
-             for s in _random_seqs(rng, 4, 30)]  # fmt: skip
+    seqs += [
+        s + [rng.randrange(1000, 2000) for _ in range(rng.randrange(250, 700))] + s[:8]
+        for s in _random_seqs(rng, 4, 30)
+    ]
     got = _search(search, seqs, k, min_window, max_window, seed=k)
     assert got == [_ngram_ref(s, k, min_window, max_window) for s in seqs]
     assert sum(map(len, got)) > 0
 
 
-def _propose(seq: list[int], k: int = 3, min_window: int = 1, max_window: int = 4,
-             history_len: int | None = None) -> list[int]:  # fmt: skip
+def _propose(
+    seq: list[int],
+    k: int = 3,
+    min_window: int = 1,
+    max_window: int = 4,
+    history_len: int | None = None,
+) -> list[int]:
     want = _ngram_ref(seq, k, min_window, max_window)
     for search in SEARCHES:
         assert _search(search, [seq], k, min_window, max_window, history_len) == [want], search
@@ -158,13 +182,15 @@ VOCAB, K = 6, 3
 def _request(rng: random.Random) -> _Req:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
     outputs = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 4]))]  # 4: preempted
-    params = SamplingParams(temperature=rng.choice([0.0, 0.8]),
-                            presence_penalty=rng.choice([0.0, 0.5]))  # fmt: skip
+    params = SamplingParams(
+        temperature=rng.choice([0.0, 0.8]), presence_penalty=rng.choice([0.0, 0.5])
+    )
     return _Req(params, rng.randrange(2**63), prompt, outputs)
 
 
-def _commit(slots: SamplingSlots, reqs: list[_Req], rng: random.Random, n: int,
-            history_len: int) -> None:  # fmt: skip
+def _commit(
+    slots: SamplingSlots, reqs: list[_Req], rng: random.Random, n: int, history_len: int
+) -> None:
     """Emit 1..n random tokens per request (the rest -1, as the verify kernel writes); the host
     keeps what fits the history (a request stops at its context length).
     """
@@ -172,8 +198,9 @@ def _commit(slots: SamplingSlots, reqs: list[_Req], rng: random.Random, n: int,
     tokens = [[rng.randrange(VOCAB) if j < m else -1 for j in range(n)] for m in counts]
     slots.commit(reqs, torch.tensor(tokens, device=DEVICE), torch.tensor(counts, device=DEVICE))
     for req, row, m in zip(reqs, tokens, counts):
-        req.output_token_ids += row[: min(m, history_len - len(req.prompt_token_ids)
-                                          - len(req.output_token_ids))]  # fmt: skip
+        req.output_token_ids += row[
+            : min(m, history_len - len(req.prompt_token_ids) - len(req.output_token_ids))
+        ]
 
 
 def _check_history(slots: SamplingSlots, proposer: NgramProposer, reqs: list[_Req]) -> int:
@@ -203,8 +230,11 @@ def test_history_follows_commits_readmission_and_slot_reuse(seed: int, triton: b
     for step in range(12):
         drafted += _check_history(slots, proposer, reqs)
         _commit(slots, reqs, rng, 1 if step % 3 == 0 else K + 1, history_len)  # plain / verify
-        full = [r for r in reqs if len(r.prompt_token_ids) + len(r.output_token_ids) + K + 1
-                > history_len]  # fmt: skip
+        full = [
+            r
+            for r in reqs
+            if len(r.prompt_token_ids) + len(r.output_token_ids) + K + 1 > history_len
+        ]
         for req in full:  # at its context length: finished
             reqs.remove(req)
             slots.free(req)
@@ -249,9 +279,18 @@ def test_engine_history_equals_host_tokens_through_preemptions(smollm2_path, ove
     from pcgspec import LLM
 
     # 12 pages of 4 tokens: 3 requests growing to ~30 tokens with k = 3 verify slots do not fit.
-    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", page_size=4, max_total_tokens=48,
-              max_running_requests=3, speculative_algorithm="NGRAM", speculative_num_steps=K,
-              speculative_policy="always", disable_overlap_schedule=not overlap)  # fmt: skip
+    llm = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        page_size=4,
+        max_total_tokens=48,
+        max_running_requests=3,
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=K,
+        speculative_policy="always",
+        disable_overlap_schedule=not overlap,
+    )
     engine, tok = llm.engine, llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = ["a b c a b c a b", "1, 2, 3, 1, 2, 3,", PROMPTS[0], "x y x y x y x"]
@@ -290,25 +329,42 @@ def test_speculative_config_defaults_and_normalization() -> None:
     assert eagle.draft_model_path("/m") == "/d"
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(speculative_algorithm="medusa"), "speculative_algorithm"),
-    (dict(speculative_algorithm=None), "speculative_algorithm"),
-    (dict(speculative_algorithm="STANDALONE"), "speculative_draft_model_path"),
-    (dict(speculative_algorithm="eagle3", speculative_draft_model_path=""),
-     "speculative_draft_model_path"),
-    (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="/d"),
-     "speculative_draft_model_path"),
-    (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), "speculative_num_steps"),
-    (dict(speculative_algorithm="NGRAM", speculative_num_steps=True), "speculative_num_steps"),
-    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3),
-     "speculative_num_draft_tokens"),
-    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=0), "speculative_eagle_topk"),
-    (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=0),
-     "speculative_ngram_min_match_window_size"),
-    (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=4,
-          speculative_ngram_max_match_window_size=3), "speculative_ngram_max_match_window_size"),
-    (dict(speculative_algorithm="NGRAM", speculative_num_step=3), "speculative_num_step"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(speculative_algorithm="medusa"), "speculative_algorithm"),
+        (dict(speculative_algorithm=None), "speculative_algorithm"),
+        (dict(speculative_algorithm="STANDALONE"), "speculative_draft_model_path"),
+        (
+            dict(speculative_algorithm="eagle3", speculative_draft_model_path=""),
+            "speculative_draft_model_path",
+        ),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_draft_model_path="/d"),
+            "speculative_draft_model_path",
+        ),
+        (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), "speculative_num_steps"),
+        (dict(speculative_algorithm="NGRAM", speculative_num_steps=True), "speculative_num_steps"),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3),
+            "speculative_num_draft_tokens",
+        ),
+        (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=0), "speculative_eagle_topk"),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=0),
+            "speculative_ngram_min_match_window_size",
+        ),
+        (
+            dict(
+                speculative_algorithm="NGRAM",
+                speculative_ngram_min_match_window_size=4,
+                speculative_ngram_max_match_window_size=3,
+            ),
+            "speculative_ngram_max_match_window_size",
+        ),
+        (dict(speculative_algorithm="NGRAM", speculative_num_step=3), "speculative_num_step"),
+    ],
+)
 def test_speculative_config_rejects(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.from_kwargs(**kwargs)

@@ -31,25 +31,37 @@ PARAMS = [
     greedy(14),
     SamplingParams(temperature=0.8, seed=3, max_tokens=11, logprobs=3, ignore_eos=True),
     greedy(24, stop=[" 8,"]),
-    SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=9, n=3, repetition_penalty=1.3,
-                   frequency_penalty=0.2, presence_penalty=0.1, ignore_eos=True),
+    SamplingParams(
+        temperature=0.7,
+        top_k=20,
+        seed=5,
+        max_tokens=9,
+        n=3,
+        repetition_penalty=1.3,
+        frequency_penalty=0.2,
+        presence_penalty=0.1,
+        ignore_eos=True,
+    ),
     SamplingParams(temperature=0, max_tokens=40),  # EOS or max_tokens
     greedy(16, stop_token_ids=[28]),  # "," in SmolLM2's vocabulary
-    SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=9, max_tokens=13,
-                   ignore_eos=True, logprobs=1),
+    SamplingParams(
+        temperature=1.0, top_p=0.9, min_p=0.05, seed=9, max_tokens=13, ignore_eos=True, logprobs=1
+    ),
 ]
 BATCH = [PROMPTS[0], PROMPTS[1], PROMPTS[6], PROMPTS[2], PROMPTS[9], PROMPTS[6], PROMPTS[8]]
 
 
 def _llm(path, overlap: bool, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", disable_overlap_schedule=not overlap,
-               **kw)  # fmt: skip
+    return LLM(str(path), dtype="float32", device="cpu", disable_overlap_schedule=not overlap, **kw)
 
 
 def _outputs(outs) -> list[tuple]:
     """Per sequence: tokens, text, finish and stop reasons, and logprobs."""
-    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs or [])
-            for out in outs for o in out.outputs]  # fmt: skip
+    return [
+        (o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs or [])
+        for out in outs
+        for o in out.outputs
+    ]
 
 
 def _assert_same(got: list[tuple], want: list[tuple]) -> None:
@@ -92,8 +104,9 @@ def engines(smollm2_path) -> dict[bool, LLM]:
 def test_config_resolves_and_validates():
     assert not EngineConfig(device="cpu").use_overlap_schedule
     assert EngineConfig(device="cpu", disable_overlap_schedule=False).use_overlap_schedule
-    assert EngineConfig(device="cpu", disable_overlap_schedule=False,
-                        speculative_algorithm="NGRAM").use_overlap_schedule
+    assert EngineConfig(
+        device="cpu", disable_overlap_schedule=False, speculative_algorithm="NGRAM"
+    ).use_overlap_schedule
     with pytest.raises(ValueError, match="disable_overlap_schedule must be a bool"):
         EngineConfig(device="cpu", disable_overlap_schedule="yes")
 
@@ -101,8 +114,9 @@ def test_config_resolves_and_validates():
 def test_debug_log_lists_each_step(engines, caplog):
     """``--log-level debug`` logs each step: its kind, requests, new tokens and wall time."""
     with caplog.at_level(logging.DEBUG, logger="pcgspec"):
-        engines[True].generate(["A prompt of its own for the step log: one two three four"],
-                               greedy(4), use_tqdm=False)  # fmt: skip
+        engines[True].generate(
+            ["A prompt of its own for the step log: one two three four"], greedy(4), use_tqdm=False
+        )
     steps = [r.getMessage() for r in caplog.records if " step: " in r.getMessage()]
     assert re.fullmatch(r"extend step: 1 requests, 8 new tokens, [\d.]+ ms", steps[0]), steps
     assert sum(m.startswith("decode step: 1 requests, 1 new tokens, ") for m in steps) >= 2
@@ -211,8 +225,14 @@ def test_prefix_cache_multi_turn(engines):
 
 
 async def _complete(client: TestClient, prompt: str, **extra: object) -> str:
-    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-            "stream": True, **extra}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
     resp = await client.post("/v1/completions", json=body)
     events = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
     return "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
@@ -237,8 +257,13 @@ def test_server_streams_equal_generate(engines, monkeypatch, caplog):
 
     assert asyncio.run(run()) == want
     _assert_whole(llm)
-    finished = [m for m in caplog.messages if re.fullmatch(
-        r"request \S+ finished \(length\): \d+ prompt tokens, 10 output tokens, \d+ ms", m)]
+    finished = [
+        m
+        for m in caplog.messages
+        if re.fullmatch(
+            r"request \S+ finished \(length\): \d+ prompt tokens, 10 output tokens, \d+ ms", m
+        )
+    ]
     assert len(finished) == 6, caplog.messages
 
 
@@ -251,8 +276,12 @@ def test_cuda_overlap_equals_synchronous():
     params = [PARAMS[i] for i in (0, 1, 3, 6)]
     results = {}
     for overlap in (True, False):
-        llm = LLM(disable_overlap_schedule=not overlap, chunked_prefill_size=64,
-                  cuda_graph_max_bs=64, max_total_tokens=1 << 15)
+        llm = LLM(
+            disable_overlap_schedule=not overlap,
+            chunked_prefill_size=64,
+            cuda_graph_max_bs=64,
+            max_total_tokens=1 << 15,
+        )
         assert llm.engine.overlap is overlap and llm.engine.runner.decode_graphs is not None
         outs = llm.generate(PROMPTS * 2, [params[i % 4] for i in range(32)], use_tqdm=False)
         results[overlap] = [(o.token_ids, o.finish_reason) for out in outs for o in out.outputs]

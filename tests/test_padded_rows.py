@@ -32,8 +32,9 @@ def _case(b: int, k1: int, page_size: int, seed: int) -> tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize("valid", [False, True])
 @pytest.mark.parametrize(("b", "k1", "page_size"), [(1, 5, 16), (3, 5, 4), (17, 3, 1), (2, 8, 8)])
-def test_padded_rows_matches_reference_and_meaning(b: int, k1: int, page_size: int,
-                                                   valid: bool) -> None:  # fmt: skip
+def test_padded_rows_matches_reference_and_meaning(
+    b: int, k1: int, page_size: int, valid: bool
+) -> None:
     starts, table = _case(b, k1, page_size, seed=b * k1)
     num = (torch.arange(b, device=DEVICE) % k1 + 1) if valid else None
     got = padded_rows(starts, table, page_size, k1, num)
@@ -55,8 +56,12 @@ def test_padded_rows_matches_reference_and_meaning(b: int, k1: int, page_size: i
 
 
 def test_padded_rows_of_no_request() -> None:
-    rows = padded_rows(torch.zeros(0, dtype=torch.int64, device=DEVICE),
-                       torch.zeros(0, 3, dtype=torch.int32, device=DEVICE), 4, 5)  # fmt: skip
+    rows = padded_rows(
+        torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        torch.zeros(0, 3, dtype=torch.int32, device=DEVICE),
+        4,
+        5,
+    )
     assert rows.positions.numel() == 0 and rows.last_rows.numel() == 0
 
 
@@ -90,8 +95,7 @@ def _tokens(b: int, k1: int, seed: int) -> VerifyTokens:
 
 
 @pytest.mark.parametrize(("b", "k1", "page_size"), [(1, 5, 16), (3, 5, 4), (5, 2, 1)])
-def test_a_verify_pass_gets_its_input_ids_and_start_offset(b: int, k1: int,
-                                                           page_size: int) -> None:  # fmt: skip
+def test_a_verify_pass_gets_its_input_ids_and_start_offset(b: int, k1: int, page_size: int) -> None:
     """Row j of request b: id ``last[slots[b]]`` then ``drafts[b, j-1]``, at ``starts + offset
     + j``."""
     starts, table = _case(b, k1, page_size, seed=b + k1)
@@ -125,7 +129,7 @@ def test_a_verify_pass_in_place_pads_its_bucket(b: int, bucket: int) -> None:
             torch.full((bucket,), 7, dtype=torch.int32, device=DEVICE),
             torch.full((bucket,), k1, dtype=torch.int32, device=DEVICE),
             torch.arange(n, device=DEVICE),
-        )  # fmt: skip
+        )
         into(rows, starts, table, page_size, k1, start_offset=-1, tokens=tokens)
         m = b * k1
         assert torch.equal(rows.input_ids[:m], want.input_ids)
@@ -140,11 +144,18 @@ def test_a_verify_pass_rejects_bad_tokens_and_buckets() -> None:
     starts, table = _case(2, 5, 4, seed=1)
     tokens = _tokens(2, 5, seed=1)
     with pytest.raises(ValueError, match="tokens must be"):
-        padded_rows(starts, table, 4, 5, tokens=VerifyTokens(tokens.last, tokens.slots,
-                                                             tokens.drafts[:, :3]))
-    small = GraphRows(*(torch.zeros(5, dtype=torch.int64, device=DEVICE) for _ in range(3)),
-                      torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                      torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                      torch.zeros(5, dtype=torch.int64, device=DEVICE))  # fmt: skip
+        padded_rows(
+            starts,
+            table,
+            4,
+            5,
+            tokens=VerifyTokens(tokens.last, tokens.slots, tokens.drafts[:, :3]),
+        )
+    small = GraphRows(
+        *(torch.zeros(5, dtype=torch.int64, device=DEVICE) for _ in range(3)),
+        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(5, dtype=torch.int64, device=DEVICE),
+    )
     with pytest.raises(ValueError, match="bucket of >= 2"):
         padded_rows_into(small, starts, table, 4, 5, tokens=tokens)

@@ -278,7 +278,6 @@ def test_inductor_pieces_through_the_runner(tiny_path):
 # GPU: CUDA graphs per bucket, replayed by the engine ------------------------------------------
 
 
-
 def gpu_llm(path, dtype: str) -> LLM:
     # NOTE: decode CUDA graphs off, so every step (prefill and decode) exercises the piecewise
     # runner; a capped KV pool leaves room for the other module fixtures on the device.

@@ -13,10 +13,16 @@ from test_spec_models import drafts  # noqa: F401 - fixture
 from pcgspec import LLM, SamplingParams
 
 PAGE = 16
-SYSTEM = ("You are a careful assistant. Answer in one short sentence, with facts only, and "
-          "never repeat the question. ")  # fmt: skip
-QUESTIONS = ["What is the capital of France?", "Name a prime number.",
-             "What color is the sky?", "Who wrote Hamlet?"]  # fmt: skip
+SYSTEM = (
+    "You are a careful assistant. Answer in one short sentence, with facts only, and "
+    "never repeat the question. "
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a prime number.",
+    "What color is the sky?",
+    "Who wrote Hamlet?",
+]
 
 
 def _llm(path, **kw) -> LLM:
@@ -38,8 +44,9 @@ def _ids(llm: LLM, text: str) -> list[int]:
 
 
 def _gen(llm: LLM, prompts: list[list[int]], max_tokens: int = 12, **kw) -> list:
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens, **kw),
-                        use_tqdm=False)  # fmt: skip
+    return llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(max_tokens, **kw), use_tqdm=False
+    )
 
 
 def _same(hf_model, prompts, want, got) -> None:
@@ -94,9 +101,11 @@ def test_multi_turn_history_and_n_sequences(plain, cached, hf_model):
     assert cached.engine.cache_stats()["cached_tokens"] - before >= 2 * PAGE * 2
     prompt = _ids(cached, SYSTEM + QUESTIONS[3] + " Think about it.")
     alone = _gen(plain, [prompt])[0].token_ids
-    out = cached.generate({"prompt_token_ids": prompt},
-                          SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3),
-                          use_tqdm=False)[0]  # fmt: skip
+    out = cached.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3),
+        use_tqdm=False,
+    )[0]
     assert all(o.token_ids == alone for o in out.outputs)
     assert_all_pages_free(cached)
 
@@ -123,10 +132,17 @@ def test_prefix_evicted_between_turns_and_chunked_hits(smollm2_path, plain, hf_m
 
 
 def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
-    spec = _llm(smollm2_path, speculative_algorithm="NGRAM", speculative_num_steps=3,
-                speculative_policy="always")  # fmt: skip
-    first = _ids(spec, SYSTEM + "Repeat exactly: the old lighthouse keeper climbed the stairs. "
-                 "The old lighthouse keeper")  # fmt: skip
+    spec = _llm(
+        smollm2_path,
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=3,
+        speculative_policy="always",
+    )
+    first = _ids(
+        spec,
+        SYSTEM + "Repeat exactly: the old lighthouse keeper climbed the stairs. "
+        "The old lighthouse keeper",
+    )
     _same_turns(hf_model, _turns(plain, first, 3), _turns(spec, first, 3))
     assert spec.engine.cache_stats()["cached_tokens"] > 0
     assert spec.engine.spec_stats()["verify_steps"] > 0
@@ -135,16 +151,27 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
-def test_model_drafter_hits_pages_with_its_draft_kv(smollm2_path, drafts, plain, hf_model,  # noqa: F811
-                                                    algorithm, overlap):  # fmt: skip
+def test_model_drafter_hits_pages_with_its_draft_kv(
+    smollm2_path,
+    drafts,  # noqa: F811
+    plain,
+    hf_model,  # noqa: F811
+    algorithm,
+    overlap,
+):
     """A model drafter hits only pages whose draft K/V its writer computed; the draft then
     starts at the hit (STANDALONE: its own tokens; EAGLE3: one position behind, fed by the
     target's hidden states of the new positions only). Under the overlap schedule a writer
     finishes with a speculative step in flight on its pages, which writes past what is cached.
     """
-    spec = _llm(smollm2_path, speculative_algorithm=algorithm, speculative_num_steps=3,
-                speculative_draft_model_path=drafts[algorithm], speculative_policy="always",
-                disable_overlap_schedule=not overlap)  # fmt: skip
+    spec = _llm(
+        smollm2_path,
+        speculative_algorithm=algorithm,
+        speculative_num_steps=3,
+        speculative_draft_model_path=drafts[algorithm],
+        speculative_policy="always",
+        disable_overlap_schedule=not overlap,
+    )
     prompts = [_ids(spec, SYSTEM + q) for q in QUESTIONS[:3]]
     want = _gen(plain, prompts, 10)
     got = _gen(spec, prompts[:1], 10) + _gen(spec, prompts[1:], 10)

@@ -45,6 +45,9 @@ def test_loading_weights_into_a_log_draws_no_bar(tmp_path, monkeypatch):
 
 def test_every_bar_goes_through_the_helper():
     imports_tqdm = re.compile(r"^\s*(from|import) tqdm", re.M)
-    direct = [str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
-              if path.name != "progress.py" and imports_tqdm.search(path.read_text())]  # fmt: skip
+    direct = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "progress.py" and imports_tqdm.search(path.read_text())
+    ]
     assert direct == []

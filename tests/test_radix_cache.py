@@ -101,7 +101,8 @@ def test_compressed_tree_matches_a_page_by_page_oracle():
     stems = [[rng.randrange(4) for _ in range(rng.randrange(2, 9) * P)] for _ in range(4)]
     for _ in range(1500):
         tokens = rng.choice(stems)[: rng.randrange(0, 9) * P] + [
-            rng.randrange(4) for _ in range(rng.randrange(1, 4) * P + rng.randrange(P))]
+            rng.randrange(4) for _ in range(rng.randrange(1, 4) * P + rng.randrange(P))
+        ]
         op = rng.random()
         if op < 0.35 and pool.num_free >= 12:
             hit = cache.match(tokens, len(tokens)) if rng.random() < 0.5 else None
@@ -123,8 +124,9 @@ def test_compressed_tree_matches_a_page_by_page_oracle():
         elif op < 0.85 and held:
             pool.free(held.pop(rng.randrange(len(held))))
         else:
-            leaves = [n for n in cache._nodes()
-                      if not n.children and pool.refcount(n.pages[-1]) == 1]  # fmt: skip
+            leaves = [
+                n for n in cache._nodes() if not n.children and pool.refcount(n.pages[-1]) == 1
+            ]
             oldest = min((n.last_access for n in leaves), default=None)
             first = {n.pages[-1] for n in leaves if n.last_access == oldest}
             before = set(cache.pages())
@@ -219,8 +221,9 @@ def test_reset_frees_everything():
 
 def _req(name: str, tokens: list[int], max_tokens: int = 2, n: int = 1, index: int = 0) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
-    return Request(name, tokens, params, 0, _NoText(), max_len=10_000, group_id=name[0],
-                   index=index)  # fmt: skip
+    return Request(
+        name, tokens, params, 0, _NoText(), max_len=10_000, group_id=name[0], index=index
+    )
 
 
 def _sched(num_pages: int, budget: int = 64, cache: bool = True) -> Scheduler:
@@ -319,17 +322,29 @@ def test_1000_requests_with_aborts_through_the_engine(tmp_path, smollm2_path):
     from pcgspec import LLM
 
     tiny_hf_model("LlamaConfig").save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), tokenizer=str(smollm2_path), dtype="float32", device="cpu",
-              page_size=P, max_total_tokens=40 * P, max_running_requests=16,
-              chunked_prefill_size=24, piecewise_cuda_graph_max_tokens=64)  # fmt: skip
+    llm = LLM(
+        str(tmp_path),
+        tokenizer=str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        page_size=P,
+        max_total_tokens=40 * P,
+        max_running_requests=16,
+        chunked_prefill_size=24,
+        piecewise_cuda_graph_max_tokens=64,
+    )
     engine, rng = llm.engine, random.Random(1)
     prefixes = [[rng.randrange(256) for _ in range(rng.randrange(4, 40))] for _ in range(8)]
     added = []
     while len(added) < 1000 or engine.has_unfinished:
         for _ in range(3 if len(added) < 1000 else 0):
             tail = [rng.randrange(256) for _ in range(rng.randrange(1, 6))]
-            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), ignore_eos=True,
-                                    max_tokens=rng.randrange(1, 10), n=rng.choice([1, 1, 1, 2]))
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.8]),
+                ignore_eos=True,
+                max_tokens=rng.randrange(1, 10),
+                n=rng.choice([1, 1, 1, 2]),
+            )
             added += engine.add_request(rng.choice(prefixes) + tail, params)
         engine.step()
         if rng.random() < 0.1:

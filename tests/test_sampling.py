@@ -231,8 +231,7 @@ def test_overflowing_repetition_penalty_keeps_the_seen_tokens(
     seen, boosted = [1, 7, 40, 45, 48], {40, 45, 48}  # the seen tokens with positive logits
     odd = SamplingParams(temperature=temperature, repetition_penalty=1.2e-38, **kwargs)
     others = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0)]
-    tokens = _tokens(logits, [others[0], odd, others[1]], seeds=[1, 2, 3],
-                     prompts=[seen] * 3)  # fmt: skip
+    tokens = _tokens(logits, [others[0], odd, others[1]], seeds=[1, 2, 3], prompts=[seen] * 3)
     assert tokens[1] in boosted
     assert tokens[::2] == _tokens(logits[:2], others, seeds=[1, 3], prompts=[seen] * 2)
 

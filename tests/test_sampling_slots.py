@@ -53,10 +53,14 @@ def _reference(reqs: list[_Req], drafts: torch.Tensor | None = None) -> Sampling
     extra = [[]] * len(reqs) if drafts is None else drafts.tolist()
     rows = [(r, j, e) for r, e in zip(reqs, extra) for j in range(k1)]
     return SamplingBatch.build(
-        [r.params for r, _, _ in rows], [r.seed for r, _, _ in rows],
-        [len(r.output_token_ids) + j for r, j, _ in rows], [r.prompt_token_ids for r, _, _ in rows],
-        [r.output_token_ids + e[:j] for r, j, e in rows], VOCAB, DEVICE,
-    )  # fmt: skip
+        [r.params for r, _, _ in rows],
+        [r.seed for r, _, _ in rows],
+        [len(r.output_token_ids) + j for r, j, _ in rows],
+        [r.prompt_token_ids for r, _, _ in rows],
+        [r.output_token_ids + e[:j] for r, j, e in rows],
+        VOCAB,
+        DEVICE,
+    )
 
 
 def _assert_same(got: SamplingBatch, want: SamplingBatch) -> None:
@@ -137,8 +141,12 @@ def test_rollback_undoes_the_newest_commit(triton: bool) -> None:
     reqs[0].params = SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.2)
     slots.admit(*reqs)
     _commit(slots, reqs, rng, 2)
-    before = ([list(r.output_token_ids) for r in reqs], slots.last_tokens(reqs).clone(),
-              slots.token_history.clone(), slots.output_counts.clone())  # fmt: skip
+    before = (
+        [list(r.output_token_ids) for r in reqs],
+        slots.last_tokens(reqs).clone(),
+        slots.token_history.clone(),
+        slots.output_counts.clone(),
+    )
     mark = slots.checkpoint()
     slots.rollback(mark)  # nothing committed since: a no-op
     _commit(slots, reqs[1:3] + reqs[:1], rng, 3)
@@ -230,11 +238,16 @@ def test_engine_slots_through_finishes_aborts_and_preemptions(smollm2_path) -> N
     from pcgspec import LLM
 
     # 12 pages of 4 tokens: alone a request fits, 3 running ones growing to ~20 tokens do not.
-    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", page_size=4, max_total_tokens=48,
-              max_running_requests=3)  # fmt: skip
+    llm = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        page_size=4,
+        max_total_tokens=48,
+        max_running_requests=3,
+    )
     engine, tok, params = llm.engine, llm.get_tokenizer(), _engine_params()
-    want = [llm.generate(p, sp, use_tqdm=False)[0].token_ids
-            for p, sp in zip(PROMPTS[:4], params)]  # fmt: skip
+    want = [llm.generate(p, sp, use_tqdm=False)[0].token_ids for p, sp in zip(PROMPTS[:4], params)]
     assert engine.scheduler.num_preemptions == 0
     reqs = [engine.add_request(tok.encode(p), sp)[0] for p, sp in zip(PROMPTS[:4], params)]
     engine.add_request(tok.encode(PROMPTS[5]), params[1], request_id="aborted")

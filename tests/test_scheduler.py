@@ -126,8 +126,13 @@ def test_overlap_schedules_one_step_ahead_of_the_tokens():
         pending = [] if batch is None else batch.sampled_requests
     assert [r.num_output_tokens for r in reqs] == [4, 2] and all(r.finished for r in reqs)
     extend, decode = ForwardMode.EXTEND, ForwardMode.DECODE
-    assert batches == [(extend, ["a"]), (extend, ["a", "b"]), (decode, ["a", "b"]),
-                       (decode, ["a"]), (decode, ["a"])]  # fmt: skip
+    assert batches == [
+        (extend, ["a"]),
+        (extend, ["a", "b"]),
+        (decode, ["a", "b"]),
+        (decode, ["a"]),
+        (decode, ["a"]),
+    ]
     assert sched.pages.num_free == 64
 
 
@@ -136,8 +141,9 @@ def test_a_queue_is_admitted_in_groups():
     running limit at a time: decode steps go on until that many slots are free. Fewer waiting
     ones are admitted at once, as is anything while nothing runs.
     """
-    sched = Scheduler(PagePool(512), page_size=4, max_running_requests=32,
-                      prefill_token_budget=10_000)  # fmt: skip
+    sched = Scheduler(
+        PagePool(512), page_size=4, max_running_requests=32, prefill_token_budget=10_000
+    )
     assert sched.admission_group == 2
     for i in range(39):
         sched.add(_request(f"r{i}", 4, max_tokens=i + 2 if i < 3 else 50))
@@ -146,8 +152,9 @@ def test_a_queue_is_admitted_in_groups():
     assert [_step(sched).mode for _ in range(2)] == [ForwardMode.DECODE] * 2
     admitted = _step(sched)  # r1 finished with the second: two free
     assert admitted.mode is ForwardMode.EXTEND and len(admitted.requests) == 2
-    sched = Scheduler(PagePool(512), page_size=4, max_running_requests=32,
-                      prefill_token_budget=10_000)  # fmt: skip
+    sched = Scheduler(
+        PagePool(512), page_size=4, max_running_requests=32, prefill_token_budget=10_000
+    )
     for i in range(33):
         sched.add(_request(f"s{i}", 4, max_tokens=50))
     _step(sched)

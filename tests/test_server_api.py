@@ -127,8 +127,10 @@ def test_shared_prefix_streams_equal_each_alone_with_cached_tokens(server, clien
     """Concurrent requests sharing a system prompt hit the prefix cache and stream what each
     streams alone; usage, /server_info and /metrics report the cached tokens."""
     system = "You are a terse assistant. Answer with one word or a number, nothing else. " * 3
-    prompts = [system + q for q in ("Capital of Italy?", "Two plus two?", "Color of grass?",
-                                    "Largest planet?")]
+    prompts = [
+        system + q
+        for q in ("Capital of Italy?", "Two plus two?", "Color of grass?", "Largest planet?")
+    ]
     kw = dict(model=MODEL, max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)
     before = _scrape(server)
     alone = [client.completions.create(prompt=p, **kw) for p in prompts]
@@ -367,8 +369,15 @@ def test_bench_serving_smoke(server, tmp_path, monkeypatch):
     for name in ("ttft", "tpot", "itl", "e2e"):
         assert set(record[name]) == {"mean_ms", "p50_ms", "p90_ms", "p99_ms"}
     assert record["ttft"]["p50_ms"] > 0 and record["output_token_throughput"] > 0
-    parts = [record[k] for k in ("dispatch_ms_mean", "engine_queue_ms_mean",
-                                 "engine_prefill_ms_mean", "return_ms_mean")]  # fmt: skip
+    parts = [
+        record[k]
+        for k in (
+            "dispatch_ms_mean",
+            "engine_queue_ms_mean",
+            "engine_prefill_ms_mean",
+            "return_ms_mean",
+        )
+    ]
     assert all(p >= 0 for p in parts) and parts[2] > 0
     assert sum(parts) <= record["server_ttft_ms_mean"] < record["ttft"]["mean_ms"]
 
@@ -388,25 +397,70 @@ def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatc
         def wait(self, timeout: float) -> None: ...
 
     monkeypatch.setattr(bench, "launch", lambda args, extra: launched.append(extra) or FakeServer())
-    common = ["--base-url", server.base_url, "--api-key", API_KEY, "--random-output-len", "3",
-              "--warmup", "1", "--max-concurrency", "2"]  # fmt: skip
-    record = bench.main([*common, "--dataset", "shared-prefix", "--shared-prefix-len", "32",
-                         "--question-len", "4", "--num-prompts", "3"])  # fmt: skip
+    common = [
+        "--base-url",
+        server.base_url,
+        "--api-key",
+        API_KEY,
+        "--random-output-len",
+        "3",
+        "--warmup",
+        "1",
+        "--max-concurrency",
+        "2",
+    ]
+    record = bench.main(
+        [
+            *common,
+            "--dataset",
+            "shared-prefix",
+            "--shared-prefix-len",
+            "32",
+            "--question-len",
+            "4",
+            "--num-prompts",
+            "3",
+        ]
+    )
     assert record["successful_requests"] == 3 and record["total_input_tokens"] == 3 * 36
     # the warm-up shares nothing with them; the first two run together, the third hits
     assert record["total_cached_tokens"] >= 32
     assert record["prefill_tokens_computed"] == 3 * 36 - record["total_cached_tokens"]
     # --repeats: runs pooled, the cache flushed between them (else all 3 would hit the prefix)
-    record = bench.main([*common, "--dataset", "shared-prefix", "--shared-prefix-len", "32",
-                         "--question-len", "4", "--num-prompts", "3",
-                         "--repeats", "2"])  # fmt: skip
+    record = bench.main(
+        [
+            *common,
+            "--dataset",
+            "shared-prefix",
+            "--shared-prefix-len",
+            "32",
+            "--question-len",
+            "4",
+            "--num-prompts",
+            "3",
+            "--repeats",
+            "2",
+        ]
+    )
     repeats = record["repeats"]
     assert record["successful_requests"] == 6 and len(repeats) == 2
     assert 32 <= repeats[1]["cached_tokens"] < 3 * 32
     assert record["total_cached_tokens"] == sum(r["cached_tokens"] for r in repeats)
     assert record["duration_s"] == pytest.approx(sum(r["duration_s"] for r in repeats))
-    record = bench.main([*common, "--dataset", "multi-turn", "--num-chats", "2", "--num-turns",
-                         "2", "--question-len", "4", "--launch"])  # fmt: skip
+    record = bench.main(
+        [
+            *common,
+            "--dataset",
+            "multi-turn",
+            "--num-chats",
+            "2",
+            "--num-turns",
+            "2",
+            "--question-len",
+            "4",
+            "--launch",
+        ]
+    )
     assert launched == [[], ["--disable-radix-cache"]]
     runs = record["runs"]
     assert set(runs) == {"radix_cache_on", "radix_cache_off"}
@@ -432,10 +486,28 @@ def test_bench_serving_compares_with_the_engine(server, monkeypatch):
     monkeypatch.setattr(bench, "launch", lambda args, extra: FakeServer())
     with pytest.raises(SystemExit):
         bench.parse_args(["--compare-engine"])  # needs --launch
-    record = bench.main(["--base-url", server.base_url, "--api-key", API_KEY, "--launch",
-                         "--compare-engine", "--server-args", " ".join(DEFAULT_ARGS),
-                         "--num-prompts", "3", "--max-concurrency", "2", "--random-input-len",
-                         "8", "--random-output-len", "3", "--warmup", "1"])  # fmt: skip
+    record = bench.main(
+        [
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            API_KEY,
+            "--launch",
+            "--compare-engine",
+            "--server-args",
+            " ".join(DEFAULT_ARGS),
+            "--num-prompts",
+            "3",
+            "--max-concurrency",
+            "2",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "3",
+            "--warmup",
+            "1",
+        ]
+    )
     engine = record["engine"]
     assert engine["successful_requests"] == 3 and engine["total_output_tokens"] == 9
     assert record["total_output_tokens"] == 9
@@ -451,12 +523,19 @@ def test_speculative_server_matches_and_reports_accept_length(server, client):
     prompt = "a b c d e f g h a b c d e f g h a b"
     params = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "extra_body": IGNORE_EOS}
     want = client.completions.create(**params, **GREEDY).choices[0].text
-    spec = ServerProcess("--speculative-algorithm", "NGRAM", "--speculative-num-steps", "4",
-                         "--speculative-policy", "always")
+    spec = ServerProcess(
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-steps",
+        "4",
+        "--speculative-policy",
+        "always",
+    )
     try:
         spec.wait_healthy()
-        spec_client = openai.OpenAI(base_url=spec.base_url + "/v1", api_key=API_KEY,
-                                    max_retries=0, timeout=120)
+        spec_client = openai.OpenAI(
+            base_url=spec.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+        )
         assert spec_client.completions.create(**params, **GREEDY).choices[0].text == want
         accept = spec.internal_state()["avg_spec_accept_length"]
         assert accept is not None and accept > 1
@@ -466,8 +545,9 @@ def test_speculative_server_matches_and_reports_accept_length(server, client):
         assert metrics[steps % "speculative"] > 0 and metrics[steps % "plain"] == 0
         # CPU: verify passes have no graphs; the piecewise runner refuses them, counted
         refused = spec.internal_state()["graphs"]["piecewise"]["fallbacks"]["target_verify"]
-        labels = sorted([("model_name", MODEL), ("runner", "piecewise"),
-                         ("reason", "target_verify")])  # fmt: skip
+        labels = sorted(
+            [("model_name", MODEL), ("runner", "piecewise"), ("reason", "target_verify")]
+        )
         assert refused > 0 and metrics[f"pcgspec:graph_fallbacks_total{labels}"] == refused
     finally:
         spec.close()

@@ -26,13 +26,19 @@ CJK = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess(
-        "--served-model-name", MODEL, "--disable-piecewise-cuda-graph",
-        "--max-total-tokens", str(KV_TOKENS),
-        "--max-connections", str(MAX_CONNECTIONS),
-        "--keep-alive-timeout", "2",
-        "--read-timeout", "2",
+        "--served-model-name",
+        MODEL,
+        "--disable-piecewise-cuda-graph",
+        "--max-total-tokens",
+        str(KV_TOKENS),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        "--keep-alive-timeout",
+        "2",
+        "--read-timeout",
+        "2",
         key_in_env=True,
-    )  # fmt: skip
+    )
     try:
         yield proc.wait_healthy()
     finally:

@@ -35,8 +35,14 @@ def log(caplog):
     return ThroughputLog(interval=10.0, clock=clock), clock, caplog
 
 
-def _step(throughput: ThroughputLog, clock: _Clock, seconds: float, busy: bool = True,
-          prompt_len: int = 0, deltas: tuple[SeqDelta, ...] = ()) -> None:  # fmt: skip
+def _step(
+    throughput: ThroughputLog,
+    clock: _Clock,
+    seconds: float,
+    busy: bool = True,
+    prompt_len: int = 0,
+    deltas: tuple[SeqDelta, ...] = (),
+) -> None:
     throughput.begin()
     clock.now += seconds
     throughput.count(prompt_len, deltas)
@@ -69,8 +75,13 @@ def test_a_short_spell_logs_nothing_and_an_idle_pause_opens_a_new_window(log):
 
 def test_a_finished_request_is_one_line(caplog):
     caplog.set_level(logging.INFO, logger="pcgspec")
-    stream = SimpleNamespace(request_id="cmpl-1-0", finish_reasons=["length", "stop", "length"],
-                             num_prompt_tokens=12, num_output_tokens=30, arrival=5.0)  # fmt: skip
+    stream = SimpleNamespace(
+        request_id="cmpl-1-0",
+        finish_reasons=["length", "stop", "length"],
+        num_prompt_tokens=12,
+        num_output_tokens=30,
+        arrival=5.0,
+    )
     log_finished(stream, 5.25, None)
     log_finished(stream, 6.0, RuntimeError("the request failed: boom"))
     assert caplog.messages == [

@@ -32,8 +32,9 @@ LONG = {
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--graceful-shutdown-timeout", str(GRACE_S),
-                         "--disable-piecewise-cuda-graph")
+    proc = ServerProcess(
+        "--graceful-shutdown-timeout", str(GRACE_S), "--disable-piecewise-cuda-graph"
+    )
     try:
         yield proc.wait_healthy()
     finally:
@@ -280,8 +281,9 @@ def _engine_pid(server_pid: int) -> int:
     """The engine process among the server's children (multiprocessing's resource tracker may
     be another)."""
     children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    engines = [int(pid) for pid in children
-               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+    engines = [
+        int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
     assert len(engines) == 1, children
     return engines[0]
 

@@ -64,9 +64,13 @@ def _speculative_generate(strategy: VerifyStrategy, num_tokens: int) -> torch.Te
         context = torch.cat([last[:, None], draft], dim=1)  # [T, K+1]
         position = emitted[:, None] + rows  # row j chooses output token emitted + j
         result = verify_draft_tokens_ref(
-            TARGET[context], draft, strategy, draft_probs=DRAFT[context[:, :K]],
-            seed=seed[:, None].expand(-1, K + 1), position=position,
-        )  # fmt: skip
+            TARGET[context],
+            draft,
+            strategy,
+            draft_probs=DRAFT[context[:, :K]],
+            seed=seed[:, None].expand(-1, K + 1),
+            position=position,
+        )
         _check_output_layout(result.tokens, result.accept_len, draft)
         new = (rows < result.accept_len[:, None] + 1) & (position < num_tokens)
         out[torch.nonzero(new)[:, 0], position[new]] = result.tokens[new]

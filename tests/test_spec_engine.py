@@ -32,8 +32,14 @@ def llm(plain_llm) -> LLM:
 
 @pytest.fixture(scope="module")
 def spec_llm(smollm2_path) -> LLM:
-    return LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm="NGRAM",
-               speculative_num_steps=4, speculative_policy="always")
+    return LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=4,
+        speculative_policy="always",
+    )
 
 
 def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
@@ -51,7 +57,7 @@ def test_greedy_equals_plain_decoding(llm, spec_llm, hf_model, repetition_penalt
         assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, want.token_ids)
         assert got.metrics.spec_verify_steps > 0
     if repetition_penalty == 1.0:  # the penalty makes the model avoid repeating the prompt
-        for out in spec[-len(REPEAT_PROMPTS):]:
+        for out in spec[-len(REPEAT_PROMPTS) :]:
             assert out.metrics.avg_spec_accept_length > 1.0, out.text
     assert_all_pages_free(spec_llm)
 
@@ -60,7 +66,8 @@ def test_accept_metrics(spec_llm):
     out = spec_llm.generate(REPEAT_PROMPTS[1], _greedy(32), use_tqdm=False)[0]
     m = out.metrics
     assert m.avg_spec_accept_length == pytest.approx(
-        (m.spec_accepted_draft_tokens + m.spec_verify_steps) / m.spec_verify_steps)
+        (m.spec_accepted_draft_tokens + m.spec_verify_steps) / m.spec_verify_steps
+    )
     assert len(m.spec_accepted_per_position) == 4
     assert sum(m.spec_accepted_per_position) == m.spec_accepted_draft_tokens > 0
     assert list(m.spec_accepted_per_position) == sorted(m.spec_accepted_per_position, reverse=True)
@@ -70,9 +77,16 @@ def test_accept_metrics(spec_llm):
 
 def test_seeded_sampling_equals_plain(llm, spec_llm):
     prompts = [ALL_PROMPTS[0], REPEAT_PROMPTS[0], REPEAT_PROMPTS[1], ALL_PROMPTS[6]]
-    params = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=40, ignore_eos=True,
-                             **({"top_p": 0.9, "top_k": 40} if i % 2 else {}))
-              for i in range(3)] + [_greedy(40)]  # a greedy request in a sampled batch
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=100 + i,
+            max_tokens=40,
+            ignore_eos=True,
+            **({"top_p": 0.9, "top_k": 40} if i % 2 else {}),
+        )
+        for i in range(3)
+    ] + [_greedy(40)]  # a greedy request in a sampled batch
     plain = llm.generate(prompts, params, use_tqdm=False)
     spec = spec_llm.generate(prompts, params, use_tqdm=False)
     for want, got in zip(plain, spec):
@@ -97,8 +111,10 @@ def test_stop_string_and_max_tokens_inside_accepted_runs(llm, spec_llm):
 
 def test_every_page_free_after_200_requests(spec_llm):
     prompts = [REPEAT_PROMPTS[i % 2] if i % 3 else ALL_PROMPTS[i % 16] for i in range(200)]
-    params = [_greedy(1 + i % 8) if i % 2 else SamplingParams(temperature=0.8, max_tokens=8)
-              for i in range(200)]
+    params = [
+        _greedy(1 + i % 8) if i % 2 else SamplingParams(temperature=0.8, max_tokens=8)
+        for i in range(200)
+    ]
     outs = spec_llm.generate(prompts, params, use_tqdm=False)
     assert all(o.finished and len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params))
     assert_all_pages_free(spec_llm)
@@ -112,9 +128,16 @@ def test_fallbacks_logprobs_and_small_kv_pool(smollm2_path, llm, spec_llm, hf_mo
     assert got.token_ids == want.token_ids and len(got.logprobs) == 6
     assert spec_llm.engine.spec_stats()["fallback_steps"] > before
     # 10 pages of 16 tokens: verify slots often do not fit, so steps fall back or preempt.
-    small = LLM(str(smollm2_path), dtype="float32", device="cpu", max_total_tokens=160,
-                speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always",
-                disable_piecewise_cuda_graph=True)
+    small = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=160,
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=4,
+        speculative_policy="always",
+        disable_piecewise_cuda_graph=True,
+    )
     prompts = PROMPTS[-4:]
     ref = llm.generate(prompts, _greedy(40), use_tqdm=False)
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
@@ -133,8 +156,11 @@ def test_config_validation(smollm2_path):
     with pytest.raises(ValueError, match="speculative_num_steps"):
         EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=0)
     for algorithm in ("EAGLE3", "NEXTN", "STANDALONE"):
-        config = EngineConfig(model=str(smollm2_path), speculative_algorithm=algorithm,
-                              speculative_draft_model_path="/no/such/draft")
+        config = EngineConfig(
+            model=str(smollm2_path),
+            speculative_algorithm=algorithm,
+            speculative_draft_model_path="/no/such/draft",
+        )
         with pytest.raises(FileNotFoundError, match="/no/such/draft"):
             Engine(config)
 
@@ -146,9 +172,15 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     (prompt lookup reads the device's history). A step's time is its whole cycle: the caller's
     work before the next step counts.
     """
-    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm="NGRAM",
-              speculative_num_steps=4, disable_overlap_schedule=False,
-              disable_piecewise_cuda_graph=True)
+    llm = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=4,
+        disable_overlap_schedule=False,
+        disable_piecewise_cuda_graph=True,
+    )
     engine, records = llm.engine, []
     policy = engine.spec_worker.policy
     record = policy.record_step

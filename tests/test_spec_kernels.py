@@ -45,9 +45,13 @@ def test_triton_uniform_is_bit_exact(stream: int) -> None:
 def _request_table(n: int, gen: torch.Generator) -> SamplingTensors:
     f32 = lambda: torch.rand(n, generator=gen).to(DEVICE)  # noqa: E731
     return SamplingTensors(
-        f32() * 2, f32(), torch.randint(1, 50, (n,), generator=gen).to(DEVICE), f32() * 0.2,
-        _int64(n, gen), _int64(n, gen, 0, 10_000),
-    )  # fmt: skip
+        f32() * 2,
+        f32(),
+        torch.randint(1, 50, (n,), generator=gen).to(DEVICE),
+        f32() * 0.2,
+        _int64(n, gen),
+        _int64(n, gen, 0, 10_000),
+    )
 
 
 def _filled(n: int) -> SamplingTensors:
@@ -61,8 +65,9 @@ def _filled(n: int) -> SamplingTensors:
 @pytest.mark.parametrize(
     "num_requests, k, with_slots", [(1, 1, False), (3, 2, True), (5, 4, True), (4, 3, False)]
 )
-def test_build_sampling_params_matches_reference(num_requests: int, k: int,
-                                                 with_slots: bool) -> None:  # fmt: skip
+def test_build_sampling_params_matches_reference(
+    num_requests: int, k: int, with_slots: bool
+) -> None:
     gen = torch.Generator().manual_seed(num_requests * 10 + k)
     table = _request_table(12, gen)
     rows = torch.where(torch.rand(num_requests, generator=gen) < 0.5, k + 1, 1).to(DEVICE)
@@ -72,8 +77,7 @@ def test_build_sampling_params_matches_reference(num_requests: int, k: int,
         slots[-1] = -1  # a padding request: none of its rows are written
     num_rows = int(rows.sum()) + 2  # two rows past the last request stay untouched
     got = build_sampling_params(table, rows, num_rows, req_slots=slots, out=_filled(num_rows))
-    want = build_sampling_params_ref(table, rows, num_rows, req_slots=slots,
-                                     out=_filled(num_rows))  # fmt: skip
+    want = build_sampling_params_ref(table, rows, num_rows, req_slots=slots, out=_filled(num_rows))
     for g, w in zip(got.tensors(), want.tensors()):
         assert torch.equal(g, w)
     first = 0 if slots is None else int(slots[0])
@@ -98,11 +102,8 @@ def test_advance_positions_in_place() -> None:
     assert torch.equal(positions[2:], before[2:])
 
 
-
-@pytest.mark.parametrize("num_tokens, with_history", [(1, False), (1, True), (5, False),
-                                                      (5, True)])
-def test_advance_positions_records_the_emitted_tokens(num_tokens: int, with_history: bool
-                                                      ) -> None:  # fmt: skip
+@pytest.mark.parametrize("num_tokens, with_history", [(1, False), (1, True), (5, False), (5, True)])
+def test_advance_positions_records_the_emitted_tokens(num_tokens: int, with_history: bool) -> None:
     """The commit's one launch: counters, last tokens and token history, == the torch
     reference; a padding request (-1) and a request that emitted nothing record no token, and a
     row that runs past the history's end spills into its last column only.
@@ -115,22 +116,30 @@ def test_advance_positions_records_the_emitted_tokens(num_tokens: int, with_hist
     prompt_len = _int64(n, gen, 0, 6)
     prompt_len[2] = length - 1  # request 4 runs past the end of its row
     state = dict(
-        positions=_int64(n, gen, 0, 6), last_token=_int64(n, gen, 0, 500),
-        history=torch.randint(0, 500, (n, length + 1), generator=gen,
-                              dtype=torch.int32).to(DEVICE),
-    )  # fmt: skip
+        positions=_int64(n, gen, 0, 6),
+        last_token=_int64(n, gen, 0, 500),
+        history=torch.randint(0, 500, (n, length + 1), generator=gen, dtype=torch.int32).to(DEVICE),
+    )
     if not with_history:
         del state["history"]
     got = {k: v.clone() for k, v in state.items()}
     want = {k: v.clone() for k, v in state.items()}
     extra = dict(prompt_len=prompt_len) if with_history else {}
     for fn, out in ((advance_positions, got), (advance_positions_ref, want)):
-        fn(out["positions"], emitted, slots, tokens=tokens, last_token=out["last_token"],
-           history=out.get("history"), **extra)  # fmt: skip
+        fn(
+            out["positions"],
+            emitted,
+            slots,
+            tokens=tokens,
+            last_token=out["last_token"],
+            history=out.get("history"),
+            **extra,
+        )
     before = state["positions"]
     assert torch.equal(got["positions"], want["positions"])
-    assert got["positions"].tolist() == [int(before[i]) + {4: num_tokens, 7: 1, 2: num_tokens}
-                                         .get(i, 0) for i in range(n)]  # fmt: skip
+    assert got["positions"].tolist() == [
+        int(before[i]) + {4: num_tokens, 7: 1, 2: num_tokens}.get(i, 0) for i in range(n)
+    ]
     assert torch.equal(got["last_token"], want["last_token"])
     expect_last = state["last_token"].clone()
     expect_last[[4, 7, 2]] = tokens[[0, 3, 4], [num_tokens - 1, 0, num_tokens - 1]]
@@ -149,14 +158,29 @@ def test_advance_positions_rejects_mismatched_tables() -> None:
     with pytest.raises(ValueError, match="tokens and last_token"):
         advance_positions(positions, emitted, slots, tokens=tokens)
     with pytest.raises(ValueError, match="history and prompt_len"):
-        advance_positions(positions, emitted, slots, tokens=tokens, last_token=positions.clone(),
-                          history=torch.zeros(4, 5, dtype=torch.int32, device=DEVICE))
+        advance_positions(
+            positions,
+            emitted,
+            slots,
+            tokens=tokens,
+            last_token=positions.clone(),
+            history=torch.zeros(4, 5, dtype=torch.int32, device=DEVICE),
+        )
     with pytest.raises(ValueError, match="tokens must be"):
-        advance_positions(positions, emitted, slots, tokens=torch.zeros(3, 3, **I64),
-                          last_token=positions.clone())
+        advance_positions(
+            positions, emitted, slots, tokens=torch.zeros(3, 3, **I64), last_token=positions.clone()
+        )
     with pytest.raises(ValueError, match="history must be"):
-        advance_positions(positions, emitted, slots, tokens=tokens, last_token=positions.clone(),
-                          history=torch.zeros(4, 5, **I64), prompt_len=positions.clone())
+        advance_positions(
+            positions,
+            emitted,
+            slots,
+            tokens=tokens,
+            last_token=positions.clone(),
+            history=torch.zeros(4, 5, **I64),
+            prompt_len=positions.clone(),
+        )
+
 
 def _probs(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random distributions with about a third of the entries exactly zero."""
@@ -191,12 +215,19 @@ def _verify_inputs(
 
 
 @pytest.mark.parametrize("strategy", list(VerifyStrategy))
-@pytest.mark.parametrize("b, k, v, block_v, extras", [
-    (1, 1, 8, None, False), (2, 3, 37, 16, True), (5, 4, 300, 128, True), (4, 2, 129, None, False),
-    (3, 4, 64, 32, True),
-])  # fmt: skip
-def test_verify_matches_reference(strategy: VerifyStrategy, b: int, k: int, v: int,
-                                  block_v: int | None, extras: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "b, k, v, block_v, extras",
+    [
+        (1, 1, 8, None, False),
+        (2, 3, 37, 16, True),
+        (5, 4, 300, 128, True),
+        (4, 2, 129, None, False),
+        (3, 4, 64, 32, True),
+    ],
+)
+def test_verify_matches_reference(
+    strategy: VerifyStrategy, b: int, k: int, v: int, block_v: int | None, extras: bool
+) -> None:
     gen = torch.Generator().manual_seed(1000 * int(strategy) + 10 * b + k)
     p, drafts, kwargs = _verify_inputs(b, k, v, strategy, extras, gen)
     got = verify_draft_tokens(p, drafts, strategy, block_v=block_v, **kwargs)
@@ -236,14 +267,16 @@ def test_build_verify_advance_compose() -> None:
     table = _request_table(6, gen)
     slots = torch.tensor([4, 0, 2], **I64)
     start = table.position.clone()
-    rows = build_sampling_params(table, torch.full((b,), k + 1, **I64), b * (k + 1),
-                                 req_slots=slots)  # fmt: skip
+    rows = build_sampling_params(
+        table, torch.full((b,), k + 1, **I64), b * (k + 1), req_slots=slots
+    )
     p = _probs((b, k + 1, v), gen).to(DEVICE)
     seed, position = rows.seed.view(b, k + 1), rows.position.view(b, k + 1)
     drafts = _draw(p.cpu(), seed.cpu(), position.cpu(), STREAM_TOKEN)[:, :k].contiguous().to(DEVICE)
     drafts[1, 0] = (drafts[1, 0] + 1) % v  # request 1 rejects its first draft
-    result = verify_draft_tokens(p, drafts, VerifyStrategy.TARGET_MATCH, seed=seed,
-                                 position=position)  # fmt: skip
+    result = verify_draft_tokens(
+        p, drafts, VerifyStrategy.TARGET_MATCH, seed=seed, position=position
+    )
     assert result.accept_len.tolist() == [k, 0, k]
     advance_positions(table.position, result.accept_len + 1, slots)
     assert torch.equal(table.position[slots], start[slots] + result.accept_len + 1)

@@ -52,8 +52,11 @@ def drafts(smollm2_path, tmp_path_factory) -> dict[str, str]:
     config = load_config(smollm2_path)
     write_eagle3_checkpoint(root / "eagle3", config, seed=0, draft_vocab_size=4096)
     write_mtp_checkpoint(root / "mtp", config, seed=0, layout="deepseek")
-    return {"STANDALONE": str(root / "standalone"), "EAGLE3": str(root / "eagle3"),
-            "NEXTN": str(root / "mtp")}
+    return {
+        "STANDALONE": str(root / "standalone"),
+        "EAGLE3": str(root / "eagle3"),
+        "NEXTN": str(root / "mtp"),
+    }
 
 
 def spec_llm(smollm2_path, algorithm: str, draft, **kw) -> LLM:
@@ -62,9 +65,16 @@ def spec_llm(smollm2_path, algorithm: str, draft, **kw) -> LLM:
     ``spec`` fixture's engines cover speculation behind piecewise prefill).
     """
     kw.setdefault("disable_piecewise_cuda_graph", True)
-    return LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
-               speculative_draft_model_path=str(draft), speculative_num_steps=K,
-               speculative_policy="always", **kw)
+    return LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=str(draft),
+        speculative_num_steps=K,
+        speculative_policy="always",
+        **kw,
+    )
 
 
 class MemoizedPlain:
@@ -101,8 +111,9 @@ def plain_outputs(llm) -> list:
 
 @pytest.fixture(scope="module", params=ALGORITHMS)
 def spec(request, smollm2_path, drafts) -> LLM:
-    return spec_llm(smollm2_path, request.param, drafts[request.param],
-                    disable_piecewise_cuda_graph=False)
+    return spec_llm(
+        smollm2_path, request.param, drafts[request.param], disable_piecewise_cuda_graph=False
+    )
 
 
 def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
@@ -126,11 +137,19 @@ def test_greedy_equals_plain(llm, spec, plain_outputs, hf_model):
 def test_greedy_with_repetition_penalty_and_seeded_sampling(llm, spec, hf_model):
     prompts, params = PROMPTS[-4:], _greedy(24, repetition_penalty=1.2)
     want = llm.generate(prompts, params, use_tqdm=False)
-    _assert_same_greedy(llm, hf_model, prompts, want, spec.generate(prompts, params,
-                                                                     use_tqdm=False))
-    sampled = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24, ignore_eos=True,
-                              **({"top_p": 0.9, "top_k": 40} if i % 2 else {}))
-               for i in range(3)] + [_greedy(24)]  # a greedy request in a sampled batch
+    _assert_same_greedy(
+        llm, hf_model, prompts, want, spec.generate(prompts, params, use_tqdm=False)
+    )
+    sampled = [
+        SamplingParams(
+            temperature=0.8,
+            seed=100 + i,
+            max_tokens=24,
+            ignore_eos=True,
+            **({"top_p": 0.9, "top_k": 40} if i % 2 else {}),
+        )
+        for i in range(3)
+    ] + [_greedy(24)]  # a greedy request in a sampled batch
     want = llm.generate(prompts, sampled, use_tqdm=False)
     for w, g in zip(want, spec.generate(prompts, sampled, use_tqdm=False)):
         assert g.token_ids == w.token_ids
@@ -160,8 +179,13 @@ def test_preemption_restarts_the_draft(smollm2_path, drafts, llm, hf_model, algo
     request's draft starts over from its new prefill (EAGLE3: with fresh hidden states). Under
     the overlap schedule a request is preempted with a speculative step in flight.
     """
-    small = spec_llm(smollm2_path, algorithm, drafts[algorithm], max_total_tokens=160,
-                     disable_overlap_schedule=not overlap)  # fmt: skip
+    small = spec_llm(
+        smollm2_path,
+        algorithm,
+        drafts[algorithm],
+        max_total_tokens=160,
+        disable_overlap_schedule=not overlap,
+    )
     prompts = PROMPTS[-4:]
     want = llm.generate(prompts, _greedy(40), use_tqdm=False)
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
@@ -197,8 +221,10 @@ def test_draft_graphs_replay_like_eager_drafting(spec, plain_outputs):
 
 def test_every_page_free_after_mixed_requests(spec):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
-    params = [_greedy(1 + i % 6) if i % 2 else SamplingParams(temperature=0.8, max_tokens=6)
-              for i in range(24)]
+    params = [
+        _greedy(1 + i % 6) if i % 2 else SamplingParams(temperature=0.8, max_tokens=6)
+        for i in range(24)
+    ]
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert all(o.finished and len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params))
     assert_all_pages_free(spec)
@@ -228,9 +254,16 @@ def test_overlapped_plain_steps_between_speculative_ones_equal_plain(
     a speculative step first reads them.
     """
     draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
-    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
-               speculative_num_steps=K, disable_overlap_schedule=False,
-               disable_piecewise_cuda_graph=True, **draft)
+    spec = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm=algorithm,
+        speculative_num_steps=K,
+        disable_overlap_schedule=False,
+        disable_piecewise_cuda_graph=True,
+        **draft,
+    )
     _assert_mixed_steps_equal_plain(spec, llm, hf_model)
 
 
@@ -246,15 +279,20 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
     penalty) and seeded output equal plain decoding; nothing is left held.
     """
     prompts = PROMPTS[-4:] + PROMPTS[:2]
-    params = [_greedy(32), _greedy(20, stop=[" the"]), _greedy(24, repetition_penalty=1.2),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=30, ignore_eos=True),
-              _greedy(K + 1)]  # fmt: skip
+    params = [
+        _greedy(32),
+        _greedy(20, stop=[" the"]),
+        _greedy(24, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=30, ignore_eos=True),
+        _greedy(K + 1),
+    ]
     want = llm.generate(prompts, params, use_tqdm=False)
     drafted, from_device = {}, {}
     for overlap in (False, True):
-        spec = spec_llm(smollm2_path, algorithm, drafts[algorithm],
-                        disable_overlap_schedule=not overlap)  # fmt: skip
+        spec = spec_llm(
+            smollm2_path, algorithm, drafts[algorithm], disable_overlap_schedule=not overlap
+        )
         engine, proposer = spec.engine, spec.engine.spec_worker.proposer
         drafted[overlap], from_device[overlap] = defaultdict(list), 0
         propose, catch_up = proposer.propose, proposer._catch_up_batch
@@ -331,8 +369,14 @@ def test_cuda_graphs_greedy_equals_plain(smollm2_path, drafts, cuda_plain, hf_mo
     decoding at batch sizes 1, 3, 16 (the graphs replay buckets 1, 4 and 16) and 17 (eager).
     """
     draft = smollm2_path if algorithm == "STANDALONE" else drafts[algorithm]  # self-draft
-    spec = LLM(str(smollm2_path), speculative_algorithm=algorithm, cuda_graph_max_bs=16,
-               speculative_draft_model_path=str(draft), **SPEC_KW, **GPU_KW)
+    spec = LLM(
+        str(smollm2_path),
+        speculative_algorithm=algorithm,
+        cuda_graph_max_bs=16,
+        speculative_draft_model_path=str(draft),
+        **SPEC_KW,
+        **GPU_KW,
+    )
     runner, proposer = spec.engine.runner, spec.engine.spec_worker.proposer
     assert runner.verify_graphs is not None and proposer.graphs is not None
     for bs in (1, 3, 16, 17):
@@ -357,8 +401,13 @@ def test_cuda_overlapped_plain_steps_between_speculative_ones_equal_plain(
 ):
     """The CPU test above through decode, verify and draft graphs (overlap on by default)."""
     draft = None if algorithm == "NGRAM" else drafts[algorithm]
-    spec = LLM(str(smollm2_path), speculative_algorithm=algorithm,
-               speculative_draft_model_path=draft, **SPEC_KW, **GPU_KW)
+    spec = LLM(
+        str(smollm2_path),
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=draft,
+        **SPEC_KW,
+        **GPU_KW,
+    )
     _assert_mixed_steps_equal_plain(spec, cuda_plain, hf_model)
 
 
@@ -370,8 +419,13 @@ def test_cuda_speculative_step_never_synchronizes(smollm2_path, drafts, algorith
     non-blocking copy, which the host waits for, behind an event, one step later.
     """
     draft = {"STANDALONE": str(smollm2_path), "EAGLE3": drafts["EAGLE3"], "NGRAM": None}
-    spec = LLM(str(smollm2_path), speculative_algorithm=algorithm,
-               speculative_draft_model_path=draft[algorithm], **SPEC_KW, **GPU_KW)
+    spec = LLM(
+        str(smollm2_path),
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=draft[algorithm],
+        **SPEC_KW,
+        **GPU_KW,
+    )
     engine = spec.engine
     ids = spec.get_tokenizer().encode(PROMPTS[-2])
     for _ in range(3):
@@ -400,8 +454,13 @@ def test_cuda_speculative_step_never_synchronizes(smollm2_path, drafts, algorith
 def test_cuda_memory_flat_over_1000_steps(smollm2_path, drafts):
     from pcgspec.engine.engine import Engine
 
-    spec = LLM(str(smollm2_path), speculative_algorithm="EAGLE3",
-               speculative_draft_model_path=drafts["EAGLE3"], **SPEC_KW, **GPU_KW)
+    spec = LLM(
+        str(smollm2_path),
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=drafts["EAGLE3"],
+        **SPEC_KW,
+        **GPU_KW,
+    )
     engine: Engine = spec.engine
     ids = spec.get_tokenizer().encode(PROMPTS[0])
     for _ in range(4):
@@ -427,8 +486,9 @@ def test_tiny_targets_greedy_equal_plain(smollm2_path, tmp_path, algorithm):
 
     target, draft = tmp_path / "llama", {}
     if algorithm == "NEXTN":
-        target = write_mtp_checkpoint(tmp_path / "mimo", shape_config("tiny"), seed=1,
-                                      layout="mimo")  # fmt: skip
+        target = write_mtp_checkpoint(
+            tmp_path / "mimo", shape_config("tiny"), seed=1, layout="mimo"
+        )
     else:
         tiny_hf_model("LlamaConfig").save_pretrained(target)  # context 128
     if algorithm == "EAGLE3":
@@ -460,9 +520,18 @@ def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts,
     output equals plain decoding, and at the end every sampling slot and page is free.
     """
     draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
-    spec = LLM(str(smollm2_path), dtype="float32", device="cpu", speculative_algorithm=algorithm,
-               speculative_num_steps=K, speculative_policy="always", disable_overlap_schedule=False,
-               max_running_requests=4, disable_piecewise_cuda_graph=True, **draft)  # fmt: skip
+    spec = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm=algorithm,
+        speculative_num_steps=K,
+        speculative_policy="always",
+        disable_overlap_schedule=False,
+        max_running_requests=4,
+        disable_piecewise_cuda_graph=True,
+        **draft,
+    )
     engine, tok = spec.engine, spec.get_tokenizer()
     prompts = PROMPTS[:8]
     params = [_greedy(12 + 4 * (i % 3)) for i in range(len(prompts))]

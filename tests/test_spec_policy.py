@@ -49,7 +49,6 @@ def test_measures_both_kinds_of_step_first():
     assert not p.choose(reqs)  # 10x the time for at most K + 1 tokens
 
 
-
 def test_steps_set_aside_are_neither_timed_nor_counted():
     """A benchmark's synchronized passes are slower than serving's steps: set aside, they do
     not become the times the policy decides by (they once kept it off speculation for good).
@@ -68,6 +67,7 @@ def test_steps_set_aside_are_neither_timed_nor_counted():
     for _ in range(20):
         p.record_step(True, 1, 9.0)  # the same steps, recorded
     assert not p.choose(reqs)
+
 
 def test_one_slow_first_plain_step_does_not_keep_speculation_on():
     """The first plain step of a bucket may pay one-time costs: alone it would make every
@@ -88,12 +88,15 @@ def test_one_slow_first_plain_step_does_not_keep_speculation_on():
     assert not p.choose(reqs)
 
 
-@pytest.mark.parametrize(("accept", "t_spec", "want"), [
-    (5.0, 2.0, True),  # 5 tokens for 2x the time of one
-    (1.0, 1.5, False),  # an untrained head: 1 token for 1.5x the time
-    (2.0, 1.9, True),
-    (2.0, 2.1, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("accept", "t_spec", "want"),
+    [
+        (5.0, 2.0, True),  # 5 tokens for 2x the time of one
+        (1.0, 1.5, False),  # an untrained head: 1 token for 1.5x the time
+        (2.0, 1.9, True),
+        (2.0, 2.1, False),
+    ],
+)
 def test_speculates_when_tokens_per_second_are_higher(accept, t_spec, want):
     reqs = [Req(), Req()]
     p = measured(policy(), 2, t_spec, 1.0)

@@ -69,8 +69,9 @@ def test_shards_are_the_checkpoint_slices(qwen3_path) -> None:
     assert all(s.num_heads == 1 and s.num_kv_heads == 1 for s in shards)
     torch.testing.assert_close(torch.cat([a.qkv_proj.weight[:16] for a in attn]), q, rtol=0, atol=0)
     for r, a in enumerate(attn):  # KV head r // 2 on rank r
-        torch.testing.assert_close(a.qkv_proj.weight[16:32], k[16 * (r // 2) : 16 * (r // 2 + 1)],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            a.qkv_proj.weight[16:32], k[16 * (r // 2) : 16 * (r // 2 + 1)], rtol=0, atol=0
+        )
     o = torch.cat([a.o_proj.weight for a in attn], dim=1)
     torch.testing.assert_close(o, whole.o_proj.weight, rtol=0, atol=0)
     down = torch.cat([s.model.layers[0].mlp.down_proj.weight for s in shards], dim=1)
@@ -97,8 +98,15 @@ def test_head_counts_that_do_not_divide_raise(llama_path) -> None:
 
 
 def runner_config(path, tp: int) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", device="cpu", page_size=PAGE,
-                        max_total_tokens=512, piecewise_cuda_graph_max_tokens=32, tp_size=tp)
+    return EngineConfig(
+        model=str(path),
+        dtype="float32",
+        device="cpu",
+        page_size=PAGE,
+        max_total_tokens=512,
+        piecewise_cuda_graph_max_tokens=32,
+        tp_size=tp,
+    )
 
 
 @torch.inference_mode()
@@ -110,10 +118,15 @@ def runner_logits(runner: ModelRunner) -> list[torch.Tensor]:
     device = runner.device
     batches = [
         build_forward_batch(ForwardMode.EXTEND, chunks, PAGE, device),
-        build_forward_batch(ForwardMode.EXTEND, [SeqChunk(list(range(40)), 0, range(10, 20))],
-                            PAGE, device),
-        build_forward_batch(ForwardMode.DECODE, [SeqChunk([9], 19, range(5)),
-                                                 SeqChunk([3], 40, range(10, 21))], PAGE, device),
+        build_forward_batch(
+            ForwardMode.EXTEND, [SeqChunk(list(range(40)), 0, range(10, 20))], PAGE, device
+        ),
+        build_forward_batch(
+            ForwardMode.DECODE,
+            [SeqChunk([9], 19, range(5)), SeqChunk([3], 40, range(10, 21))],
+            PAGE,
+            device,
+        ),
     ]
     return [runner.forward(b).logits for b in batches]
 
@@ -146,13 +159,23 @@ def test_tp2_greedy_tokens_equal_tp1_with_ngram_then_a_killed_worker_fails_clean
     then a worker is killed: the next step raises within seconds, later ones too, and no
     worker process is left.
     """
-    kw = dict(tokenizer=str(smollm2_path), dtype="float32", device="cpu", page_size=PAGE,
-              max_total_tokens=512, disable_piecewise_cuda_graph=True,
-              speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_policy="always")
+    kw = dict(
+        tokenizer=str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        page_size=PAGE,
+        max_total_tokens=512,
+        disable_piecewise_cuda_graph=True,
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=3,
+        speculative_policy="always",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    expected = [o.outputs[0].token_ids
-                for o in LLM(str(llama_path), **kw).generate(prompts, params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(str(llama_path), **kw).generate(prompts, params, use_tqdm=False)
+    ]
     llm = LLM(str(llama_path), tp_size=2, **kw)
     procs = llm.engine.runner.tp_driver.procs
     try:
@@ -183,8 +206,9 @@ def test_workers_leave_when_rank0_is_sigtermed(llama_path) -> None:
         "max_total_tokens=64, disable_piecewise_cuda_graph=True), p); "
         "print(*[w.pid for w in r.tp_driver.procs], flush=True); sys.stdin.read()"
     )
-    rank0 = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     workers = [int(pid) for pid in rank0.stdout.readline().split()]
     assert workers and all(_running(pid) for pid in workers)
     rank0.send_signal(signal.SIGTERM)
@@ -210,18 +234,41 @@ def test_the_server_serves_tp2(llama_path, smollm2_path) -> None:
     from server_process import ServerProcess
 
     prompt, params = PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    kw = dict(tokenizer=str(smollm2_path), dtype="float32", device="cpu", page_size=PAGE,
-              max_total_tokens=512, disable_piecewise_cuda_graph=True)
-    want = LLM(str(llama_path), **kw).generate({"prompt_token_ids": prompt}, params,
-                                               use_tqdm=False)[0].outputs[0].text  # fmt: skip
-    server = ServerProcess("--model-path", str(llama_path), "--tokenizer", str(smollm2_path),
-                           "--tp-size", "2", "--page-size", str(PAGE), "--max-total-tokens",
-                           "512", "--context-length", "128",
-                           "--disable-piecewise-cuda-graph")  # fmt: skip
+    kw = dict(
+        tokenizer=str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        page_size=PAGE,
+        max_total_tokens=512,
+        disable_piecewise_cuda_graph=True,
+    )
+    want = (
+        LLM(str(llama_path), **kw)
+        .generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    server = ServerProcess(
+        "--model-path",
+        str(llama_path),
+        "--tokenizer",
+        str(smollm2_path),
+        "--tp-size",
+        "2",
+        "--page-size",
+        str(PAGE),
+        "--max-total-tokens",
+        "512",
+        "--context-length",
+        "128",
+        "--disable-piecewise-cuda-graph",
+    )
     try:
         server.wait_healthy()
-        status, out = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 12,
-                                                      "temperature": 0, "ignore_eos": True})
+        status, out = server.post(
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        )
         assert status == 200, out
         assert out["choices"][0]["text"] == want
         assert server.terminate() == 0

@@ -50,13 +50,24 @@ def prompts() -> list[list[int]]:
 def generate(path, smollm2_path, tp: int, **kw: object) -> tuple[list[list[int]], dict]:
     # NOTE: prefill chunks of at most 256 tokens fit the piecewise graphs (the prompts hold 527
     # tokens together: one unchunked prefill would run eagerly, past the largest bucket).
-    llm = LLM(str(path), tokenizer=str(smollm2_path), dtype="float32", tp_size=tp,
-              max_total_tokens=16384, cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=512,
-              chunked_prefill_size=256, **kw)  # fmt: skip
+    llm = LLM(
+        str(path),
+        tokenizer=str(smollm2_path),
+        dtype="float32",
+        tp_size=tp,
+        max_total_tokens=16384,
+        cuda_graph_max_bs=8,
+        piecewise_cuda_graph_max_tokens=512,
+        chunked_prefill_size=256,
+        **kw,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], greedy(24), use_tqdm=False)
     runner = llm.engine.runner
-    stats = {"piecewise": runner.piecewise.stats(), "decode": runner.decode_graphs.stats(),
-             "spec": llm.engine.spec_stats()}
+    stats = {
+        "piecewise": runner.piecewise.stats(),
+        "decode": runner.decode_graphs.stats(),
+        "spec": llm.engine.spec_stats(),
+    }
     llm.shutdown()
     del llm, runner
     gc.collect()
@@ -64,8 +75,9 @@ def generate(path, smollm2_path, tp: int, **kw: object) -> tuple[list[list[int]]
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "NGRAM",
-                                       "speculative_policy": "always"}])
+@pytest.mark.parametrize(
+    "spec", [{}, {"speculative_algorithm": "NGRAM", "speculative_policy": "always"}]
+)
 def test_tp2_greedy_equals_tp1_float32_through_the_graphs(checkpoint, smollm2_path, spec):
     expected, single = generate(checkpoint, smollm2_path, 1, **spec)
     got, split = generate(checkpoint, smollm2_path, 2, **spec)
@@ -85,9 +97,15 @@ def test_tp2_greedy_equals_tp1_float32_through_the_graphs(checkpoint, smollm2_pa
 
 def test_tp2_bf16_logits_within_tolerance_of_tp1(checkpoint):
     def logits(tp: int) -> list[torch.Tensor]:
-        config = EngineConfig(model=str(checkpoint), dtype="bfloat16", page_size=4, tp_size=tp,
-                              max_total_tokens=512, cuda_graph_max_bs=2,
-                              piecewise_cuda_graph_max_tokens=32)  # fmt: skip
+        config = EngineConfig(
+            model=str(checkpoint),
+            dtype="bfloat16",
+            page_size=4,
+            tp_size=tp,
+            max_total_tokens=512,
+            cuda_graph_max_bs=2,
+            piecewise_cuda_graph_max_tokens=32,
+        )
         runner = ModelRunner(config, checkpoint)
         out = [t.cpu() for t in runner_logits(runner)]
         runner.shutdown()

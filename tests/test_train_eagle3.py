@@ -60,13 +60,41 @@ from pcgspec.training.prompts import (
 )
 from pcgspec.training.trainer import CHAT_EVAL_TOKENS, Trainer, accept_length_estimate
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-TINY_RUN = ["--num-prompts", "12", "--self-prompt-fraction", "0.1", "--max-tokens", "20",
-            "--gen-batch-size", "8", "--eval-fraction", "0.2", "--draft-vocab-size", "64",
-            "--ttt-steps", "5", "--batch-tokens", "1024", "--lr", "3e-3", "--eval-every", "6",
-            "--save-every", "6", "--log-every", "3", "--device", "cpu"]  # fmt: skip
+TINY_RUN = [
+    "--num-prompts",
+    "12",
+    "--self-prompt-fraction",
+    "0.1",
+    "--max-tokens",
+    "20",
+    "--gen-batch-size",
+    "8",
+    "--eval-fraction",
+    "0.2",
+    "--draft-vocab-size",
+    "64",
+    "--ttt-steps",
+    "5",
+    "--batch-tokens",
+    "1024",
+    "--lr",
+    "3e-3",
+    "--eval-every",
+    "6",
+    "--save-every",
+    "6",
+    "--log-every",
+    "3",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -89,9 +117,15 @@ def counting_target(tmp_path_factory, smollm2_path) -> Path:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False)  # fmt: skip
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -114,9 +148,22 @@ def trained(counting_target, tmp_path_factory) -> tuple[Path, Path]:
     """``(work_dir, out)`` of one tiny run of the whole command."""
     root = tmp_path_factory.mktemp("train-eagle3")
     work, out = root / "work", root / "head"
-    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(work),
-                 "--out", str(out), "--epochs", "12", "--raw-prompt-fraction", "0.25",
-                 *TINY_RUN])  # fmt: skip
+    code = main(
+        [
+            "train-eagle3",
+            "--model",
+            str(counting_target),
+            "--work-dir",
+            str(work),
+            "--out",
+            str(out),
+            "--epochs",
+            "12",
+            "--raw-prompt-fraction",
+            "0.25",
+            *TINY_RUN,
+        ]
+    )
     assert code == 0
     return work, out
 
@@ -155,8 +202,9 @@ def test_ttt_loss_falls_on_a_tiny_random_llama() -> None:
 def _tiny_target_and_head() -> tuple[torch.nn.Module, Eagle3Head]:
     """The tiny random target and a fresh head over every third token of its vocabulary."""
     target = random_model("tiny", torch.float32, "cpu", seed=1)
-    head = build_trainable_head(target, torch.arange(1, target.vocab_size, 3),
-                                default_aux_layers(target.num_layers), seed=0)  # fmt: skip
+    head = build_trainable_head(
+        target, torch.arange(1, target.vocab_size, 3), default_aux_layers(target.num_layers), seed=0
+    )
     return target, head
 
 
@@ -200,12 +248,15 @@ def test_packed_lines_give_the_loss_of_one_sequence_per_line() -> None:
     gen = torch.Generator().manual_seed(0)
     lengths = [30, 17, 25, 12, 9, 28]
     total, hidden = sum(lengths), target.hidden_size
-    tensors = {"input_ids": torch.randint(0, target.vocab_size, (total,), generator=gen,
-                                          dtype=torch.int32),
-               "loss_mask": (torch.rand(total, generator=gen) > 0.3).to(torch.uint8),
-               "aux": torch.randn(total, 3 * hidden, generator=gen),
-               "final": torch.randn(total, hidden, generator=gen),
-               "offsets": torch.tensor([0, *lengths]).cumsum(0)}  # fmt: skip
+    tensors = {
+        "input_ids": torch.randint(
+            0, target.vocab_size, (total,), generator=gen, dtype=torch.int32
+        ),
+        "loss_mask": (torch.rand(total, generator=gen) > 0.3).to(torch.uint8),
+        "aux": torch.randn(total, 3 * hidden, generator=gen),
+        "final": torch.randn(total, hidden, generator=gen),
+        "offsets": torch.tensor([0, *lengths]).cumsum(0),
+    }
     shape = batch_shape([{"lengths": lengths}], batch_tokens=200)
     assert shape == BatchShape(lines=3, line_tokens=64)
     plan = plan_batches([{"lengths": lengths}], shape, seed=3)
@@ -215,10 +266,16 @@ def test_packed_lines_give_the_loss_of_one_sequence_per_line() -> None:
     assert all(sum(lengths[i] for i in line) <= 64 for _, lines in plan for line in lines)
     chat = [True] * 6
     with torch.no_grad():
-        packed = [ttt_loss(head, make_batch(tensors, chat, lines, 64, torch.device("cpu")), 3,
-                           0.8) for _, lines in plan]  # fmt: skip
-        alone = ttt_loss(head, make_batch(tensors, chat, [[i] for i in range(6)], 32,
-                                          torch.device("cpu")), 3, 0.8)  # fmt: skip
+        packed = [
+            ttt_loss(head, make_batch(tensors, chat, lines, 64, torch.device("cpu")), 3, 0.8)
+            for _, lines in plan
+        ]
+        alone = ttt_loss(
+            head,
+            make_batch(tensors, chat, [[i] for i in range(6)], 32, torch.device("cpu")),
+            3,
+            0.8,
+        )
     count = sum(counts.count for _, counts in packed)
     assert count.tolist() == alone[1].count.tolist() and count[0] > 0
     assert sum(counts.correct for _, counts in packed).tolist() == alone[1].correct.tolist()
@@ -243,8 +300,13 @@ def test_compiled_loss_equals_eager() -> None:
         head.zero_grad(set_to_none=True)
         loss, counts = ttt_loss(head, batch, num_steps=2, decay=0.8, compiled=compiled)
         loss.backward()
-        results.append((loss.detach(), counts, [p.grad.clone() for p in head.parameters()
-                                                if p.grad is not None]))  # fmt: skip
+        results.append(
+            (
+                loss.detach(),
+                counts,
+                [p.grad.clone() for p in head.parameters() if p.grad is not None],
+            )
+        )
     (eager, eager_counts, eager_grads), (fused, fused_counts, fused_grads) = results
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-5)
     assert fused_counts.correct.tolist() == eager_counts.correct.tolist()
@@ -267,14 +329,16 @@ def test_raw_prompts_skip_the_chat_template(counting_target) -> None:
     the chat template (which holds its own special tokens)."""
     from pcgspec.training.generate import generate_responses
 
-    llm = LLM(str(counting_target), dtype="float32", device="cpu",
-              disable_piecewise_cuda_graph=True)  # fmt: skip
+    llm = LLM(
+        str(counting_target), dtype="float32", device="cpu", disable_piecewise_cuda_graph=True
+    )
     tok, text = llm.get_tokenizer(), "Count on: 5 6 7"
     prompts = [Prompt(text, "prose", "builtin", chat=False), Prompt(text, "prose", "builtin")]
     (raw, raw_out), (chat, chat_out) = generate_responses(llm, prompts, 4, 0.0, seed=0)
     assert raw == tok.encode(text)
-    templated = tok.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=False)
+    templated = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == tok.encode(templated, add_special_tokens=False) != raw
     assert raw_out == [raw[-1] + i for i in range(1, 5)]  # the target counts on
     assert chat_out == [chat[-1] + i for i in range(1, 5)]
@@ -312,9 +376,14 @@ def test_pipeline_head_is_accepted_by_the_engine(trained, counting_target) -> No
     params = SamplingParams(temperature=0, max_tokens=12)
     kw = {"dtype": "float32", "device": "cpu", "disable_piecewise_cuda_graph": True}
     plain = LLM(str(counting_target), **kw).chat(prompts, params, use_tqdm=False)
-    spec_llm = LLM(str(counting_target), speculative_algorithm="EAGLE3",
-                   speculative_draft_model_path=str(out), speculative_num_steps=3,
-                   speculative_policy="always", **kw)  # fmt: skip
+    spec_llm = LLM(
+        str(counting_target),
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=str(out),
+        speculative_num_steps=3,
+        speculative_policy="always",
+        **kw,
+    )
     spec = spec_llm.chat(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec_llm.engine.spec_stats()["avg_spec_accept_length"] > 2.0
@@ -324,9 +393,23 @@ def test_resume_continues_from_the_last_checkpoint(trained, counting_target) -> 
     work, out = trained
     steps = json.loads((work / "train_summary.json").read_text())["train"]["steps"]
     assert sorted(p.name for p in (work / "checkpoints").glob("*.pt"))[-1] == f"step-{steps:08d}.pt"
-    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(work),
-                 "--out", str(out), "--phases", "train", "--resume", "--epochs", "13",
-                 *TINY_RUN])  # fmt: skip
+    code = main(
+        [
+            "train-eagle3",
+            "--model",
+            str(counting_target),
+            "--work-dir",
+            str(work),
+            "--out",
+            str(out),
+            "--phases",
+            "train",
+            "--resume",
+            "--epochs",
+            "13",
+            *TINY_RUN,
+        ]
+    )
     assert code == 0
     summary = json.loads((work / "train_summary.json").read_text())["train"]
     assert summary["steps"] == summary["total_steps"] == steps // 12 * 13
@@ -339,9 +422,24 @@ def test_max_train_seconds_fits_the_schedule(trained, counting_target, tmp_path)
     """
     work, _ = trained
     shutil.copytree(work / "data", tmp_path / "data")
-    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(tmp_path),
-                 "--out", str(tmp_path / "head"), "--phases", "train", "--epochs", "1000",
-                 "--max-train-seconds", "2", *TINY_RUN])  # fmt: skip
+    code = main(
+        [
+            "train-eagle3",
+            "--model",
+            str(counting_target),
+            "--work-dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "head"),
+            "--phases",
+            "train",
+            "--epochs",
+            "1000",
+            "--max-train-seconds",
+            "2",
+            *TINY_RUN,
+        ]
+    )
     assert code == 0
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     train = summary["train"]
@@ -353,9 +451,24 @@ def test_a_wider_head_is_trained_exported_and_loaded(trained, counting_target, t
     work, _ = trained
     shutil.copytree(work / "data", tmp_path / "data")
     out = tmp_path / "head"
-    code = main(["train-eagle3", "--model", str(counting_target), "--work-dir", str(tmp_path),
-                 "--out", str(out), "--phases", "train", "--head-intermediate-size", "96",
-                 "--max-steps", "2", *TINY_RUN])  # fmt: skip
+    code = main(
+        [
+            "train-eagle3",
+            "--model",
+            str(counting_target),
+            "--work-dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+            "--phases",
+            "train",
+            "--head-intermediate-size",
+            "96",
+            "--max-steps",
+            "2",
+            *TINY_RUN,
+        ]
+    )
     assert code == 0
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96  # target: 128
     target = load_model(counting_target, torch.float32, "cpu")
@@ -363,17 +476,25 @@ def test_a_wider_head_is_trained_exported_and_loaded(trained, counting_target, t
     assert head.midlayer.mlp.down_proj.weight.shape == (64, 96)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--out", "o", "--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
-    (["--phases", "train"], "--out is required by the train phase"),
-    (["--phases", "prompts,fly"], "--phases must be a comma-separated subset"),
-    (["--out", "o", "--ttt-steps", "0"], "--ttt-steps must be an integer >= 1"),
-    (["--out", "o", "--head-intermediate-size", "0"],
-     "--head-intermediate-size must be an integer >= 1"),
-    (["--out", "o", "--eval-fraction", "0.9"], r"--eval-fraction must be a number in \[0, 0.5\]"),
-    (["--out", "o", "--lr", "0"], "--lr must be a number"),
-    (["--out", "o", "--device", "tpu"], "device must be auto, cpu, cuda"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--out", "o", "--num-prompts", "0"], "--num-prompts must be an integer >= 1"),
+        (["--phases", "train"], "--out is required by the train phase"),
+        (["--phases", "prompts,fly"], "--phases must be a comma-separated subset"),
+        (["--out", "o", "--ttt-steps", "0"], "--ttt-steps must be an integer >= 1"),
+        (
+            ["--out", "o", "--head-intermediate-size", "0"],
+            "--head-intermediate-size must be an integer >= 1",
+        ),
+        (
+            ["--out", "o", "--eval-fraction", "0.9"],
+            r"--eval-fraction must be a number in \[0, 0.5\]",
+        ),
+        (["--out", "o", "--lr", "0"], "--lr must be a number"),
+        (["--out", "o", "--device", "tpu"], "device must be auto, cpu, cuda"),
+    ],
+)
 def test_bad_flags_get_clear_errors(tmp_path, capsys, flags, message) -> None:
     code = main(["train-eagle3", "--work-dir", str(tmp_path / "w"), *flags])
     assert code == 2
@@ -410,8 +531,11 @@ def test_everyday_requests_are_varied_and_deterministic() -> None:
     assert len(set(texts)) == 3000
     assert sample_requests(random.Random(0), 3000) == texts
     assert sample_requests(random.Random(1), 3000) != texts
-    patterns = {(kind, template): re.compile(re.sub(r"\\\{[^}]*\\\}", ".+", re.escape(template)))
-                for kind, templates in KINDS.items() for template in templates}  # fmt: skip
+    patterns = {
+        (kind, template): re.compile(re.sub(r"\\\{[^}]*\\\}", ".+", re.escape(template)))
+        for kind, templates in KINDS.items()
+        for template in templates
+    }
     used = {key for key, pattern in patterns.items() for t in texts if pattern.fullmatch(t)}
     assert len(used) > 0.9 * len(patterns)
     assert {kind for kind, _ in used} == set(KINDS)
@@ -438,13 +562,17 @@ def test_no_prompt_is_a_benchmark_chat_question() -> None:
     texts += [t.lower() for t in requests + sample_requests(random.Random(0), 5000)]
     texts += [p.text.lower() for p in template_prompts(5000, seed=0)]
     assert not [(q, t) for t in texts for q in questions if q in t]
-    subjects = re.compile(r"\b(basil|purrs?|job interviews?|climate|lighthouse|refrigerator|"
-                          r"bakery|api|hike|cinderella|palindromes?|salty|remembering names|"
-                          r"solar system|planets?|sunsets?|trains?)\b")  # fmt: skip
+    subjects = re.compile(
+        r"\b(basil|purrs?|job interviews?|climate|lighthouse|refrigerator|"
+        r"bakery|api|hike|cinderella|palindromes?|salty|remembering names|"
+        r"solar system|planets?|sunsets?|trains?)\b"
+    )
     assert not [t for t in requests if subjects.search(t.lower())]
     # the benchmark's most specific subjects appear in no built-in prompt at all
-    specific = re.compile(r"\b(basil|purrs?|job interviews?|lighthouse|bakery|cinderella|"
-                          r"palindromes?)\b")  # fmt: skip
+    specific = re.compile(
+        r"\b(basil|purrs?|job interviews?|lighthouse|bakery|cinderella|"
+        r"palindromes?)\b"
+    )
     assert not [t for t in texts if specific.search(t)]
 
 
@@ -490,21 +618,27 @@ def test_evaluation_reports_the_chat_window(tmp_path) -> None:
     target, head = _tiny_target_and_head()
     gen = torch.Generator().manual_seed(0)
     shards = []
-    for split, sequences in (("train", [(8, 20, True)]),
-                             ("eval", [(8, 100, True), (6, 40, False), (12, 30, True)])):
+    for split, sequences in (
+        ("train", [(8, 20, True)]),
+        ("eval", [(8, 100, True), (6, 40, False), (12, 30, True)]),
+    ):
         writer = ShardWriter(tmp_path, split, shard_tokens=1 << 20)
         for prompt, response, chat in sequences:
             n = prompt + response
-            writer.add(torch.randint(0, target.vocab_size, (n,), generator=gen).tolist(),
-                       [False] * prompt + [True] * response,
-                       torch.randn(n, 3 * target.hidden_size, generator=gen),
-                       torch.randn(n, target.hidden_size, generator=gen), chat)  # fmt: skip
+            writer.add(
+                torch.randint(0, target.vocab_size, (n,), generator=gen).tolist(),
+                [False] * prompt + [True] * response,
+                torch.randn(n, 3 * target.hidden_size, generator=gen),
+                torch.randn(n, target.hidden_size, generator=gen),
+                chat,
+            )
         writer.flush()
         shards += writer.shards
     write_index(tmp_path, shards, {"prompts": {}})
     index = json.loads((tmp_path / "index.json").read_text())
-    opts = TrainOptions(work_dir=str(tmp_path), out="o", device="cpu", ttt_steps=2,
-                        batch_tokens=4096)  # fmt: skip
+    opts = TrainOptions(
+        work_dir=str(tmp_path), out="o", device="cpu", ttt_steps=2, batch_tokens=4096
+    )
     result = Trainer(head, opts, tmp_path, index, tmp_path / "ckpt").evaluate()
     assert result.rows == 100 + 40 + 30
     assert result.chat64.rows == CHAT_EVAL_TOKENS + 30
@@ -540,8 +674,9 @@ def test_eagle3_default_draft_is_the_shipped_head(tmp_path, monkeypatch, smollm2
     for model in (None, str(smollm2_path)):
         spec = EngineConfig(model=model, speculative_algorithm="EAGLE3").speculative_config
         assert spec.draft_model_path(model) == str(head)
-    given = EngineConfig(model=str(tmp_path), speculative_algorithm="EAGLE3",
-                         speculative_draft_model_path=str(head))  # fmt: skip
+    given = EngineConfig(
+        model=str(tmp_path), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head)
+    )
     assert given.speculative_config.draft_model_path(str(tmp_path)) == str(head)
 
 
@@ -557,10 +692,18 @@ def test_shipped_head_drafts_for_the_default_model_and_output_equals_plain(smoll
     assert config["draft_vocab_size"] < config["vocab_size"]
     kw = {"dtype": "float32", "device": "cpu"}
     plain = LLM(str(smollm2_path), **kw)
-    spec = LLM(str(smollm2_path), speculative_algorithm="EAGLE3", speculative_num_steps=4,
-               speculative_policy="always", **kw)  # fmt: skip
-    questions = ["What is the capital of France?", "Write a haiku about the sea.",
-                 "Explain what a prime number is."]  # fmt: skip
+    spec = LLM(
+        str(smollm2_path),
+        speculative_algorithm="EAGLE3",
+        speculative_num_steps=4,
+        speculative_policy="always",
+        **kw,
+    )
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain what a prime number is.",
+    ]
     chats = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=0, max_tokens=48)
     want = plain.chat(chats, params, use_tqdm=False)

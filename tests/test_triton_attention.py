@@ -100,17 +100,24 @@ def _extend_problem(
     ]
     loc = [table[b][i // page_size] * page_size + i % page_size for b, i in positions]
     index = (
-        torch.tensor(loc + [-1] * pad, device=DEVICE), page_table,
-        _lens([p + n for p, n in reqs]), _lens(ext), _lens([sum(ext[:i]) for i in range(len(ext))]),
-    )  # fmt: skip
+        torch.tensor(loc + [-1] * pad, device=DEVICE),
+        page_table,
+        _lens([p + n for p, n in reqs]),
+        _lens(ext),
+        _lens([sum(ext[:i]) for i in range(len(ext))]),
+    )
     # strided views of one fused qkv tensor, as the model passes them
     return qkv.split([h, kv, kv], dim=1), tuple(c.to(cache_dtype) for c in caches), index
 
 
 def _check_fused(
-    case: tuple, dtype: torch.dtype, cache_dtype: torch.dtype, tol: float, cache_tol: float,
+    case: tuple,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    tol: float,
+    cache_tol: float,
     num_splits: int = 1,
-) -> None:  # fmt: skip
+) -> None:
     """The fused kernel == ``store_kv_ref`` then ``extend_attention_ref``: real rows within
     ``tol``, padded rows zero, written slots within ``cache_tol``, every other slot untouched.
     """
@@ -118,14 +125,26 @@ def _check_fused(
     gen = torch.Generator().manual_seed(h * d + pad)
     (q, k, v), caches, index = _extend_problem(case, dtype, cache_dtype, gen)
     ext, scale = [new for _, new in reqs], d**-0.5
-    plan = plan_extend(ext, len(q), h, kv, d, dtype, page_size, scale, num_splits=num_splits,
-                       block_m=block, block_n=block)  # fmt: skip
+    plan = plan_extend(
+        ext,
+        len(q),
+        h,
+        kv,
+        d,
+        dtype,
+        page_size,
+        scale,
+        num_splits=num_splits,
+        block_m=block,
+        block_n=block,
+    )
     fused, ref = [c.clone() for c in caches], [c.clone() for c in caches]
     out, expected = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     workspace = None
     if num_splits > 1:  # NaN-filled: a piece the reduce reads but no program wrote shows up
-        workspace = tuple(w.fill_(float("nan"))
-                          for w in decode_workspace(len(q), h, d, num_splits, DEVICE))  # fmt: skip
+        workspace = tuple(
+            w.fill_(float("nan")) for w in decode_workspace(len(q), h, d, num_splits, DEVICE)
+        )
     extend_attention(q, k, v, out, *fused, *index, plan, workspace=workspace)
     store_kv_ref(k, v, *ref, index[0])
     extend_attention_ref(q, *ref, expected, *index[1:], page_size, scale)
@@ -169,14 +188,16 @@ def test_prefix_splits_fill_the_gpu_only_where_needed() -> None:
     assert prefix_splits(programs=1, max_prefix=100_000, num_sms=132) == 16
     assert prefix_splits(programs=3, max_prefix=511, num_sms=132) == 1
     assert prefix_splits(programs=132, max_prefix=8000, num_sms=132) == 1
-    plan = plan_extend([32] * 16, 512, 9, 3, 64, torch.bfloat16, 16, 1.0, max_prefix=2000,
-                       num_sms=132)  # fmt: skip
+    plan = plan_extend(
+        [32] * 16, 512, 9, 3, 64, torch.bfloat16, 16, 1.0, max_prefix=2000, num_sms=132
+    )
     assert plan.num_splits == 3 and plan.grid == (16, 3, 3)
     with pytest.raises(ValueError, match="num_splits must be in 1..16"):
         plan_extend([2], 2, 4, 2, 16, torch.float32, 4, 1.0, num_splits=17)
     gen = torch.Generator().manual_seed(3)
-    (q, k, v), caches, index = _extend_problem(SPLIT_CASES["more_pieces_than_tiles"][0],
-                                               torch.float32, torch.float32, gen)  # fmt: skip
+    (q, k, v), caches, index = _extend_problem(
+        SPLIT_CASES["more_pieces_than_tiles"][0], torch.float32, torch.float32, gen
+    )
     plan = plan_extend([2, 40], len(q), 4, 4, 16, torch.float32, 16, 1.0, num_splits=4)
     with pytest.raises(ValueError, match="needs a float32 workspace"):
         extend_attention(q, k, v, torch.empty_like(q), *caches, *index, plan)
@@ -395,8 +416,10 @@ def test_triton_backend_splits_a_long_prefix(
     oracle, triton_backend = _backends(gen)
     batch = _batch(ForwardMode.EXTEND, [(100, 3), (0, 5), (57, 1)], 2, gen)
     t, num_real = batch.num_tokens, sum(batch.extend_lens_cpu)
-    qkv = [tuple(torch.randn(t, n, D, generator=gen).to(DEVICE) for n in (H, KV, KV))
-           for _ in range(NUM_LAYERS)]  # fmt: skip
+    qkv = [
+        tuple(torch.randn(t, n, D, generator=gen).to(DEVICE) for n in (H, KV, KV))
+        for _ in range(NUM_LAYERS)
+    ]
     expected = _run(oracle, batch, qkv)
     triton_launches.clear()
     actual = _run(triton_backend, batch, qkv)

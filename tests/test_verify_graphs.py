@@ -38,10 +38,18 @@ K1 = 3  # k+1 tokens per request (Requests leaves room for MAX_NEW = 8 more toke
 
 
 def verify_batch(reqs: Requests, rows: Sequence[int], n: int = K1) -> ForwardBatch:
-    chunks = [SeqChunk(reqs.ids[r][reqs.lens[r] : reqs.lens[r] + n], reqs.lens[r], reqs.pages[r])
-              for r in rows]  # fmt: skip
-    return build_forward_batch(ForwardMode.TARGET_VERIFY, chunks, PAGE_SIZE, reqs.runner.device,
-                               logits_rows=range(len(rows) * n), spec_num_draft_tokens=n)
+    chunks = [
+        SeqChunk(reqs.ids[r][reqs.lens[r] : reqs.lens[r] + n], reqs.lens[r], reqs.pages[r])
+        for r in rows
+    ]
+    return build_forward_batch(
+        ForwardMode.TARGET_VERIFY,
+        chunks,
+        PAGE_SIZE,
+        reqs.runner.device,
+        logits_rows=range(len(rows) * n),
+        spec_num_draft_tokens=n,
+    )
 
 
 def verify_graphs(runner: ModelRunner, warm_up: bool = True) -> DecodeGraphRunner:
@@ -107,9 +115,12 @@ def test_model_runner_routes_verify_batches(tiny_path) -> None:  # noqa: F811
         runner.forward(reqs.decode([1]))  # DECODE batches never reach the verify graphs
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     no_fallbacks = dict.fromkeys(DecodeGraphRunner.reasons, 0)
-    assert runner.verify_graphs.stats() == {"graphs": 5, "runs": 1, "padded_rows": K1,
-                                            "fallbacks": no_fallbacks}
-
+    assert runner.verify_graphs.stats() == {
+        "graphs": 5,
+        "runs": 1,
+        "padded_rows": K1,
+        "fallbacks": no_fallbacks,
+    }
 
 
 @torch.inference_mode()
@@ -123,8 +134,7 @@ def test_a_verify_batch_built_in_place_replays_like_eager(tiny_path) -> None:  #
     rows = [4, 2, 9]
     lens = [reqs.lens[r] for r in rows]  # the last token's position: its K/V is not cached yet
     last = torch.tensor([reqs.ids[r][n] for r, n in zip(rows, lens)], device=device)
-    drafts = torch.tensor([reqs.ids[r][n + 1 : n + K1] for r, n in zip(rows, lens)],
-                          device=device)  # fmt: skip
+    drafts = torch.tensor([reqs.ids[r][n + 1 : n + K1] for r, n in zip(rows, lens)], device=device)
     tokens = VerifyTokens(last.flip(0), torch.arange(2, -1, -1, device=device), drafts)
     seq_lens = torch.tensor(lens, device=device) + 1
     table = device_page_table([reqs.pages[r] for r in rows], device)
@@ -150,6 +160,7 @@ def test_a_verify_batch_built_in_place_replays_like_eager(tiny_path) -> None:  #
     assert graphs.rows_for(3, graphs.max_pages + 1, max(bounds)) is None
     assert graphs.rows_for(3, table.shape[1], graphs.max_seq_len + 1) is None
 
+
 def test_verify_can_run_refusals(tiny_path) -> None:  # noqa: F811
     runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=True)
     graphs = verify_graphs(runner)
@@ -173,8 +184,13 @@ def test_verify_can_run_refusals(tiny_path) -> None:  # noqa: F811
 
 @pytest.mark.gpu
 def test_cuda_verify_graphs_match_eager(tiny_path) -> None:  # noqa: F811
-    runner = tiny_runner(tiny_path, device="cuda", disable_piecewise_cuda_graph=True,
-                         speculative_algorithm="NGRAM", speculative_num_steps=K1 - 1)
+    runner = tiny_runner(
+        tiny_path,
+        device="cuda",
+        disable_piecewise_cuda_graph=True,
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=K1 - 1,
+    )
     graphs = runner.verify_graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
     check_verify_against_eager(runner, graphs, tol=1e-5)

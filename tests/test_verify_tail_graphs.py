@@ -46,21 +46,29 @@ def _verify_pass(runner, graphs, reqs: Requests, slot_reqs, slots: SamplingSlots
     table = device_page_table([reqs.pages[r] for r in ROWS], device)
     bounds = [n + K1 for n in lens]
     rows = graphs.rows_for(len(ROWS), table.shape[1], max(bounds))
-    batch = build_verify_batch(VerifyTokens(slots.last_token, slot_idx, drafts),
-                               torch.tensor(lens, device=device) + 1, table, PAGE_SIZE, bounds,
-                               rows)  # fmt: skip
+    batch = build_verify_batch(
+        VerifyTokens(slots.last_token, slot_idx, drafts),
+        torch.tensor(lens, device=device) + 1,
+        table,
+        PAGE_SIZE,
+        bounds,
+        rows,
+    )
     assert graphs.can_run(batch)
     return graphs.replay(batch).hidden[: len(ROWS) * K1].clone()
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("temperatures", [(0.0, 0.0, 0.0), (0.9, 0.0, 1.3)],
-                         ids=["greedy", "mixed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "temperatures", [(0.0, 0.0, 0.0), (0.9, 0.0, 1.3)], ids=["greedy", "mixed"]
+)
 def test_tail_replay_equals_eager_acceptance(tiny_path, temperatures) -> None:  # noqa: F811
     runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=True)
     graphs, reqs = verify_graphs(runner), Requests(runner)
-    slot_reqs = [SlotReq(SamplingParams(temperature=t, seed=i), 100 + i, [3, 4, 5])
-                 for i, t in enumerate(temperatures)]  # fmt: skip
+    slot_reqs = [
+        SlotReq(SamplingParams(temperature=t, seed=i), 100 + i, [3, 4, 5])
+        for i, t in enumerate(temperatures)
+    ]
     eager, tailed = _slots(runner, slot_reqs), _slots(runner, slot_reqs)
     gen = torch.Generator().manual_seed(0)
     drafts = torch.randint(0, runner.vocab_size, (len(ROWS), K1 - 1), generator=gen)
@@ -74,19 +82,26 @@ def test_tail_replay_equals_eager_acceptance(tiny_path, temperatures) -> None:  
     _verify_pass(runner, graphs, reqs, slot_reqs, tailed, drafts)
 
     sampling = eager.rows(slot_reqs, drafts)
-    target, strategy = _target_rows(process_logits(runner.model.compute_logits(hidden), sampling),
-                                    sampling)  # fmt: skip
-    want = verify_draft_tokens_ref(target.view(len(ROWS), K1, -1), drafts, strategy,
-                                   seed=sampling.seed.view(-1, K1),
-                                   position=sampling.position.view(-1, K1), num_draft=num)
+    target, strategy = _target_rows(
+        process_logits(runner.model.compute_logits(hidden), sampling), sampling
+    )
+    want = verify_draft_tokens_ref(
+        target.view(len(ROWS), K1, -1),
+        drafts,
+        strategy,
+        seed=sampling.seed.view(-1, K1),
+        position=sampling.position.view(-1, K1),
+        num_draft=num,
+    )
     eager.commit(slot_reqs, want.tokens, want.accept_len + 1)
 
     tail = VerifyTailGraphs(graphs, tailed, runner.model.compute_logits)
     tail.capture()
     flags = tailed.flags(slot_reqs)
     assert tail.can_run(TailBatch(len(ROWS), flags, graph_replays=True))
-    results, got = tail.replay(tailed.slot_indices(slot_reqs), drafts, num,
-                               bool(flags["all_greedy"]))  # fmt: skip
+    results, got = tail.replay(
+        tailed.slot_indices(slot_reqs), drafts, num, bool(flags["all_greedy"])
+    )
     assert torch.equal(got.accept_len, want.accept_len) and torch.equal(got.tokens, want.tokens)
     assert torch.equal(results[:, 1], num)
     if temperatures == (0.0, 0.0, 0.0):
@@ -106,17 +121,25 @@ def test_tail_refuses_what_it_cannot_serve(tiny_path) -> None:  # noqa: F811
     runner = tiny_runner(tiny_path, disable_piecewise_cuda_graph=True)
     graphs = verify_graphs(runner)
     tail = VerifyTailGraphs(graphs, _slots(runner, []), runner.model.compute_logits)
-    ok = {"all_greedy": True, "needs_penalties": False, "needs_filters": False,
-          "rank_depth": 0, "max_logprobs": None}  # fmt: skip
+    ok = {
+        "all_greedy": True,
+        "needs_penalties": False,
+        "needs_filters": False,
+        "rank_depth": 0,
+        "max_logprobs": None,
+    }
     assert tail.can_run(TailBatch(3, ok, True))
     assert not tail.can_run(TailBatch(3, ok, False))
     assert not tail.can_run(TailBatch(graphs.max_bs + 1, ok, True))
     assert not tail.can_run(TailBatch(3, {**ok, "needs_penalties": True}, True))
     assert not tail.can_run(TailBatch(3, {**ok, "needs_filters": True}, True))
     assert not tail.can_run(TailBatch(3, {**ok, "max_logprobs": 2}, True))
-    assert tail.stats() == {"graphs": 0, "runs": 0, "padded_rows": 0,
-                            "fallbacks": {"no_verify_graph": 2, "penalties": 1, "filters": 1,
-                                          "logprobs": 1}}  # fmt: skip
+    assert tail.stats() == {
+        "graphs": 0,
+        "runs": 0,
+        "padded_rows": 0,
+        "fallbacks": {"no_verify_graph": 2, "penalties": 1, "filters": 1, "logprobs": 1},
+    }
 
 
 @pytest.mark.gpu
@@ -126,15 +149,23 @@ def test_cuda_tail_graphs_serve_the_engine(tiny_path, smollm2_path) -> None:  # 
     seeded sampled speculation through it equal plain decoding."""
     from pcgspec import LLM
 
-    kw = dict(tokenizer=str(smollm2_path), dtype="float32", mem_fraction_static=0.3,
-              max_total_tokens=4096)  # fmt: skip
-    llm = LLM(str(tiny_path), speculative_algorithm="NGRAM", speculative_num_steps=K1 - 1,
-              speculative_policy="always", **kw)  # fmt: skip
+    kw = dict(
+        tokenizer=str(smollm2_path), dtype="float32", mem_fraction_static=0.3, max_total_tokens=4096
+    )
+    llm = LLM(
+        str(tiny_path),
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=K1 - 1,
+        speculative_policy="always",
+        **kw,
+    )
     tail = llm.engine.spec_worker.tail
     assert tail is not None and tail.stats()["graphs"] == 2 * len(tail.batch_sizes)
     prompts = [{"prompt_token_ids": p} for p in ([1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6])]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
+    ]
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tail.stats()["runs"] > 0
     plain = LLM(str(tiny_path), **kw)

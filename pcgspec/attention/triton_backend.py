@@ -77,11 +77,17 @@ class TritonAttentionBackend(AttentionBackend):
         if not tokens_per_seq:
             ext = batch.extend_lens_cpu
             plan = plan_extend(
-                ext, batch.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim,
-                self.kv_cache.spec.dtype, self.kv_cache.page_size, self.scale,
+                ext,
+                batch.num_tokens,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.kv_cache.spec.dtype,
+                self.kv_cache.page_size,
+                self.scale,
                 max_prefix=max((s - n for s, n in zip(batch.seq_lens_cpu, ext)), default=0),
                 num_sms=_num_sms(self.kv_cache.k[0].device),
-            )  # fmt: skip
+            )
             num_splits = plan.num_splits
         workspace = None
         if tokens_per_seq or num_splits > 1:
@@ -120,19 +126,39 @@ class TritonAttentionBackend(AttentionBackend):
         # NOTE: every layer of a pass has the same shapes and dtypes: check the first only.
         if md.extend_plan is not None:
             extend_attention(
-                q, k, v, out, k_cache, v_cache, md.out_cache_loc, md.page_table, md.seq_lens,
-                md.extend_lens, md.extend_start, md.extend_plan, workspace=md.workspace,
+                q,
+                k,
+                v,
+                out,
+                k_cache,
+                v_cache,
+                md.out_cache_loc,
+                md.page_table,
+                md.seq_lens,
+                md.extend_lens,
+                md.extend_start,
+                md.extend_plan,
+                workspace=md.workspace,
                 check=layer_id == 0,
-            )  # fmt: skip
+            )
             return
         check = layer_id == 0
         store_kv(k, v, k_cache, v_cache, md.out_cache_loc, check=check)
         n = md.num_real_tokens
         decode_attention(
-            q[:n], k_cache, v_cache, out[:n], md.page_table, md.seq_lens, self.kv_cache.page_size,
-            self.scale, md.num_kv_splits, tokens_per_seq=md.tokens_per_seq,
-            workspace=md.workspace, check=check,
-        )  # fmt: skip
+            q[:n],
+            k_cache,
+            v_cache,
+            out[:n],
+            md.page_table,
+            md.seq_lens,
+            self.kv_cache.page_size,
+            self.scale,
+            md.num_kv_splits,
+            tokens_per_seq=md.tokens_per_seq,
+            workspace=md.workspace,
+            check=check,
+        )
         if out.shape[0] > n:
             out[n:].zero_()
 
@@ -148,8 +174,11 @@ def _tokens_per_seq(batch: ForwardBatch) -> int:
     padded to k+1 rows per request: k+1), else 0.
     """
     ext_cpu, mode = batch.extend_lens_cpu, batch.forward_mode
-    split_kv = mode.is_decode() or mode is ForwardMode.TARGET_VERIFY or (
-        mode is ForwardMode.DRAFT_EXTEND and batch.spec_num_draft_tokens > 0)  # fmt: skip
+    split_kv = (
+        mode.is_decode()
+        or mode is ForwardMode.TARGET_VERIFY
+        or (mode is ForwardMode.DRAFT_EXTEND and batch.spec_num_draft_tokens > 0)
+    )
     return ext_cpu[0] if split_kv and len(set(ext_cpu)) == 1 else 0
 
 

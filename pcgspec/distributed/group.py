@@ -25,8 +25,10 @@ class TPGroup:
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
             raise ValueError(f"rank must be in [0, {self.size}), got {self.rank!r}")
         if (self.size > 1) != (self.group_name is not None):
-            raise ValueError(f"group_name must be set exactly when size > 1, got "
-                             f"{self.group_name!r} for size {self.size}")
+            raise ValueError(
+                f"group_name must be set exactly when size > 1, got "
+                f"{self.group_name!r} for size {self.size}"
+            )
 
     def shard(self, total: int, what: str) -> int:
         """``total / size``; ``ValueError`` naming ``what`` when it does not divide."""
@@ -46,5 +48,6 @@ class TPGroup:
             return x
         parts = torch.ops.pcgspec.all_gather(x, self.group_name, self.size)  # [size, ..., N]
         return torch.cat(parts.unbind(0), dim=-1)
+
 
 SINGLE = TPGroup()

@@ -61,16 +61,21 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 class TPDriver:
     """Rank 0's end of the group: spawns a process per other rank running ``worker``."""
 
-    def __init__(self, config: EngineConfig, model_path: Path | RandomWeights | None,
-                 worker: WorkerMain) -> None:  # fmt: skip
+    def __init__(
+        self, config: EngineConfig, model_path: Path | RandomWeights | None, worker: WorkerMain
+    ) -> None:
         check_shardable(model_path, config.tp_size)
         disable_nvlink_multicast()  # NOTE: before the spawn: children inherit the environment
         rendezvous = Rendezvous.local(config.tp_size)
         ctx = mp.get_context("spawn")
         self.procs: list[BaseProcess] = []
         for rank in range(1, config.tp_size):
-            proc = ctx.Process(target=worker, name=f"pcgspec-tp{rank}", daemon=True,
-                               args=(config, model_path, rendezvous, rank))
+            proc = ctx.Process(
+                target=worker,
+                name=f"pcgspec-tp{rank}",
+                daemon=True,
+                args=(config, model_path, rendezvous, rank),
+            )
             proc.start()
             self.procs.append(proc)
         # NOTE: at garbage collection or interpreter exit: terminate at once (nothing to flush)
@@ -85,9 +90,12 @@ class TPDriver:
             raise
         self.channel = BatchChannel(self.groups)
         threading.Thread(target=self._watch, name="pcgspec-tp-watch", daemon=True).start()
-        logger.info("tensor parallel: %d ranks (%s), workers %s", config.tp_size,
-                    "nccl" if self.groups.device.type == "cuda" else "gloo",
-                    [p.pid for p in self.procs])  # fmt: skip
+        logger.info(
+            "tensor parallel: %d ranks (%s), workers %s",
+            config.tp_size,
+            "nccl" if self.groups.device.type == "cuda" else "gloo",
+            [p.pid for p in self.procs],
+        )
 
     @property
     def tp(self) -> TPGroup:
@@ -174,4 +182,3 @@ def _stop(procs: list[BaseProcess], stopping: threading.Event) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-

@@ -57,15 +57,20 @@ class TPProcessGroups:
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=rendezvous.init_method, rank=rank,
+            "nccl" if cuda else "gloo",
+            init_method=rendezvous.init_method,
+            rank=rank,
             world_size=rendezvous.size,
             timeout=DEVICE_GROUP_TIMEOUT if cuda else HOST_GROUP_TIMEOUT,
             device_id=device if cuda else None,
-        )  # fmt: skip
+        )
         self.device = device
         self.device_group = dist.group.WORLD
-        self.host_group = (dist.new_group(backend="gloo", timeout=HOST_GROUP_TIMEOUT) if cuda
-                           else self.device_group)  # fmt: skip
+        self.host_group = (
+            dist.new_group(backend="gloo", timeout=HOST_GROUP_TIMEOUT)
+            if cuda
+            else self.device_group
+        )
         self.tp = TPGroup(rank, rendezvous.size, self.device_group.group_name)
         dist.all_reduce(torch.ones(1, device=device), group=self.device_group)
 

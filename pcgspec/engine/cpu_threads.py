@@ -70,8 +70,10 @@ def apply_cpu_threads(config: EngineConfig) -> None:
     else:
         info = CpuInfo.probe()
         threads = default_cpu_threads(info, config.tp_size)
-        why = (f"{info.physical} physical of {info.allowed} usable CPUs, load {info.load:.1f}; "
-               "--cpu-threads to choose")  # fmt: skip
+        why = (
+            f"{info.physical} physical of {info.allowed} usable CPUs, load {info.load:.1f}; "
+            "--cpu-threads to choose"
+        )
     torch.set_num_threads(threads)
     logger.info("CPU threads: %d (%s)", threads, why)
 
@@ -82,8 +84,12 @@ def _physical_cores(cpus: list[int]) -> int:
     for cpu in cpus:
         topology = _SYS_CPU / f"cpu{cpu}" / "topology"
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(),
-                       (topology / "core_id").read_text().strip()))  # fmt: skip
+            cores.add(
+                (
+                    (topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip(),
+                )
+            )
         except OSError:
             return 0
     return len(cores)

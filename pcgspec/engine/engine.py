@@ -57,14 +57,25 @@ class Engine:
         chunk = config.resolved_chunked_prefill_size
         spec = config.speculative_config
         lookup = spec is not None and spec.algorithm == "NGRAM"  # searches the tokens so far
-        self.slots = SamplingSlots(config.max_running_requests, self.runner.vocab_size,
-                                   self.runner.device, history_len=self.context_length if lookup
-                                   else None)  # fmt: skip
-        self.prefix_cache = None if config.disable_radix_cache else RadixCache(
-            self.pages, self.page_size, track_draft=draft is not None)
-        self.scheduler = Scheduler(self.pages, self.page_size, config.max_running_requests,
-                                   min(budget, chunk) if chunk else budget, self.slots,
-                                   self.prefix_cache)  # fmt: skip
+        self.slots = SamplingSlots(
+            config.max_running_requests,
+            self.runner.vocab_size,
+            self.runner.device,
+            history_len=self.context_length if lookup else None,
+        )
+        self.prefix_cache = (
+            None
+            if config.disable_radix_cache
+            else RadixCache(self.pages, self.page_size, track_draft=draft is not None)
+        )
+        self.scheduler = Scheduler(
+            self.pages,
+            self.page_size,
+            config.max_running_requests,
+            min(budget, chunk) if chunk else budget,
+            self.slots,
+            self.prefix_cache,
+        )
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.runner.model.config)
         self._seeds = random.Random(config.random_seed)
         self.overlap = config.use_overlap_schedule
@@ -76,8 +87,9 @@ class Engine:
         self._ids = itertools.count()
         self.spec_worker = (
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
-            if spec is not None else None
-        )  # fmt: skip
+            if spec is not None
+            else None
+        )
         if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
             self.scheduler.draft = self.spec_worker.proposer
         # what a failed step gives back before its requests run again (isolation.py)
@@ -98,9 +110,12 @@ class Engine:
         aux = draft.target_aux_layers(target.num_layers)
         if aux is not None and config.aux_hidden_state_layers is None:
             config = dataclasses.replace(config, aux_hidden_state_layers=tuple(aux))
-        runner = ModelRunner(config, model=target,
-                             draft_kv_bytes_per_token=kv_spec(draft).bytes_per_token,
-                             drafter_reads_hidden=draft.uses_target_hidden)  # fmt: skip
+        runner = ModelRunner(
+            config,
+            model=target,
+            draft_kv_bytes_per_token=kv_spec(draft).bytes_per_token,
+            drafter_reads_hidden=draft.uses_target_hidden,
+        )
         draft_runner = DraftRunner(draft, runner.kv_cache.num_pages, runner.page_size, config)
         return runner, draft_runner
 
@@ -112,16 +127,21 @@ class Engine:
         worker, config = self.spec_worker, self.config
         runner = self.runner
         if worker is not None and runner.verify_graphs is not None and runner.tp_driver is None:
-            worker.tail = VerifyTailGraphs(runner.verify_graphs, self.slots,
-                                           runner.model.compute_logits)  # fmt: skip
+            worker.tail = VerifyTailGraphs(
+                runner.verify_graphs, self.slots, runner.model.compute_logits
+            )
             worker.tail.capture()
         proposer = None if worker is None else worker.proposer
-        if (not isinstance(proposer, ModelProposer) or self.runner.device.type != "cuda"
-                or config.disable_cuda_graph):  # fmt: skip
+        if (
+            not isinstance(proposer, ModelProposer)
+            or self.runner.device.type != "cuda"
+            or config.disable_cuda_graph
+        ):
             return
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-        proposer.graphs = DraftGraphRunner(proposer.runner, proposer.num_steps, max_bs,
-                                           self.context_length)  # fmt: skip
+        proposer.graphs = DraftGraphRunner(
+            proposer.runner, proposer.num_steps, max_bs, self.context_length
+        )
         proposer.graphs.capture()
 
     def _kernel_warmup(self) -> KernelWarmup:
@@ -159,8 +179,16 @@ class Engine:
         for i in range(params.n):
             seed = base if i == 0 else hash((base, i)) & _SEED_MASK
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            req = Request(f"{group}-{i}", ids, params, seed, detok, self.context_length,
-                          group_id=group, index=i)
+            req = Request(
+                f"{group}-{i}",
+                ids,
+                params,
+                seed,
+                detok,
+                self.context_length,
+                group_id=group,
+                index=i,
+            )
             self.scheduler.add(req)
             reqs.append(req)
         return reqs
@@ -175,9 +203,7 @@ class Engine:
             )
         capacity = self.pages.num_pages * self.page_size
         if len(ids) >= capacity:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the KV cache holds only {capacity}"
-            )
+            raise ValueError(f"prompt has {len(ids)} tokens but the KV cache holds only {capacity}")
         vocab = self.runner.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -273,9 +299,14 @@ class Engine:
         if self.spec_worker is not None:
             self._time_step(batch, speculate, waited, start)
         if batch is not None and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s step: %d requests, %d new tokens%s, %.2f ms", batch.mode.name.lower(),
-                         len(batch.requests), sum(batch.num_new_tokens),
-                         ", speculative" if speculate else "", 1e3 * (time.perf_counter() - start))
+            logger.debug(
+                "%s step: %d requests, %d new tokens%s, %.2f ms",
+                batch.mode.name.lower(),
+                len(batch.requests),
+                sum(batch.num_new_tokens),
+                ", speculative" if speculate else "",
+                1e3 * (time.perf_counter() - start),
+            )
         return took
 
     def _first_tokens_in_flight(self) -> bool:
@@ -283,8 +314,7 @@ class Engine:
         launch costs the overlap of one step per prefill step (the device idles while the next
         step is built) and takes that step's host work off those requests' TTFT.
         """
-        return any(isinstance(s, LaunchedStep) and s.prefill and s.requests
-                   for s in self.in_flight)  # fmt: skip
+        return any(isinstance(s, LaunchedStep) and s.prefill and s.requests for s in self.in_flight)
 
     def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
         """Whether ``batch`` must wait for the host to read the steps in flight: a plain decode
@@ -296,7 +326,8 @@ class Engine:
             return False
         if speculate:
             return self.spec_worker.proposer.reads_host_tokens and any(  # type: ignore[union-attr]
-                isinstance(s, LaunchedStep) for s in self.in_flight)  # fmt: skip
+                isinstance(s, LaunchedStep) for s in self.in_flight
+            )
         return any(isinstance(s, LaunchedSpecStep) for s in self.in_flight)
 
     def drain(self) -> list[Request]:
@@ -385,10 +416,13 @@ class Engine:
             ids += [PENDING_TOKEN] * (n - len(ids))  # NOTE: decode only: pending is the last
             chunks.append(SeqChunk(ids, start, req.pages, sample))
         built = build_forward_batch(
-            batch.mode, chunks, self.page_size, self.runner.device,
+            batch.mode,
+            chunks,
+            self.page_size,
+            self.runner.device,
             capture_hidden_mode=self.runner.capture_hidden_mode(batch.mode),
             sampling=self.slots.rows(batch.sampled_requests),
-        )  # fmt: skip
+        )
         if not any(r.num_pending_tokens for r in batch.requests):
             return built
         ids = resolve_pending(built.input_ids, self.slots.last_tokens(batch.requests))
@@ -407,8 +441,10 @@ def _drained(batch: ScheduledBatch, speculate: bool) -> ScheduledBatch | None:
 
 def _eos_token_ids(tokenizer: object, hf_config: object) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(hf_config, "eos_token_id", None)):
+    for source in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(hf_config, "eos_token_id", None),
+    ):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):

@@ -31,8 +31,12 @@ logger = logging.getLogger("pcgspec")
 
 RunBatch = Callable[[ScheduledBatch], None]  # compute, sample, commit (or launch)
 # NOTE: how CUDA reports a sticky error (the context is lost; every later call fails too)
-_DEVICE_LOST = ("CUDA error", "device-side assert", "illegal memory access",
-                "CUBLAS_STATUS_EXECUTION_FAILED")  # fmt: skip
+_DEVICE_LOST = (
+    "CUDA error",
+    "device-side assert",
+    "illegal memory access",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+)
 
 
 def device_unusable(error: BaseException) -> bool:
@@ -57,9 +61,11 @@ class RequestFailure:
 
 
 def run_isolated(
-    batch: ScheduledBatch, run: RunBatch, release: Callable[[Request], None],
+    batch: ScheduledBatch,
+    run: RunBatch,
+    release: Callable[[Request], None],
     state: Sequence[Rollback] = (),
-) -> list[Request]:  # fmt: skip
+) -> list[Request]:
     """Run ``batch`` with ``run``; returns the requests that failed (finished with "error" and
     handed to ``release``). Raises the first error when every request failed. ``state`` is
     rolled back after every failed run.
@@ -69,9 +75,12 @@ def run_isolated(
         raise failures[0].error
     for failure in failures:
         req, error = failure.request, failure.error
-        logger.error("request %s failed in its step; it finishes with an error, the other %d "
-                     "go on", req.request_id, len(batch.requests) - len(failures),
-                     exc_info=error)  # fmt: skip
+        logger.error(
+            "request %s failed in its step; it finishes with an error, the other %d go on",
+            req.request_id,
+            len(batch.requests) - len(failures),
+            exc_info=error,
+        )
         req.fail(f"{type(error).__name__}: {error}")
         release(req)
     return [f.request for f in failures]

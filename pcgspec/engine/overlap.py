@@ -63,8 +63,13 @@ class LaunchedStep:
     ) -> LaunchedStep:
         """Start copying ``sampled`` to the host; the requests' tokens are pending until read."""
         lp = sampled.logprobs
-        logprobs = None if lp is None else SampleLogprobs(
-            _to_host(lp.token_logprobs), _to_host(lp.top_ids), _to_host(lp.top_logprobs))
+        logprobs = (
+            None
+            if lp is None
+            else SampleLogprobs(
+                _to_host(lp.token_logprobs), _to_host(lp.top_ids), _to_host(lp.top_logprobs)
+            )
+        )
         tokens = _to_host(sampled.tokens)
         ready = None
         if sampled.tokens.is_cuda:
@@ -100,13 +105,15 @@ class LaunchedStep:
         lp = self.logprobs
         if lp is None:
             return None
-        token_lp, top_ids, top_lp = (lp.token_logprobs.tolist(), lp.top_ids.tolist(),
-                                     lp.top_logprobs.tolist())  # fmt: skip
+        token_lp, top_ids, top_lp = (
+            lp.token_logprobs.tolist(),
+            lp.top_ids.tolist(),
+            lp.top_logprobs.tolist(),
+        )
         out = []
         for i, (req, token) in enumerate(zip(self.requests, self.tokens.tolist())):
             n = req.params.logprobs or 0
-            out.append(TokenLogprobs(token, token_lp[i], tuple(zip(top_ids[i][:n],
-                                                                   top_lp[i][:n]))))
+            out.append(TokenLogprobs(token, token_lp[i], tuple(zip(top_ids[i][:n], top_lp[i][:n]))))
         return out
 
 

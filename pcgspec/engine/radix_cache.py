@@ -146,8 +146,12 @@ class RadixCache:
             key = tuple(ids[i * p : (i + 1) * p])
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(ids[i * p : total * p], list(pages[i:total]),
-                                                   node, draft_pages=max(0, drafted - i))
+                child = node.children[key] = _Node(
+                    ids[i * p : total * p],
+                    list(pages[i:total]),
+                    node,
+                    draft_pages=max(0, drafted - i),
+                )
                 for page in child.pages:
                     self.pool.cache_hold(page)
                 self.num_pages += total - i
@@ -191,8 +195,13 @@ class RadixCache:
         """
         p, parent = self.page_size, node.parent
         assert parent is not None
-        head = _Node(node.tokens[: n * p], node.pages[:n], parent, last_access=node.last_access,
-                     draft_pages=min(node.draft_pages, n))  # fmt: skip
+        head = _Node(
+            node.tokens[: n * p],
+            node.pages[:n],
+            parent,
+            last_access=node.last_access,
+            draft_pages=min(node.draft_pages, n),
+        )
         parent.children[tuple(node.tokens[:p])] = head
         node.tokens, node.pages = node.tokens[n * p :], node.pages[n:]
         node.draft_pages = max(0, node.draft_pages - n)
@@ -216,8 +225,11 @@ class RadixCache:
             if node.parent is None or node.children or last_access != node.last_access:
                 continue  # evicted, no longer a leaf, or used since: a newer entry stands
             key, trimmed = tuple(node.tokens[:p]), 0
-            while (node.pages and freed + trimmed < num_pages
-                   and self.pool.refcount(node.pages[-1]) == 1):  # fmt: skip
+            while (
+                node.pages
+                and freed + trimmed < num_pages
+                and self.pool.refcount(node.pages[-1]) == 1
+            ):
                 self.pool.cache_release(node.pages.pop())
                 del node.tokens[-p:]
                 trimmed += 1

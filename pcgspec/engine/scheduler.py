@@ -63,9 +63,12 @@ class ScheduledBatch:
 
     def subset(self, rows: list[int]) -> ScheduledBatch:
         """The requests ``rows`` as a batch of their own (their pages are reserved)."""
-        return ScheduledBatch(self.mode, [self.requests[i] for i in rows],
-                              [self.num_new_tokens[i] for i in rows],
-                              [self.samples[i] for i in rows])  # fmt: skip
+        return ScheduledBatch(
+            self.mode,
+            [self.requests[i] for i in rows],
+            [self.num_new_tokens[i] for i in rows],
+            [self.samples[i] for i in rows],
+        )
 
 
 class RequestSlots(Protocol):
@@ -317,8 +320,9 @@ class Scheduler:
         if self.prefix_cache is None or not req.pages or req.finish_reason == "error":
             return
         draft = self.draft.draft_computed(req) if self.draft is not None else 0
-        self.prefix_cache.insert(req.token_ids, req.pages, req.num_computed_tokens, draft,
-                                 after=req.prefix_hit)  # fmt: skip
+        self.prefix_cache.insert(
+            req.token_ids, req.pages, req.num_computed_tokens, draft, after=req.prefix_hit
+        )
 
     def _free(self, req: Request) -> None:
         self._cache(req)

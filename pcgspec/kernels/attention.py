@@ -24,10 +24,21 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # NOTE: index arrays may be views into one packed upload: their alignment is not specialized.
 @triton.jit(do_not_specialize_on_alignment=["Loc"])
 def _store_kv_kernel(
-    K, V, KCache, VCache, Loc,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    K,
+    V,
+    KCache,
+    VCache,
+    Loc,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0)
     loc = tl.load(Loc + t).to(tl.int64)
     if loc < 0:
@@ -45,7 +56,7 @@ def _store_kv_kernel(
 @triton.jit
 def _online_softmax(
     acc, m_i, l_i, q, k, v, keep, qk_scale, MASKED: tl.constexpr, DOT_PREC: tl.constexpr
-):  # fmt: skip
+):
     """Fold keys ``k``/``v`` [BLOCK_N, BLOCK_D] into the running output, max and sum (log2
     domain) of the rows ``q``; with ``MASKED``, keys where ``keep`` [ROWS, BLOCK_N] is False
     are left out.
@@ -63,11 +74,27 @@ def _online_softmax(
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, KCache, VCache, page_row, n0, kv_end, causal_lim, kv_head, qk_scale,
+    acc,
+    m_i,
+    l_i,
+    q,
+    KCache,
+    VCache,
+    page_row,
+    n0,
+    kv_end,
+    causal_lim,
+    kv_head,
+    qk_scale,
     stride_cs,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_KV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """One online-softmax step over keys ``n0 .. n0 + BLOCK_N`` read through the page table."""
     j = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -94,11 +121,29 @@ def _attend_tile(
     do_not_specialize_on_alignment=["PageTable", "SeqLens"],
 )
 def _split_kv_kernel(
-    Q, KCache, VCache, MidO, MidLse, PageTable, SeqLens, qk_scale, num_heads, num_splits,
-    stride_qt, stride_qh, stride_pt, stride_cs,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
+    Q,
+    KCache,
+    VCache,
+    MidO,
+    MidLse,
+    PageTable,
+    SeqLens,
+    qk_scale,
+    num_heads,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_pt,
+    stride_cs,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     # One program: the TOKENS last positions x GROUP query heads of one kv head of one
     # request, over one split of its keys. Rows are (token, head-in-group) pairs.
     b = tl.program_id(0)
@@ -123,9 +168,27 @@ def _split_kv_kernel(
     causal_lim = seq_len - TOKENS + rows // GROUP
     for n0 in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, KCache, VCache, page_row, n0, hi, causal_lim, kv_head, qk_scale,
-            stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, TOKENS > 1, DOT_PREC,
-        )  # fmt: skip
+            acc,
+            m_i,
+            l_i,
+            q,
+            KCache,
+            VCache,
+            page_row,
+            n0,
+            hi,
+            causal_lim,
+            kv_head,
+            qk_scale,
+            stride_cs,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            TOKENS > 1,
+            DOT_PREC,
+        )
     # NOTE: a row that sees no key of this split stores o = 0, lse = -inf: the reduce weighs it 0.
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -137,9 +200,17 @@ def _split_kv_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _split_kv_reduce_kernel(
-    MidO, MidLse, Out, num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    MidO,
+    MidLse,
+    Out,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -168,8 +239,9 @@ def _require(ok: bool, msg: str) -> None:
 def _check_rows(name: str, x: torch.Tensor, cache: torch.Tensor, heads: int | None) -> None:
     """``x`` is ``[rows, heads, D]`` with unit stride along D (a view of a fused qkv is fine)."""
     if not (x.dim() == 3 and x.shape[2] == cache.shape[2] and heads in (None, x.shape[1])):
-        raise ValueError(f"{name} must be [rows, {heads or 'H'}, {cache.shape[2]}], "
-                         f"got {tuple(x.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be [rows, {heads or 'H'}, {cache.shape[2]}], got {tuple(x.shape)}"
+        )
     if x.dtype not in _DTYPES:
         raise ValueError(f"{name} dtype must be one of {_DTYPES}, got {x.dtype}")
     if x.stride(2) != 1:
@@ -192,15 +264,21 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"k_cache must be [slots, KV, D], got {tuple(k_cache.shape)}")
     _require(v_cache.shape == k_cache.shape, "v_cache shape must equal k_cache shape")
     if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"caches must share a dtype in {_DTYPES}, "
-                         f"got {k_cache.dtype}/{v_cache.dtype}")  # fmt: skip
+        raise ValueError(
+            f"caches must share a dtype in {_DTYPES}, got {k_cache.dtype}/{v_cache.dtype}"
+        )
     _require(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
 
 
 def _check_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-) -> None:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+) -> None:
     _check_cache(k_cache, v_cache)
     _check_rows("q", q, k_cache, None)
     _check_rows("out", out, k_cache, q.shape[1])
@@ -217,10 +295,17 @@ def _check_attention(
 
 
 def _check_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_kv_splits: int,
-    tokens_per_seq: int, workspace: tuple[torch.Tensor, torch.Tensor],
-) -> None:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    num_kv_splits: int,
+    tokens_per_seq: int,
+    workspace: tuple[torch.Tensor, torch.Tensor],
+) -> None:
     _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, page_size)
     num_rows, num_heads, head_dim = q.shape
     if tokens_per_seq < 1:
@@ -234,8 +319,10 @@ def _check_decode(
     ok &= mid_lse.shape == mid_o.shape[:3] and mid_o.is_contiguous() and mid_lse.is_contiguous()
     ok &= mid_o.dtype == mid_lse.dtype == torch.float32
     if not ok:
-        raise ValueError(f"workspace must be decode_workspace(>={num_rows}, {num_heads}, "
-                         f"{head_dim}, {num_kv_splits})")  # fmt: skip
+        raise ValueError(
+            f"workspace must be decode_workspace(>={num_rows}, {num_heads}, "
+            f"{head_dim}, {num_kv_splits})"
+        )
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -265,11 +352,21 @@ def store_kv(
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, out_cache_loc,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
-        NUM_KV=num_kv, HEAD_DIM=head_dim,
-        BLOCK_KV=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
-    )  # fmt: skip
+        k,
+        v,
+        k_cache,
+        v_cache,
+        out_cache_loc,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        NUM_KV=num_kv,
+        HEAD_DIM=head_dim,
+        BLOCK_KV=triton.next_power_of_2(num_kv),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 def decode_workspace(
@@ -324,33 +421,66 @@ def decode_attention(
     group = num_heads // num_kv
     block_d = max(16, triton.next_power_of_2(head_dim))
     _split_kv_kernel[(len(seq_lens), num_kv, num_kv_splits)](
-        q, k_cache, v_cache, mid_o, mid_lse, page_table, seq_lens, scale * _LOG2E,
-        num_heads, num_kv_splits, q.stride(0), q.stride(1), page_table.stride(0),
+        q,
+        k_cache,
+        v_cache,
+        mid_o,
+        mid_lse,
+        page_table,
+        seq_lens,
+        scale * _LOG2E,
+        num_heads,
+        num_kv_splits,
+        q.stride(0),
+        q.stride(1),
+        page_table.stride(0),
         k_cache.stride(0),
-        PAGE_SIZE=page_size, GROUP=group, TOKENS=tokens_per_seq, HEAD_DIM=head_dim,
-        BLOCK_M=max(16, triton.next_power_of_2(tokens_per_seq * group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_PREC=_dot_precision(q.dtype), num_warps=4, num_stages=2,
-    )  # fmt: skip
-    _split_kv_reduce_kernel[(num_rows, num_heads)](
-        mid_o, mid_lse, out, num_heads, num_kv_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=max(_MIN_BLOCK_S, triton.next_power_of_2(num_kv_splits)),
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        TOKENS=tokens_per_seq,
+        HEAD_DIM=head_dim,
+        BLOCK_M=max(16, triton.next_power_of_2(tokens_per_seq * group)),
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
-    )  # fmt: skip
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    _split_kv_reduce_kernel[(num_rows, num_heads)](
+        mid_o,
+        mid_lse,
+        out,
+        num_heads,
+        num_kv_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(_MIN_BLOCK_S, triton.next_power_of_2(num_kv_splits)),
+        BLOCK_D=block_d,
+    )
 
 
 def store_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     out_cache_loc: torch.Tensor,
-) -> None:  # fmt: skip
+) -> None:
     keep = out_cache_loc >= 0
     k_cache[out_cache_loc[keep]] = k[keep].to(k_cache.dtype)
     v_cache[out_cache_loc[keep]] = v[keep].to(v_cache.dtype)
 
 
 def _attend_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
-    seq_len: int, page_size: int, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    seq_len: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
     """The last ``len(q)`` positions of one sequence of ``seq_len`` attending causally."""
     pos = torch.arange(seq_len, device=q.device)
     slots = pages.long()[pos // page_size] * page_size + pos % page_size
@@ -364,10 +494,16 @@ def _attend_ref(
 
 
 def decode_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
     tokens_per_seq: int = 1,
-) -> None:  # fmt: skip
+) -> None:
     n = tokens_per_seq
     for b, seq in enumerate(seq_lens.tolist()):
         rows = slice(b * n, (b + 1) * n)

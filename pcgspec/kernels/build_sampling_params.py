@@ -80,10 +80,24 @@ _TABLE_AND_INDEX = ["Temp", "TopP", "TopK", "MinP", "Seed", "Pos", "Slots", "Row
 
 @triton.jit(do_not_specialize_on_alignment=_TABLE_AND_INDEX)
 def _build_kernel(
-    Temp, TopP, TopK, MinP, Seed, Pos, Slots, RowsPer, RowStart,
-    OTemp, OTopP, OTopK, OMinP, OSeed, OPos,
-    HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    Temp,
+    TopP,
+    TopK,
+    MinP,
+    Seed,
+    Pos,
+    Slots,
+    RowsPer,
+    RowStart,
+    OTemp,
+    OTopP,
+    OTopK,
+    OMinP,
+    OSeed,
+    OPos,
+    HAS_SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0)
     slot = b.to(tl.int64)
     if HAS_SLOTS:
@@ -113,17 +127,42 @@ def _build_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["num_requests", "num_tokens", "token_stride", "history_stride",
-                       "history_end"],
-    do_not_specialize_on_alignment=["Pos", "Slots", "Emitted", "Tokens", "LastToken", "History",
-                                    "PromptLen"],
+    do_not_specialize=[
+        "num_requests",
+        "num_tokens",
+        "token_stride",
+        "history_stride",
+        "history_end",
+    ],
+    do_not_specialize_on_alignment=[
+        "Pos",
+        "Slots",
+        "Emitted",
+        "Tokens",
+        "LastToken",
+        "History",
+        "PromptLen",
+    ],
 )
 def _advance_kernel(
-    Pos, Slots, Emitted, Tokens, LastToken, History, PromptLen,
-    num_requests, num_tokens, token_stride, history_stride, history_end,
-    HAS_SLOTS: tl.constexpr, HAS_TOKENS: tl.constexpr, HAS_HISTORY: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
+    Pos,
+    Slots,
+    Emitted,
+    Tokens,
+    LastToken,
+    History,
+    PromptLen,
+    num_requests,
+    num_tokens,
+    token_stride,
+    history_stride,
+    history_end,
+    HAS_SLOTS: tl.constexpr,
+    HAS_TOKENS: tl.constexpr,
+    HAS_HISTORY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = b < num_requests
     slot = b.to(tl.int64)
@@ -135,15 +174,17 @@ def _advance_kernel(
     if HAS_TOKENS:
         j = tl.arange(0, BLOCK_T)
         in_row = mask[:, None] & (j[None, :] < num_tokens)
-        tokens = tl.load(Tokens + b.to(tl.int64)[:, None] * token_stride + j[None, :],
-                         mask=in_row, other=0)  # fmt: skip
+        tokens = tl.load(
+            Tokens + b.to(tl.int64)[:, None] * token_stride + j[None, :], mask=in_row, other=0
+        )
         last = tl.sum(tl.where(j[None, :] == emitted[:, None] - 1, tokens, 0), axis=1)
         tl.store(LastToken + slot, last, mask=mask & (emitted > 0))
         if HAS_HISTORY:  # NOTE: at the old length; past a row's end into its spill column
             length = tl.load(PromptLen + slot, mask=mask, other=0) + pos
             column = tl.minimum(length[:, None] + j[None, :], history_end)
-            tl.store(History + slot[:, None] * history_stride + column, tokens.to(tl.int32),
-                     mask=in_row)  # fmt: skip
+            tl.store(
+                History + slot[:, None] * history_stride + column, tokens.to(tl.int32), mask=in_row
+            )
     tl.store(Pos + slot, pos + emitted, mask=mask)
 
 
@@ -171,9 +212,13 @@ class SamplingTensors:
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         return cls(
-            torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **i64),
-            torch.empty(n, **f32), torch.empty(n, **i64), torch.empty(n, **i64),
-        )  # fmt: skip
+            torch.empty(n, **f32),
+            torch.empty(n, **f32),
+            torch.empty(n, **i64),
+            torch.empty(n, **f32),
+            torch.empty(n, **i64),
+            torch.empty(n, **i64),
+        )
 
     def __len__(self) -> int:
         return self.temperature.shape[0]
@@ -185,8 +230,11 @@ class SamplingTensors:
         n, device = len(self), self.temperature.device
         for field, want, t in zip(_FIELDS, _DTYPES, self.tensors()):
             ok = t.shape == (n,) and t.dtype == want and t.device == device and t.is_contiguous()
-            _require(ok, f"{name}.{field} must be contiguous [{n}] {want} on {device}, "
-                     f"got {tuple(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
+            _require(
+                ok,
+                f"{name}.{field} must be contiguous [{n}] {want} on {device}, "
+                f"got {tuple(t.shape)} {t.dtype} on {t.device}",
+            )
 
 
 _FIELDS = tuple(f.name for f in fields(SamplingTensors))
@@ -217,9 +265,13 @@ def uniform_triton(
     if n:
         block = 256
         _uniform_kernel[(triton.cdiv(n, block),)](
-            seed.contiguous(), position.contiguous(), out, n, STREAM=stream & 0xFFFFFFFF,
+            seed.contiguous(),
+            position.contiguous(),
+            out,
+            n,
+            STREAM=stream & 0xFFFFFFFF,
             BLOCK=block,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -243,8 +295,11 @@ def build_sampling_params(
     _check_index("req_slots", req_slots, num_requests, device)
     _check_index("row_start", row_start, num_requests, device)
     if req_slots is None:
-        _require(num_requests <= len(requests), f"{num_requests} requests without req_slots "
-                 f"need a table of >= {num_requests} entries, got {len(requests)}")  # fmt: skip
+        _require(
+            num_requests <= len(requests),
+            f"{num_requests} requests without req_slots "
+            f"need a table of >= {num_requests} entries, got {len(requests)}",
+        )
     if out is None:
         out = SamplingTensors.empty(num_rows, device)
     out.check("out")
@@ -256,9 +311,12 @@ def build_sampling_params(
         row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
     slots = req_slots if req_slots is not None else rows_per_request  # unused when no slots
     has_slots = req_slots is not None
-    _BUILD((num_requests, 1, 1), (*requests.tensors(), slots, rows_per_request, row_start,
-                                  *out.tensors()), (),
-           {"HAS_SLOTS": has_slots, "BLOCK": _ROW_BLOCK})  # fmt: skip
+    _BUILD(
+        (num_requests, 1, 1),
+        (*requests.tensors(), slots, rows_per_request, row_start, *out.tensors()),
+        (),
+        {"HAS_SLOTS": has_slots, "BLOCK": _ROW_BLOCK},
+    )
     return out
 
 
@@ -293,44 +351,79 @@ def advance_positions(
     has_slots, has_tokens = req_slots is not None, tokens is not None
     has_history = history is not None
     dummy = positions  # stands in for absent pointers; never read
-    tensors = (positions, req_slots if has_slots else num_emitted, num_emitted,
-               tokens if has_tokens else dummy, last_token if has_tokens else dummy,
-               history if has_history else dummy, prompt_len if has_history else dummy)  # fmt: skip
+    tensors = (
+        positions,
+        req_slots if has_slots else num_emitted,
+        num_emitted,
+        tokens if has_tokens else dummy,
+        last_token if has_tokens else dummy,
+        history if has_history else dummy,
+        prompt_len if has_history else dummy,
+    )
     num_tokens = tokens.shape[1] if has_tokens else 1
-    scalars = (num_requests, num_tokens, tokens.stride(0) if has_tokens else 0,
-               history.stride(0) if has_history else 0,
-               history.shape[1] - 1 if has_history else 0)  # fmt: skip
-    constants = {"HAS_SLOTS": has_slots, "HAS_TOKENS": has_tokens, "HAS_HISTORY": has_history,
-                 "BLOCK": _ADVANCE_BLOCK, "BLOCK_T": triton.next_power_of_2(num_tokens)}
+    scalars = (
+        num_requests,
+        num_tokens,
+        tokens.stride(0) if has_tokens else 0,
+        history.stride(0) if has_history else 0,
+        history.shape[1] - 1 if has_history else 0,
+    )
+    constants = {
+        "HAS_SLOTS": has_slots,
+        "HAS_TOKENS": has_tokens,
+        "HAS_HISTORY": has_history,
+        "BLOCK": _ADVANCE_BLOCK,
+        "BLOCK_T": triton.next_power_of_2(num_tokens),
+    }
     _ADVANCE((triton.cdiv(num_requests, _ADVANCE_BLOCK), 1, 1), tensors, scalars, constants)
 
 
 def _check_commit(
-    positions: torch.Tensor, num_requests: int, tokens: torch.Tensor | None,
-    last_token: torch.Tensor | None, history: torch.Tensor | None,
+    positions: torch.Tensor,
+    num_requests: int,
+    tokens: torch.Tensor | None,
+    last_token: torch.Tensor | None,
+    history: torch.Tensor | None,
     prompt_len: torch.Tensor | None,
-) -> None:  # fmt: skip
+) -> None:
     device, n = positions.device, positions.shape[0]
     _require((tokens is None) == (last_token is None), "tokens and last_token go together")
     _require((history is None) == (prompt_len is None), "history and prompt_len go together")
     _require(history is None or tokens is not None, "history needs tokens")
     if tokens is None:
         return
-    ok = (tokens.dim() == 2 and tokens.shape[0] == num_requests and tokens.dtype == torch.int64
-          and (tokens.stride(1) == 1 or tokens.shape[1] == 1) and tokens.device == device)
-    _require(ok, f"tokens must be [{num_requests}, n] int64 on {device} with unit column stride, "
-             f"got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}")  # fmt: skip
-    ok = (last_token.shape == (n,) and last_token.dtype == torch.int64
-          and last_token.device == device)  # fmt: skip
+    ok = (
+        tokens.dim() == 2
+        and tokens.shape[0] == num_requests
+        and tokens.dtype == torch.int64
+        and (tokens.stride(1) == 1 or tokens.shape[1] == 1)
+        and tokens.device == device
+    )
+    _require(
+        ok,
+        f"tokens must be [{num_requests}, n] int64 on {device} with unit column stride, "
+        f"got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}",
+    )
+    ok = (
+        last_token.shape == (n,) and last_token.dtype == torch.int64 and last_token.device == device
+    )
     _require(ok and last_token.is_contiguous(), f"last_token must be contiguous [{n}] int64")
     if history is None:
         return
-    ok = (history.dim() == 2 and history.shape[0] == n and history.shape[1] >= 2
-          and history.dtype == torch.int32 and history.stride(1) == 1 and history.device == device)
+    ok = (
+        history.dim() == 2
+        and history.shape[0] == n
+        and history.shape[1] >= 2
+        and history.dtype == torch.int32
+        and history.stride(1) == 1
+        and history.device == device
+    )
     _require(ok, f"history must be [{n}, L + 1] int32 with unit column stride")
     ok = prompt_len.shape == (n,) and prompt_len.dtype == torch.int64
-    _require(ok and prompt_len.is_contiguous() and prompt_len.device == device,
-             f"prompt_len must be contiguous [{n}] int64")  # fmt: skip
+    _require(
+        ok and prompt_len.is_contiguous() and prompt_len.device == device,
+        f"prompt_len must be contiguous [{n}] int64",
+    )
 
 
 def _slots(req_slots: torch.Tensor | None, num_requests: int) -> list[int]:
@@ -350,8 +443,9 @@ def build_sampling_params_ref(
         out = SamplingTensors.empty(num_rows, requests.temperature.device)
     if row_start is None:
         row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
-    spans = zip(_slots(req_slots, len(rows_per_request)), row_start.tolist(),
-                rows_per_request.tolist())  # fmt: skip
+    spans = zip(
+        _slots(req_slots, len(rows_per_request)), row_start.tolist(), rows_per_request.tolist()
+    )
     for slot, start, n in spans:
         if slot < 0:
             continue
@@ -375,8 +469,11 @@ def advance_positions_ref(
     num_requests = len(num_emitted)
     _check_commit(positions, num_requests, tokens, last_token, history, prompt_len)
     device = positions.device
-    slots = (torch.arange(num_requests, device=device) if req_slots is None
-             else req_slots.to(torch.int64))  # fmt: skip
+    slots = (
+        torch.arange(num_requests, device=device)
+        if req_slots is None
+        else req_slots.to(torch.int64)
+    )
     valid = slots >= 0
     slots, emitted = slots[valid], num_emitted[valid].to(torch.int64)
     if tokens is not None:

@@ -46,9 +46,22 @@ from pcgspec.kernels.launches import CompiledLaunches
 
 @triton.jit
 def _store_new_kv(
-    K, V, KCache, VCache, Loc, row, writer, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
-    NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    K,
+    V,
+    KCache,
+    VCache,
+    Loc,
+    row,
+    writer,
+    kv_head,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """The ``writer`` rows store the K/V of ``kv_head`` of their token ``row`` at its slot."""
     loc = tl.load(Loc + row, mask=writer, other=-1).to(tl.int64)  # -1: write nothing
     d = tl.arange(0, BLOCK_D)
@@ -62,10 +75,24 @@ def _store_new_kv(
 
 @triton.jit
 def _attend_prefix(
-    acc, m_i, l_i, q, KCache, VCache, page_row, lo, hi, kv_head, qk_scale,
-    PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
+    acc,
+    m_i,
+    l_i,
+    q,
+    KCache,
+    VCache,
+    page_row,
+    lo,
+    hi,
+    kv_head,
+    qk_scale,
+    PAGE_SIZE: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Stage 1: every row sees the cached keys ``lo .. hi`` (``lo <= hi``; ``lo`` a multiple
     of ``BLOCK_N`` unless the range is empty), read through the page table (no causal mask, so
     the tile's ``causal_lim`` argument is unused).
@@ -73,24 +100,78 @@ def _attend_prefix(
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
     for n0 in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, KCache, VCache, page_row, n0, hi, hi, kv_head, qk_scale,
-            NUM_KV * HEAD_DIM, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, DOT_PREC,
-        )  # fmt: skip
+            acc,
+            m_i,
+            l_i,
+            q,
+            KCache,
+            VCache,
+            page_row,
+            n0,
+            hi,
+            hi,
+            kv_head,
+            qk_scale,
+            NUM_KV * HEAD_DIM,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            False,
+            False,
+            DOT_PREC,
+        )
     for n0 in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, KCache, VCache, page_row, n0, hi, hi, kv_head, qk_scale,
-            NUM_KV * HEAD_DIM, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, False, DOT_PREC,
-        )  # fmt: skip
+            acc,
+            m_i,
+            l_i,
+            q,
+            KCache,
+            VCache,
+            page_row,
+            n0,
+            hi,
+            hi,
+            kv_head,
+            qk_scale,
+            NUM_KV * HEAD_DIM,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            False,
+            DOT_PREC,
+        )
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attend_new_tile(
-    acc, m_i, l_i, q, K, V, KCache, start, n0, kv_end, tok, kv_head, qk_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    KCache,
+    start,
+    n0,
+    kv_end,
+    tok,
+    kv_head,
+    qk_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """New keys ``n0 .. n0 + BLOCK_N`` from the k/v rows; ``MASKED``: causal and ``< kv_end``."""
     j = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -109,11 +190,30 @@ def _attend_new_tile(
 
 @triton.jit
 def _attend_new(
-    acc, m_i, l_i, q, K, V, KCache, start, tok, r0, ext_len, kv_head, qk_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    KCache,
+    start,
+    tok,
+    r0,
+    ext_len,
+    kv_head,
+    qk_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Stage 2: the new keys up to the tile's last token, causally.
 
     NOTE: keys up to the tile's first token ``r0 // GROUP`` are visible to every row.
@@ -122,21 +222,61 @@ def _attend_new(
     kv_end = tl.minimum((r0 + BLOCK_M - 1) // GROUP, ext_len - 1) + 1
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_new_tile(
-            acc, m_i, l_i, q, K, V, KCache, start, n0, kv_end, tok, kv_head, qk_scale, stride_kt,
-            stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, False, DOT_PREC,
-        )  # fmt: skip
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            KCache,
+            start,
+            n0,
+            kv_end,
+            tok,
+            kv_head,
+            qk_scale,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            False,
+            DOT_PREC,
+        )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_new_tile(
-            acc, m_i, l_i, q, K, V, KCache, start, n0, kv_end, tok, kv_head, qk_scale, stride_kt,
-            stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, True, DOT_PREC,
-        )  # fmt: skip
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            KCache,
+            start,
+            n0,
+            kv_end,
+            tok,
+            kv_head,
+            qk_scale,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            DOT_PREC,
+        )
     return acc, m_i, l_i
 
 
 @triton.jit
 def _zero_rows(
     Out, row, keep, head, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
-):  # fmt: skip
+):
     d = tl.arange(0, BLOCK_D)
     offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     mask = keep[:, None] & (d < HEAD_DIM)[None, :]
@@ -151,13 +291,42 @@ def _zero_rows(
     do_not_specialize_on_alignment=["Loc", "PageTable", "SeqLens", "ExtendLens", "ExtendStart"],
 )
 def _extend_kernel(
-    Q, K, V, Out, KCache, VCache, Loc, PageTable, SeqLens, ExtendLens, ExtendStart, MidO, MidLse,
-    qk_scale, num_real, num_rows, num_splits, stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    KCache,
+    VCache,
+    Loc,
+    PageTable,
+    SeqLens,
+    ExtendLens,
+    ExtendStart,
+    MidO,
+    MidLse,
+    qk_scale,
+    num_real,
+    num_rows,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr,
-):  # fmt: skip
+):
     # Rows of a tile are (token, head-in-group) pairs, so one K/V read serves the whole group.
     # With SPLIT, axis 2 is (row tile, prefix piece): the piece's partial output goes to MidO /
     # MidLse ([rows, heads, num_splits, (HEAD_DIM)]) for the merge.
@@ -189,9 +358,22 @@ def _extend_kernel(
     else:
         writer = (rows % GROUP == 0) & (tok < ext_len)
     _store_new_kv(
-        K, V, KCache, VCache, Loc, row, writer, kv_head, stride_kt, stride_kh, stride_vt,
-        stride_vh, NUM_KV, HEAD_DIM, BLOCK_D,
-    )  # fmt: skip
+        K,
+        V,
+        KCache,
+        VCache,
+        Loc,
+        row,
+        writer,
+        kv_head,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        NUM_KV,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     mask = (tok < ext_len)[:, None] & (d < HEAD_DIM)[None, :]
     q_offs = row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(Q + q_offs, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -207,15 +389,50 @@ def _extend_kernel(
         lo = prefix * 0
         hi = prefix
     acc, m_i, l_i = _attend_prefix(
-        acc, m_i, l_i, q, KCache, VCache, PageTable + b.to(tl.int64) * stride_pt, lo, hi,
-        kv_head, qk_scale, PAGE_SIZE, NUM_KV, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC,
-    )  # fmt: skip
+        acc,
+        m_i,
+        l_i,
+        q,
+        KCache,
+        VCache,
+        PageTable + b.to(tl.int64) * stride_pt,
+        lo,
+        hi,
+        kv_head,
+        qk_scale,
+        PAGE_SIZE,
+        NUM_KV,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_PREC,
+    )
     if split == num_splits - 1:
         acc, m_i, l_i = _attend_new(
-            acc, m_i, l_i, q, K, V, KCache, start, tok, r0, ext_len, kv_head, qk_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-            BLOCK_D, DOT_PREC,
-        )  # fmt: skip
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            KCache,
+            start,
+            tok,
+            r0,
+            ext_len,
+            kv_head,
+            qk_scale,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            GROUP,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            DOT_PREC,
+        )
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLIT:  # NOTE: a row that saw no key of its piece stores o = 0, lse = -inf (weight 0)
@@ -230,10 +447,18 @@ def _extend_kernel(
 
 @triton.jit(do_not_specialize=["num_real", "num_splits"])
 def _merge_kernel(
-    MidO, MidLse, Out, num_real, num_splits, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+    MidO,
+    MidLse,
+    Out,
+    num_real,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     """``Out`` rows of one head, ``BLOCK_R`` at a time: the pieces' outputs weighed by their
     softmax mass (log2 domain), folded piece by piece.
     """
@@ -288,7 +513,8 @@ class ExtendPlan:
     # NOTE: the lean launches of this pass by kernel and the strides they were specialized for
     # (all pointers 16-byte aligned); filled at layer 0, used by the later layers.
     launches: dict[tuple[object, tuple[int, ...]], Callable[..., None] | None] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
 
 def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
@@ -350,18 +576,39 @@ def plan_extend(
         raise ValueError(f"num_splits must be in 1..{MAX_PREFIX_SPLITS}, got {num_splits}")
     grid = (*grid[:2], grid[2] * num_splits)
     constants = dict(
-        PAGE_SIZE=page_size, GROUP=group, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, DOT_PREC=_dot_precision(dtype), SPLIT=num_splits > 1,
-        num_warps=_num_warps(dtype, block_m, block_d), num_stages=2,
-    )  # fmt: skip
-    merge_constants = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_R=_MERGE_ROWS,
-                           BLOCK_D=block_d)  # fmt: skip
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        NUM_KV=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PREC=_dot_precision(dtype),
+        SPLIT=num_splits > 1,
+        num_warps=_num_warps(dtype, block_m, block_d),
+        num_stages=2,
+    )
+    merge_constants = dict(
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_R=_MERGE_ROWS, BLOCK_D=block_d
+    )
     return ExtendPlan(
-        num_rows, num_real, len(extend_lens), num_heads, num_kv_heads, head_dim, dtype, page_size,
-        scale * _LOG2E, num_splits, grid, constants, math.prod(grid) == 0,
-        tuple(sorted(constants.items())), (-(-num_real // _MERGE_ROWS), num_heads, 1),
+        num_rows,
+        num_real,
+        len(extend_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        page_size,
+        scale * _LOG2E,
+        num_splits,
+        grid,
+        constants,
+        math.prod(grid) == 0,
+        tuple(sorted(constants.items())),
+        (-(-num_real // _MERGE_ROWS), num_heads, 1),
         merge_constants,
-    )  # fmt: skip
+    )
 
 
 def prefix_splits(programs: int, max_prefix: int, num_sms: int) -> int:
@@ -378,9 +625,14 @@ def prefix_splits(programs: int, max_prefix: int, num_sms: int) -> int:
 
 
 def _check_plan(
-    extend_lens: Sequence[int], num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, page_size: int,
-) -> None:  # fmt: skip
+    extend_lens: Sequence[int],
+    num_rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    page_size: int,
+) -> None:
     # NOTE: runs once per pass: the messages are formatted on failure only.
     if min(extend_lens, default=0) < 0:
         raise ValueError(f"extend_lens must be >= 0, got {extend_lens}")
@@ -402,11 +654,20 @@ def _pow2(n: int) -> int:
 
 
 def _check_extend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, out_cache_loc: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start: torch.Tensor,
-    plan: ExtendPlan, workspace: tuple[torch.Tensor, torch.Tensor] | None,
-) -> None:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    plan: ExtendPlan,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
     _check_attention(q, k_cache, v_cache, out, page_table, seq_lens, plan.page_size)
     _check_rows("k", k, k_cache, k_cache.shape[1])
     _check_rows("v", v, k_cache, k_cache.shape[1])
@@ -415,21 +676,33 @@ def _check_extend(
     _check_index("extend_lens", extend_lens, seq_lens.shape)
     _check_index("extend_start", extend_start, seq_lens.shape)
     got = (len(q), len(seq_lens), q.shape[1], *k_cache.shape[1:], q.dtype)
-    want = (plan.num_rows, plan.num_reqs, plan.num_heads, plan.num_kv_heads, plan.head_dim,
-            plan.dtype)  # fmt: skip
+    want = (
+        plan.num_rows,
+        plan.num_reqs,
+        plan.num_heads,
+        plan.num_kv_heads,
+        plan.head_dim,
+        plan.dtype,
+    )
     if got != want:
-        raise ValueError(f"(rows, requests, heads, kv heads, head dim, dtype) {got} differ from "
-                         f"the plan's {want}")  # fmt: skip
+        raise ValueError(
+            f"(rows, requests, heads, kv heads, head dim, dtype) {got} differ from "
+            f"the plan's {want}"
+        )
     if plan.num_splits > 1:
         mid = (plan.num_heads, plan.num_splits, plan.head_dim)
         ok = workspace is not None and all(
             w.dtype == torch.float32 and w.is_contiguous() and w.device == q.device
-            for w in workspace)  # fmt: skip
+            for w in workspace
+        )
         ok = ok and workspace[0].shape[0] >= plan.num_real and workspace[0].shape[1:] == mid
         ok = ok and workspace[1].shape == workspace[0].shape[:3]
-        _require(ok, f"a plan of {plan.num_splits} prefix splits needs a float32 workspace "
-                     f"on q's device ([>= {plan.num_real}, {mid[0]}, {mid[1]}, {mid[2]}] and its "
-                     "first 3 dims; decode_workspace)")  # fmt: skip
+        _require(
+            ok,
+            f"a plan of {plan.num_splits} prefix splits needs a float32 workspace "
+            f"on q's device ([>= {plan.num_real}, {mid[0]}, {mid[1]}, {mid[2]}] and its "
+            "first 3 dims; decode_workspace)",
+        )
 
 
 def extend_attention(
@@ -456,29 +729,71 @@ def extend_attention(
     argument checks (a caller that already checked this pass).
     """
     if check:
-        _check_extend(q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens,
-                      extend_lens, extend_start, plan, workspace)  # fmt: skip
+        _check_extend(
+            q,
+            k,
+            v,
+            out,
+            k_cache,
+            v_cache,
+            out_cache_loc,
+            page_table,
+            seq_lens,
+            extend_lens,
+            extend_start,
+            plan,
+            workspace,
+        )
     if plan.empty:
         return
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
     mid_o, mid_lse = workspace if plan.num_splits > 1 else (out, out)  # type: ignore[misc]
-    tensors = (q, k, v, out, k_cache, v_cache, out_cache_loc, page_table, seq_lens, extend_lens,
-               extend_start, mid_o, mid_lse)  # fmt: skip
+    tensors = (
+        q,
+        k,
+        v,
+        out,
+        k_cache,
+        v_cache,
+        out_cache_loc,
+        page_table,
+        seq_lens,
+        extend_lens,
+        extend_start,
+        mid_o,
+        mid_lse,
+    )
     strides = (sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1])
-    scalars = (plan.qk_scale, plan.num_real, plan.num_rows, plan.num_splits, *strides,
-               page_table.stride(0))  # fmt: skip
+    scalars = (
+        plan.qk_scale,
+        plan.num_real,
+        plan.num_rows,
+        plan.num_splits,
+        *strides,
+        page_table.stride(0),
+    )
     _launch(_EXTEND, plan, plan.grid, tensors, scalars, strides, plan.constants)
     if plan.num_splits > 1 and plan.num_real:
-        _launch(_MERGE, plan, plan.merge_grid, (mid_o, mid_lse, out),
-                (plan.num_real, plan.num_splits, so[0], so[1]), (so[0], so[1]),
-                plan.merge_constants)
+        _launch(
+            _MERGE,
+            plan,
+            plan.merge_grid,
+            (mid_o, mid_lse, out),
+            (plan.num_real, plan.num_splits, so[0], so[1]),
+            (so[0], so[1]),
+            plan.merge_constants,
+        )
 
 
 def _launch(
-    kernel: CompiledLaunches, plan: ExtendPlan, grid: tuple[int, int, int],
-    tensors: tuple[torch.Tensor, ...], scalars: tuple[object, ...], strides: tuple[int, ...],
+    kernel: CompiledLaunches,
+    plan: ExtendPlan,
+    grid: tuple[int, int, int],
+    tensors: tuple[torch.Tensor, ...],
+    scalars: tuple[object, ...],
+    strides: tuple[int, ...],
     constants: dict[str, Any],
-) -> None:  # fmt: skip
+) -> None:
     # NOTE: layers after the first reuse its lean launches (every layer of a pass has the same
     # dtypes): their strides (the specialized ints) and pointer alignment decide whether the
     # same compiled kernel applies.
@@ -497,10 +812,17 @@ _MERGE = CompiledLaunches(_merge_kernel)
 
 
 def extend_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-    page_table: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-    extend_start: torch.Tensor, page_size: int, scale: float,
-) -> None:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> None:
     """Attention over a cache that already holds the new tokens (``store_kv_ref`` first)."""
     for b, (seq, n, start) in enumerate(
         zip(seq_lens.tolist(), extend_lens.tolist(), extend_start.tolist())

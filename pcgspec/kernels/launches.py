@@ -86,10 +86,13 @@ def lean_launches_supported(version: str | None = None) -> bool:
 
 @functools.cache
 def _warn_unsupported() -> None:
-    logger.warning("Triton %s is not a version pcgspec's lean kernel launches were written "
-                   "against (%s): every kernel launches through Triton's own path, which costs "
-                   "host time per launch", triton.__version__,
-                   ", ".join(LEAN_TRITON_VERSIONS))  # fmt: skip
+    logger.warning(
+        "Triton %s is not a version pcgspec's lean kernel launches were written "
+        "against (%s): every kernel launches through Triton's own path, which costs "
+        "host time per launch",
+        triton.__version__,
+        ", ".join(LEAN_TRITON_VERSIONS),
+    )
 
 
 def scalar_key(value: object, specialized: bool) -> Hashable:
@@ -120,7 +123,8 @@ class CompiledLaunches:
         params = [p for p in getattr(fn, "params", ()) if not p.is_constexpr]  # NOTE: the
         # interpreter's functions have none: every scalar then counts as value-specialized
         self._align_checked = tuple(
-            i for i, p in enumerate(params) if not p.do_not_specialize_on_alignment)
+            i for i, p in enumerate(params) if not p.do_not_specialize_on_alignment
+        )
         self._value_specialized = tuple(not p.do_not_specialize for p in params)
 
     def aligned(self, ptrs: Sequence[int]) -> bool:
@@ -131,9 +135,11 @@ class CompiledLaunches:
         return all_aligned([ptrs[i] for i in self._align_checked if i < n] or [0])
 
     def launch_key(
-        self, tensors: Sequence[torch.Tensor], scalars: Sequence[object],
+        self,
+        tensors: Sequence[torch.Tensor],
+        scalars: Sequence[object],
         constants: dict[str, object],
-    ) -> Hashable:  # fmt: skip
+    ) -> Hashable:
         """Everything of an aligned launch that selects its compiled kernel: the device, the
         tensors' dtypes, each scalar's ``scalar_key`` and the constexprs and options."""
         flags = self._value_specialized[len(tensors) :] or itertools.repeat(True)

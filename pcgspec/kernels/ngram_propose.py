@@ -32,10 +32,20 @@ _TOKEN_DTYPES = (torch.int32, torch.int64)
 # NOTE: the history row stride is fixed per engine; the per-batch index arrays are small.
 @triton.jit(do_not_specialize=["stride"], do_not_specialize_on_alignment=["Slots", "Lengths"])
 def _ngram_kernel(
-    History, Slots, Lengths, Drafts, Counts, stride,
-    K: tl.constexpr, MIN_W: tl.constexpr, MAX_W: tl.constexpr, FILLER: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    History,
+    Slots,
+    Lengths,
+    Drafts,
+    Counts,
+    stride,
+    K: tl.constexpr,
+    MIN_W: tl.constexpr,
+    MAX_W: tl.constexpr,
+    FILLER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     b = tl.program_id(0)
     row = History + tl.load(Slots + b).to(tl.int64) * stride
     n = tl.load(Lengths + b).to(tl.int32)
@@ -72,26 +82,37 @@ def _require(ok: bool, msg: str) -> None:
 
 
 def _check_inputs(
-    history: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, num_steps: int,
-    min_window: int, max_window: int,
-) -> None:  # fmt: skip
-    _require(history.dim() == 2 and history.dtype in _TOKEN_DTYPES and history.stride(1) == 1,
-             f"history must be [S, L] in {_TOKEN_DTYPES} with unit stride along L, got "
-             f"{list(history.shape)} {history.dtype}")  # fmt: skip
+    history: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    num_steps: int,
+    min_window: int,
+    max_window: int,
+) -> None:
+    _require(
+        history.dim() == 2 and history.dtype in _TOKEN_DTYPES and history.stride(1) == 1,
+        f"history must be [S, L] in {_TOKEN_DTYPES} with unit stride along L, got "
+        f"{list(history.shape)} {history.dtype}",
+    )
     b = slots.shape[0] if slots.dim() == 1 else -1
     for name, x in (("slots", slots), ("lengths", lengths)):
         ok = x.shape == (b,) and x.dtype in _TOKEN_DTYPES and x.is_contiguous()
         _require(ok, f"{name} must be contiguous [{b}] int32/int64, got {list(x.shape)} {x.dtype}")
-        _require(x.device == history.device, f"{name} is on {x.device}, history on "
-                 f"{history.device}")  # fmt: skip
+        _require(
+            x.device == history.device, f"{name} is on {x.device}, history on {history.device}"
+        )
     _require(num_steps >= 1, f"num_steps must be >= 1, got {num_steps}")
-    _require(1 <= min_window <= max_window,
-             f"need 1 <= min_window <= max_window, got {min_window}, {max_window}")  # fmt: skip
+    _require(
+        1 <= min_window <= max_window,
+        f"need 1 <= min_window <= max_window, got {min_window}, {max_window}",
+    )
 
 
 def _empty(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.full((b, k), FILLER_TOKEN, dtype=torch.int64, device=device),
-            torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
+    return (
+        torch.full((b, k), FILLER_TOKEN, dtype=torch.int64, device=device),
+        torch.zeros(b, dtype=torch.int64, device=device),
+    )
 
 
 def ngram_propose(
@@ -109,12 +130,15 @@ def ngram_propose(
     if b == 0:
         return drafts, counts
     constants = {
-        "K": num_steps, "MIN_W": min_window, "MAX_W": max_window, "FILLER": FILLER_TOKEN,
-        "BLOCK": _BLOCK, "BLOCK_W": triton.next_power_of_2(max_window),
+        "K": num_steps,
+        "MIN_W": min_window,
+        "MAX_W": max_window,
+        "FILLER": FILLER_TOKEN,
+        "BLOCK": _BLOCK,
+        "BLOCK_W": triton.next_power_of_2(max_window),
         "BLOCK_K": triton.next_power_of_2(num_steps),
-    }  # fmt: skip
-    _PROPOSE((b, 1, 1), (history, slots, lengths, drafts, counts), (history.stride(0),),
-             constants)  # fmt: skip
+    }
+    _PROPOSE((b, 1, 1), (history, slots, lengths, drafts, counts), (history.stride(0),), constants)
     return drafts, counts
 
 

@@ -26,9 +26,20 @@ _BLOCK = 1024  # tokens per program; also requests per scan step
     do_not_specialize_on_alignment=["InputIds", "Positions", "Loc", "ExtendLens"],
 )
 def _pad_batch_kernel(
-    InputIds, Positions, Loc, ExtendLens, OutIds, OutPositions, OutLoc, OutStart,
-    num_tokens, num_rows, num_reqs, BLOCK: tl.constexpr, HAS_START: tl.constexpr,
-):  # fmt: skip
+    InputIds,
+    Positions,
+    Loc,
+    ExtendLens,
+    OutIds,
+    OutPositions,
+    OutLoc,
+    OutStart,
+    num_tokens,
+    num_rows,
+    num_reqs,
+    BLOCK: tl.constexpr,
+    HAS_START: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     real = offs < num_tokens
@@ -50,10 +61,15 @@ _PAD_BATCH = CompiledLaunches(_pad_batch_kernel)
 
 
 def _check(
-    input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-    extend_lens: torch.Tensor, out_ids: torch.Tensor, out_positions: torch.Tensor,
-    out_loc: torch.Tensor, out_start: torch.Tensor | None,
-) -> None:  # fmt: skip
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    extend_lens: torch.Tensor,
+    out_ids: torch.Tensor,
+    out_positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    out_start: torch.Tensor | None,
+) -> None:
     n, rows = len(input_ids), len(out_ids)
     tensors = (input_ids, positions, out_cache_loc, out_ids, out_positions, out_loc)
     if any(t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
@@ -79,11 +95,20 @@ def pad_batch(
     """Copy a batch's ``n`` tokens into ``rows``-row buffers (padded slots -1) and write each
     request's first row: one launch.
     """
-    _check(input_ids, positions, out_cache_loc, extend_lens, out_ids, out_positions, out_loc,
-           out_start)  # fmt: skip
+    _check(
+        input_ids, positions, out_cache_loc, extend_lens, out_ids, out_positions, out_loc, out_start
+    )
     has_start = out_start is not None
-    tensors = (input_ids, positions, out_cache_loc, extend_lens, out_ids, out_positions, out_loc,
-               out_start if has_start else out_ids)  # fmt: skip
+    tensors = (
+        input_ids,
+        positions,
+        out_cache_loc,
+        extend_lens,
+        out_ids,
+        out_positions,
+        out_loc,
+        out_start if has_start else out_ids,
+    )
     scalars = (len(input_ids), len(out_ids), len(extend_lens))
     grid = (max(1, triton.cdiv(len(out_ids), _BLOCK)), 1, 1)
     constants = {"BLOCK": _BLOCK, "HAS_START": has_start}
@@ -91,13 +116,19 @@ def pad_batch(
 
 
 def pad_batch_ref(
-    input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-    extend_lens: torch.Tensor, out_ids: torch.Tensor, out_positions: torch.Tensor,
-    out_loc: torch.Tensor, out_start: torch.Tensor | None,
-) -> None:  # fmt: skip
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    extend_lens: torch.Tensor,
+    out_ids: torch.Tensor,
+    out_positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    out_start: torch.Tensor | None,
+) -> None:
     """``pad_batch`` in torch ops (off CUDA, and the tests' reference)."""
-    _check(input_ids, positions, out_cache_loc, extend_lens, out_ids, out_positions, out_loc,
-           out_start)  # fmt: skip
+    _check(
+        input_ids, positions, out_cache_loc, extend_lens, out_ids, out_positions, out_loc, out_start
+    )
     n = len(input_ids)
     out_ids[:n] = input_ids
     out_positions[:n] = positions

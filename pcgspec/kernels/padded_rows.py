@@ -54,25 +54,65 @@ class GraphRows:
     all_rows: torch.Tensor  # [bs * (k+1)] int64, arange (never written here)
 
 
-_POINTERS = ["Starts", "NumValid", "PageTable", "Positions", "Loc", "AllRows", "LastRows",
-             "SeqLens", "ExtendLens", "ExtendStart", "Last", "Slots", "Drafts", "InputIds"]
+_POINTERS = [
+    "Starts",
+    "NumValid",
+    "PageTable",
+    "Positions",
+    "Loc",
+    "AllRows",
+    "LastRows",
+    "SeqLens",
+    "ExtendLens",
+    "ExtendStart",
+    "Last",
+    "Slots",
+    "Drafts",
+    "InputIds",
+]
 
 
 # NOTE: the inputs may be views into a packed upload, the outputs are views into two buffers
 # at offsets that follow the batch size: no alignment or value specialization, so nothing
 # compiles at serving.
 @triton.jit(
-    do_not_specialize=["table_stride", "num_pages", "page_size", "start_offset", "num_requests",
-                       "draft_stride"],
+    do_not_specialize=[
+        "table_stride",
+        "num_pages",
+        "page_size",
+        "start_offset",
+        "num_requests",
+        "draft_stride",
+    ],
     do_not_specialize_on_alignment=_POINTERS,
 )
 def _padded_rows_kernel(
-    Starts, NumValid, PageTable, Positions, Loc, AllRows, LastRows, SeqLens, ExtendLens,
-    ExtendStart, Last, Slots, Drafts, InputIds,
-    table_stride, num_pages, page_size, start_offset, num_requests, draft_stride,
-    K1: tl.constexpr, BLOCK: tl.constexpr, HAS_VALID: tl.constexpr, HAS_IDS: tl.constexpr,
+    Starts,
+    NumValid,
+    PageTable,
+    Positions,
+    Loc,
+    AllRows,
+    LastRows,
+    SeqLens,
+    ExtendLens,
+    ExtendStart,
+    Last,
+    Slots,
+    Drafts,
+    InputIds,
+    table_stride,
+    num_pages,
+    page_size,
+    start_offset,
+    num_requests,
+    draft_stride,
+    K1: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    HAS_IDS: tl.constexpr,
     HAS_META: tl.constexpr,
-):  # fmt: skip
+):
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     in_row = j < K1
@@ -84,8 +124,9 @@ def _padded_rows_kernel(
     start = tl.load(Starts + b).to(tl.int64) + start_offset
     pos = start + j
     page_index = pos // page_size
-    page = tl.load(PageTable + b * table_stride + page_index,
-                   mask=in_row & (page_index < num_pages), other=0)  # fmt: skip
+    page = tl.load(
+        PageTable + b * table_stride + page_index, mask=in_row & (page_index < num_pages), other=0
+    )
     loc = page.to(tl.int64) * page_size + pos % page_size
     loc = tl.where(page_index < num_pages, loc, -1)  # past the table: no page, no KV write
     num = K1
@@ -109,35 +150,59 @@ def _padded_rows_kernel(
 _PADDED_ROWS = CompiledLaunches(_padded_rows_kernel)
 
 
-def _check(starts: torch.Tensor, page_table: torch.Tensor, num_valid: torch.Tensor | None,
-           tokens: VerifyTokens | None = None, k1: int = 1) -> None:  # fmt: skip
+def _check(
+    starts: torch.Tensor,
+    page_table: torch.Tensor,
+    num_valid: torch.Tensor | None,
+    tokens: VerifyTokens | None = None,
+    k1: int = 1,
+) -> None:
     tables = (starts,) if num_valid is None else (starts, num_valid)
     if any(t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous() for t in tables):
         raise ValueError("starts and num_valid must be contiguous [B] int64")
     if num_valid is not None and num_valid.shape != starts.shape:
         raise ValueError(f"num_valid has {len(num_valid)} requests, starts {len(starts)}")
-    if (page_table.dim() != 2 or page_table.shape[0] != len(starts)
-            or page_table.stride(1) != 1 or page_table.dtype != torch.int32):  # fmt: skip
+    if (
+        page_table.dim() != 2
+        or page_table.shape[0] != len(starts)
+        or page_table.stride(1) != 1
+        or page_table.dtype != torch.int32
+    ):
         raise ValueError(f"page_table must be [{len(starts)}, P] int32 with unit column stride")
     if tokens is None:
         return
     b, t = len(starts), tokens
-    ok = (t.last.dim() == 1 and t.last.dtype == torch.int64 and t.slots.shape == (b,)
-          and t.slots.dtype == torch.int64 and t.slots.is_contiguous()
-          and t.drafts.shape == (b, k1 - 1) and t.drafts.dtype == torch.int64
-          and (t.drafts.stride(1) == 1 or k1 == 2))  # fmt: skip
+    ok = (
+        t.last.dim() == 1
+        and t.last.dtype == torch.int64
+        and t.slots.shape == (b,)
+        and t.slots.dtype == torch.int64
+        and t.slots.is_contiguous()
+        and t.drafts.shape == (b, k1 - 1)
+        and t.drafts.dtype == torch.int64
+        and (t.drafts.stride(1) == 1 or k1 == 2)
+    )
     if not ok:
-        raise ValueError(f"tokens must be last [S] int64, slots [{b}] int64 and drafts "
-                         f"[{b}, {k1 - 1}] int64 with unit column stride")  # fmt: skip
+        raise ValueError(
+            f"tokens must be last [S] int64, slots [{b}] int64 and drafts "
+            f"[{b}, {k1 - 1}] int64 with unit column stride"
+        )
 
 
 def _allocate(b: int, k1: int, device: torch.device, ids: bool) -> PaddedRows:
     n = b * k1
     wide = torch.empty((4 if ids else 3) * n + b, dtype=torch.int64, device=device)
     narrow = torch.empty(3 * b, dtype=torch.int32, device=device)
-    return PaddedRows(wide[:n], wide[n : 2 * n], narrow[:b], narrow[b : 2 * b], narrow[2 * b :],
-                      wide[2 * n : 3 * n], wide[3 * n : 3 * n + b],
-                      wide[3 * n + b :] if ids else None)  # fmt: skip
+    return PaddedRows(
+        wide[:n],
+        wide[n : 2 * n],
+        narrow[:b],
+        narrow[b : 2 * b],
+        narrow[2 * b :],
+        wide[2 * n : 3 * n],
+        wide[3 * n : 3 * n + b],
+        wide[3 * n + b :] if ids else None,
+    )
 
 
 def padded_rows(
@@ -157,8 +222,22 @@ def padded_rows(
     b = len(starts)
     out = _allocate(b, k1, starts.device, tokens is not None)
     if b:
-        _launch(b, b, starts, page_table, page_size, k1, num_valid, start_offset, tokens,
-                out.positions, out.out_cache_loc, out.seq_lens, out.input_ids, out)  # fmt: skip
+        _launch(
+            b,
+            b,
+            starts,
+            page_table,
+            page_size,
+            k1,
+            num_valid,
+            start_offset,
+            tokens,
+            out.positions,
+            out.out_cache_loc,
+            out.seq_lens,
+            out.input_ids,
+            out,
+        )
     return out
 
 
@@ -178,39 +257,87 @@ def padded_rows_into(
     """
     _check(starts, page_table, None, tokens, k1)
     bucket = rows.seq_lens.shape[0]
-    if len(starts) > bucket or any(t.shape[0] != bucket * k1 for t in
-                                   (rows.input_ids, rows.positions, rows.out_cache_loc)):
+    if len(starts) > bucket or any(
+        t.shape[0] != bucket * k1 for t in (rows.input_ids, rows.positions, rows.out_cache_loc)
+    ):
         raise ValueError(f"rows must hold a bucket of >= {len(starts)} requests of {k1} rows")
-    _launch(bucket, len(starts), starts, page_table, page_size, k1, None, start_offset, tokens,
-            rows.positions, rows.out_cache_loc, rows.seq_lens, rows.input_ids, None)  # fmt: skip
+    _launch(
+        bucket,
+        len(starts),
+        starts,
+        page_table,
+        page_size,
+        k1,
+        None,
+        start_offset,
+        tokens,
+        rows.positions,
+        rows.out_cache_loc,
+        rows.seq_lens,
+        rows.input_ids,
+        None,
+    )
 
 
 def _launch(
-    grid: int, num_requests: int, starts: torch.Tensor, page_table: torch.Tensor,
-    page_size: int, k1: int, num_valid: torch.Tensor | None, start_offset: int,
-    tokens: VerifyTokens | None, positions: torch.Tensor, loc: torch.Tensor,
-    seq_lens: torch.Tensor, input_ids: torch.Tensor | None, meta: PaddedRows | None,
-) -> None:  # fmt: skip
+    grid: int,
+    num_requests: int,
+    starts: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    k1: int,
+    num_valid: torch.Tensor | None,
+    start_offset: int,
+    tokens: VerifyTokens | None,
+    positions: torch.Tensor,
+    loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_ids: torch.Tensor | None,
+    meta: PaddedRows | None,
+) -> None:
     has_valid, has_ids, has_meta = num_valid is not None, tokens is not None, meta is not None
     unused = starts  # stands in for absent pointers; never read
     tensors = (
-        starts, num_valid if has_valid else unused, page_table, positions, loc,
-        meta.all_rows if has_meta else unused, meta.last_rows if has_meta else unused, seq_lens,
-        meta.extend_lens if has_meta else seq_lens, meta.extend_start if has_meta else seq_lens,
+        starts,
+        num_valid if has_valid else unused,
+        page_table,
+        positions,
+        loc,
+        meta.all_rows if has_meta else unused,
+        meta.last_rows if has_meta else unused,
+        seq_lens,
+        meta.extend_lens if has_meta else seq_lens,
+        meta.extend_start if has_meta else seq_lens,
         *((tokens.last, tokens.slots, tokens.drafts, input_ids) if has_ids else (unused,) * 4),
-    )  # fmt: skip
-    scalars = (page_table.stride(0), page_table.shape[1], page_size, start_offset, num_requests,
-               tokens.drafts.stride(0) if has_ids else 0)  # fmt: skip
-    constants = {"K1": k1, "BLOCK": triton.next_power_of_2(k1), "HAS_VALID": has_valid,
-                 "HAS_IDS": has_ids, "HAS_META": has_meta}  # fmt: skip
+    )
+    scalars = (
+        page_table.stride(0),
+        page_table.shape[1],
+        page_size,
+        start_offset,
+        num_requests,
+        tokens.drafts.stride(0) if has_ids else 0,
+    )
+    constants = {
+        "K1": k1,
+        "BLOCK": triton.next_power_of_2(k1),
+        "HAS_VALID": has_valid,
+        "HAS_IDS": has_ids,
+        "HAS_META": has_meta,
+    }
     _PADDED_ROWS((grid, 1, 1), tensors, scalars, constants)
 
 
 def padded_rows_ref(
-    starts: torch.Tensor, page_table: torch.Tensor, page_size: int, k1: int,
-    num_valid: torch.Tensor | None = None, *, start_offset: int = 0,
+    starts: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    k1: int,
+    num_valid: torch.Tensor | None = None,
+    *,
+    start_offset: int = 0,
     tokens: VerifyTokens | None = None,
-) -> PaddedRows:  # fmt: skip
+) -> PaddedRows:
     """``padded_rows`` in torch ops (off CUDA, and the tests' reference)."""
     _check(starts, page_table, num_valid, tokens, k1)
     b, device = len(starts), starts.device
@@ -227,22 +354,38 @@ def padded_rows_ref(
     if tokens is not None:
         ids = torch.cat([tokens.last[tokens.slots][:, None], tokens.drafts], 1).view(-1)
     return PaddedRows(
-        positions.view(-1), slots.view(-1), (starts + k1).to(torch.int32),
-        torch.full((b,), k1, dtype=torch.int32, device=device), first.to(torch.int32),
-        torch.arange(b * k1, device=device), first + num - 1, ids,
-    )  # fmt: skip
+        positions.view(-1),
+        slots.view(-1),
+        (starts + k1).to(torch.int32),
+        torch.full((b,), k1, dtype=torch.int32, device=device),
+        first.to(torch.int32),
+        torch.arange(b * k1, device=device),
+        first + num - 1,
+        ids,
+    )
 
 
 def padded_rows_into_ref(
-    rows: GraphRows, starts: torch.Tensor, page_table: torch.Tensor, page_size: int, k1: int,
-    *, start_offset: int = 0, tokens: VerifyTokens,
-) -> None:  # fmt: skip
+    rows: GraphRows,
+    starts: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    k1: int,
+    *,
+    start_offset: int = 0,
+    tokens: VerifyTokens,
+) -> None:
     """``padded_rows_into`` in torch ops."""
     b, n = len(starts), len(starts) * k1
-    built = padded_rows_ref(starts, page_table, page_size, k1, start_offset=start_offset,
-                            tokens=tokens)  # fmt: skip
-    for dst, src in ((rows.input_ids, built.input_ids), (rows.positions, built.positions),
-                     (rows.out_cache_loc, built.out_cache_loc), (rows.seq_lens, built.seq_lens)):
+    built = padded_rows_ref(
+        starts, page_table, page_size, k1, start_offset=start_offset, tokens=tokens
+    )
+    for dst, src in (
+        (rows.input_ids, built.input_ids),
+        (rows.positions, built.positions),
+        (rows.out_cache_loc, built.out_cache_loc),
+        (rows.seq_lens, built.seq_lens),
+    ):
         dst[: src.shape[0]].copy_(src)
     rows.out_cache_loc[n:].fill_(-1)
     rows.seq_lens[b:].zero_()

@@ -127,8 +127,7 @@ def _rejection_row(p_row, q_row, draft, seed, pos, is_draft, V, BLOCK_V: tl.cons
         if total == 0.0:  # NOTE: an empty residual only comes from rounding: fall back to p
             token, _ = _sample_row(p_row, q_row, 0.0, u, V, False, BLOCK_V)
     else:  # the bonus after the last proposed draft
-        token, _ = _sample_row(p_row, q_row, 0.0, rng_uniform(seed, pos, _TOKEN), V, False,
-                               BLOCK_V)  # fmt: skip
+        token, _ = _sample_row(p_row, q_row, 0.0, rng_uniform(seed, pos, _TOKEN), V, False, BLOCK_V)
         ok = token < 0  # i.e. False: this row has no draft
     return token, ok
 
@@ -139,11 +138,26 @@ def _rejection_row(p_row, q_row, draft, seed, pos, is_draft, V, BLOCK_V: tl.cons
     do_not_specialize_on_alignment=["Draft", "Seed", "Pos", "NumDraft", "Greedy", "Accept", "Cand"]
 )
 def _verify_rows_kernel(
-    P, Q, Draft, Seed, Pos, NumDraft, Greedy, Accept, Cand,
-    stride_pb, stride_pj, stride_qb, stride_qj, V, K,
-    STRATEGY: tl.constexpr, HAS_NUM_DRAFT: tl.constexpr, HAS_GREEDY: tl.constexpr,
+    P,
+    Q,
+    Draft,
+    Seed,
+    Pos,
+    NumDraft,
+    Greedy,
+    Accept,
+    Cand,
+    stride_pb,
+    stride_pj,
+    stride_qb,
+    stride_qj,
+    V,
+    K,
+    STRATEGY: tl.constexpr,
+    HAS_NUM_DRAFT: tl.constexpr,
+    HAS_GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
-):  # fmt: skip
+):
     b = tl.program_id(0)
     j = tl.program_id(1)
     n = K
@@ -168,8 +182,9 @@ def _verify_rows_kernel(
         ok = token == draft
     else:
         seed = tl.load(Seed + row)
-        token, ok = _rejection_row(p_row, q_row, draft, seed, tl.load(Pos + row), is_draft, V,
-                                   BLOCK_V)  # fmt: skip
+        token, ok = _rejection_row(
+            p_row, q_row, draft, seed, tl.load(Pos + row), is_draft, V, BLOCK_V
+        )
     tl.store(Accept + row, (ok & is_draft).to(tl.int32))
     tl.store(Cand + row, token.to(tl.int64))
 
@@ -197,8 +212,14 @@ def _require(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _check(name: str, x: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
-           device: torch.device, contiguous: bool = True) -> None:  # fmt: skip
+def _check(
+    name: str,
+    x: torch.Tensor,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+    contiguous: bool = True,
+) -> None:
     _require(tuple(x.shape) == shape, f"{name} must be {list(shape)}, got {list(x.shape)}")
     _require(x.dtype in dtypes, f"{name} dtype must be one of {dtypes}, got {x.dtype}")
     _require(x.device == device, f"{name} is on {x.device}, target_probs on {device}")
@@ -206,26 +227,40 @@ def _check(name: str, x: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[tor
 
 
 def _check_inputs(
-    p: torch.Tensor, draft: torch.Tensor, strategy: VerifyStrategy, q: torch.Tensor | None,
-    seed: torch.Tensor | None, position: torch.Tensor | None, num_draft: torch.Tensor | None,
+    p: torch.Tensor,
+    draft: torch.Tensor,
+    strategy: VerifyStrategy,
+    q: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    position: torch.Tensor | None,
+    num_draft: torch.Tensor | None,
     is_greedy: torch.Tensor | None,
-) -> None:  # fmt: skip
+) -> None:
     ok = p.dim() == 3 and p.shape[1] >= 2 and p.dtype in _PROB_DTYPES and p.stride(2) == 1
-    _require(ok, f"target_probs must be [B, k+1, V] (k >= 1) in {_PROB_DTYPES} with unit stride "
-             f"along V, got {list(p.shape)} {p.dtype}")  # fmt: skip
+    _require(
+        ok,
+        f"target_probs must be [B, k+1, V] (k >= 1) in {_PROB_DTYPES} with unit stride "
+        f"along V, got {list(p.shape)} {p.dtype}",
+    )
     (b, k1, v), dev = p.shape, p.device
     _check("draft_tokens", draft, (b, k1 - 1), (torch.int64, torch.int32), dev)
-    _require((q is not None) == (strategy == VerifyStrategy.REJECTION),
-             "draft_probs is required by REJECTION and only by it")  # fmt: skip
+    _require(
+        (q is not None) == (strategy == VerifyStrategy.REJECTION),
+        "draft_probs is required by REJECTION and only by it",
+    )
     if q is not None:
         _check("draft_probs", q, (b, k1 - 1, v), _PROB_DTYPES, dev, contiguous=False)
         _require(q.stride(2) == 1, "draft_probs must have unit stride along V")
-    _require(strategy == VerifyStrategy.GREEDY or (seed is not None and position is not None),
-             f"{strategy.name} needs seed and position")  # fmt: skip
-    optional = [("seed", seed, (b, k1), (torch.int64,)),
-                ("position", position, (b, k1), (torch.int64,)),
-                ("num_draft", num_draft, (b,), (torch.int64, torch.int32)),
-                ("is_greedy", is_greedy, (b,), (torch.bool,))]  # fmt: skip
+    _require(
+        strategy == VerifyStrategy.GREEDY or (seed is not None and position is not None),
+        f"{strategy.name} needs seed and position",
+    )
+    optional = [
+        ("seed", seed, (b, k1), (torch.int64,)),
+        ("position", position, (b, k1), (torch.int64,)),
+        ("num_draft", num_draft, (b,), (torch.int64, torch.int32)),
+        ("is_greedy", is_greedy, (b,), (torch.bool,)),
+    ]
     for name, x, shape, dtypes in optional:
         if x is not None:
             _check(name, x, shape, dtypes, dev)
@@ -246,8 +281,9 @@ def verify_draft_tokens(
 ) -> VerifyOutput:
     """See the module docstring. Draft tokens must be in [0, V) (fillers included)."""
     strategy = VerifyStrategy(strategy)
-    _check_inputs(target_probs, draft_tokens, strategy, draft_probs, seed, position, num_draft,
-                  is_greedy)  # fmt: skip
+    _check_inputs(
+        target_probs, draft_tokens, strategy, draft_probs, seed, position, num_draft, is_greedy
+    )
     b, k1, v = target_probs.shape
     out = out if out is not None else VerifyOutput.empty(b, k1 - 1, target_probs.device)
     _check("out.accept_len", out.accept_len, (b,), (torch.int64,), target_probs.device)
@@ -258,22 +294,30 @@ def verify_draft_tokens(
     cand = torch.empty(b, k1, dtype=torch.int64, device=target_probs.device)
     q = draft_probs if draft_probs is not None else target_probs
     dummy = draft_tokens  # stands in for absent optional pointers; never read
-    tensors = (target_probs, q, draft_tokens, seed if seed is not None else dummy,
-               position if position is not None else dummy,
-               num_draft if num_draft is not None else dummy,
-               is_greedy if is_greedy is not None else dummy, accept, cand)  # fmt: skip
-    scalars = (target_probs.stride(0), target_probs.stride(1), q.stride(0), q.stride(1), v,
-               k1 - 1)  # fmt: skip
+    tensors = (
+        target_probs,
+        q,
+        draft_tokens,
+        seed if seed is not None else dummy,
+        position if position is not None else dummy,
+        num_draft if num_draft is not None else dummy,
+        is_greedy if is_greedy is not None else dummy,
+        accept,
+        cand,
+    )
+    scalars = (target_probs.stride(0), target_probs.stride(1), q.stride(0), q.stride(1), v, k1 - 1)
     constants = {
-        "STRATEGY": int(strategy), "HAS_NUM_DRAFT": num_draft is not None,
+        "STRATEGY": int(strategy),
+        "HAS_NUM_DRAFT": num_draft is not None,
         "HAS_GREEDY": is_greedy is not None and strategy != VerifyStrategy.GREEDY,
         "BLOCK_V": block_v or min(4096, triton.next_power_of_2(v)),
         "num_warps": 8 if v >= 8192 else 4,
-    }  # fmt: skip
+    }
     _VERIFY_ROWS((b, k1, 1), tensors, scalars, constants)
     constants = {"BLOCK_K": triton.next_power_of_2(k1)}
-    _ACCEPT_RUNS((b, 1, 1), (accept, cand, draft_tokens, out.accept_len, out.tokens), (k1 - 1,),
-                 constants)  # fmt: skip
+    _ACCEPT_RUNS(
+        (b, 1, 1), (accept, cand, draft_tokens, out.accept_len, out.tokens), (k1 - 1,), constants
+    )
     return out
 
 
@@ -298,9 +342,13 @@ def _draw(
 
 
 def _rejection_rows(
-    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, seed: torch.Tensor,
-    position: torch.Tensor, num_draft: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    p: torch.Tensor,
+    q: torch.Tensor,
+    draft: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    num_draft: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: (accepted [B, k], token emitted if the row is the first not accepted [B, k+1])."""
     k = draft.shape[1]
     p_d = p[:, :k].gather(-1, draft[..., None]).squeeze(-1)

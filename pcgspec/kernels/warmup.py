@@ -64,8 +64,13 @@ class AttentionShape:
     def of(cls, backend: AttentionBackend) -> AttentionShape:
         """The shape ``backend`` runs."""
         cache = backend.kv_cache
-        return cls(backend.num_heads, backend.num_kv_heads, backend.head_dim, cache.spec.dtype,
-                   cache.page_size)  # fmt: skip
+        return cls(
+            backend.num_heads,
+            backend.num_kv_heads,
+            backend.head_dim,
+            cache.spec.dtype,
+            cache.page_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,17 @@ def extend_variants(shape: AttentionShape) -> list[dict[str, object]]:
 
 
 def _plan(shape: AttentionShape, n: int, rows: int, num_splits: int = 1) -> ExtendPlan:
-    return plan_extend([n], rows, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                       shape.dtype, shape.page_size, 1.0, num_splits=num_splits)  # fmt: skip
+    return plan_extend(
+        [n],
+        rows,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.dtype,
+        shape.page_size,
+        1.0,
+        num_splits=num_splits,
+    )
 
 
 class _Scratch:
@@ -143,11 +157,20 @@ def warm_extend(shape: AttentionShape, device: torch.device) -> int:
             if splits > 1:
                 workspace = decode_workspace(n, shape.num_heads, shape.head_dim, splits, device)
             extend_attention(
-                q, k, v, out, k_cache, v_cache, s.full(-1, n + 1),
-                s.zeros(1, pages, dtype=torch.int32), s.full(n, 1, dtype=torch.int32),
-                s.full(n, 1, dtype=torch.int32), s.zeros(1, dtype=torch.int32), plan,
+                q,
+                k,
+                v,
+                out,
+                k_cache,
+                v_cache,
+                s.full(-1, n + 1),
+                s.zeros(1, pages, dtype=torch.int32),
+                s.full(n, 1, dtype=torch.int32),
+                s.full(n, 1, dtype=torch.int32),
+                s.zeros(1, dtype=torch.int32),
+                plan,
                 workspace=workspace,
-            )  # fmt: skip
+            )
     return 3 * len(lengths)
 
 
@@ -160,10 +183,18 @@ def warm_split_kv(shape: AttentionShape, tokens_per_seq: int, device: torch.devi
     workspace = decode_workspace(n, shape.num_heads, shape.head_dim, _WARM_SPLITS, device)
     pages = -(-n // shape.page_size)
     decode_attention(
-        q, k_cache, v_cache, out, s.zeros(1, pages, dtype=torch.int32),
-        s.full(n, 1, dtype=torch.int32), shape.page_size, 1.0, _WARM_SPLITS,
-        tokens_per_seq=n, workspace=workspace,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        s.zeros(1, pages, dtype=torch.int32),
+        s.full(n, 1, dtype=torch.int32),
+        shape.page_size,
+        1.0,
+        _WARM_SPLITS,
+        tokens_per_seq=n,
+        workspace=workspace,
+    )
     return 3
 
 
@@ -171,13 +202,20 @@ def warm_pad_batch(device: torch.device) -> int:
     """``pad_batch`` with request starts (piecewise prefill) and without (graph replays)."""
     s = _Scratch(device)
     for out_start in (s.zeros(1, dtype=torch.int32), None):
-        pad_batch(s.zeros(1), s.zeros(1), s.full(-1, 1), s.full(1, 1, dtype=torch.int32),
-                  s.zeros(2), s.zeros(2), s.full(-1, 2), out_start)  # fmt: skip
+        pad_batch(
+            s.zeros(1),
+            s.zeros(1),
+            s.full(-1, 1),
+            s.full(1, 1, dtype=torch.int32),
+            s.zeros(2),
+            s.zeros(2),
+            s.full(-1, 2),
+            out_start,
+        )
     return 2
 
 
-def warm_sampling(device: torch.device, num_steps: int | None = None,
-                  history: bool = False) -> int:  # fmt: skip
+def warm_sampling(device: torch.device, num_steps: int | None = None, history: bool = False) -> int:
     """``build_sampling_params`` and ``advance_positions`` as ``SamplingSlots`` calls them: the
     commit of a decode step's one token per request and, with speculation, of a verify step's
     k+1, into a token history where prompt lookup keeps one.
@@ -188,10 +226,15 @@ def warm_sampling(device: torch.device, num_steps: int | None = None,
     build_sampling_params(table, torch.ones_like(slots), 1, req_slots=slots)
     rows = (1,) if num_steps is None else (1, num_steps + 1)
     for n in rows:
-        advance_positions(s.zeros(1), s.zeros(1), slots, tokens=s.zeros(1, n),
-                          last_token=s.zeros(1),
-                          history=s.zeros(1, 2, dtype=torch.int32) if history else None,
-                          prompt_len=s.zeros(1) if history else None)  # fmt: skip
+        advance_positions(
+            s.zeros(1),
+            s.zeros(1),
+            slots,
+            tokens=s.zeros(1, n),
+            last_token=s.zeros(1),
+            history=s.zeros(1, 2, dtype=torch.int32) if history else None,
+            prompt_len=s.zeros(1) if history else None,
+        )
     return 1 + len(rows)
 
 
@@ -203,14 +246,24 @@ def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
     k1 = num_steps + 1
     for strategy in VERIFY_STRATEGIES:
         verify_draft_tokens(
-            s.zeros(1, k1, vocab_size, dtype=torch.float32), s.zeros(1, num_steps), strategy,
-            seed=s.zeros(1, k1), position=s.zeros(1, k1), num_draft=s.full(num_steps, 1),
-        )  # fmt: skip
+            s.zeros(1, k1, vocab_size, dtype=torch.float32),
+            s.zeros(1, num_steps),
+            strategy,
+            seed=s.zeros(1, k1),
+            position=s.zeros(1, k1),
+            num_draft=s.full(num_steps, 1),
+        )
     table = s.zeros(1, 1, dtype=torch.int32)
     tokens = VerifyTokens(s.zeros(1), s.zeros(1), s.zeros(1, num_steps))
     padded_rows(s.full(1, 1), table, 1, k1, start_offset=-1, tokens=tokens)  # a verify pass
-    rows = GraphRows(s.zeros(k1), s.zeros(k1), s.full(-1, k1), s.zeros(1, dtype=torch.int32),
-                     s.full(k1, 1, dtype=torch.int32), s.zeros(k1))  # fmt: skip
+    rows = GraphRows(
+        s.zeros(k1),
+        s.zeros(k1),
+        s.full(-1, k1),
+        s.zeros(1, dtype=torch.int32),
+        s.full(k1, 1, dtype=torch.int32),
+        s.zeros(k1),
+    )
     padded_rows_into(rows, s.full(1, 1), table, 1, k1, start_offset=-1, tokens=tokens)  # graph
     padded_rows(s.zeros(1), table, 1, k1, num_valid=s.full(1, 1))  # a draft catch-up
     return 2 * len(VERIFY_STRATEGIES) + 3

@@ -55,13 +55,17 @@ def default_eagle3_head(model: str | None) -> Path:
     model or the head is not installed.
     """
     if not is_default_model(model):
-        raise ValueError(f"EAGLE3 needs speculative_draft_model_path for target {model!r} (a "
-                         f"trained head ships only for {DEFAULT_MODEL_NAME}; `pcgspec "
-                         "train-eagle3` trains one)")  # fmt: skip
+        raise ValueError(
+            f"EAGLE3 needs speculative_draft_model_path for target {model!r} (a "
+            f"trained head ships only for {DEFAULT_MODEL_NAME}; `pcgspec "
+            "train-eagle3` trains one)"
+        )
     if not (DEFAULT_EAGLE3_HEAD / "config.json").is_file():
-        raise ValueError(f"the EAGLE3 head of {DEFAULT_MODEL_NAME} is missing from "
-                         f"{DEFAULT_EAGLE3_HEAD}; pass speculative_draft_model_path or train "
-                         "one with `pcgspec train-eagle3`")  # fmt: skip
+        raise ValueError(
+            f"the EAGLE3 head of {DEFAULT_MODEL_NAME} is missing from "
+            f"{DEFAULT_EAGLE3_HEAD}; pass speculative_draft_model_path or train "
+            "one with `pcgspec train-eagle3`"
+        )
     return DEFAULT_EAGLE3_HEAD
 
 

@@ -21,8 +21,15 @@ NORM_STD = 0.1  # norm weights are 1 + N(0, NORM_STD^2): distinct, so a swapped 
 
 
 # The files of a Hugging Face folder that make up its tokenizer (and its chat template).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def random_tensors(

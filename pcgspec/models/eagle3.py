@@ -93,8 +93,10 @@ class Eagle3Head(DraftHead):
             bias = bool(getattr(config, "bias", False))
             self.fc = nn.Linear(self.target_hidden_size, hidden, bias=bias)
         elif width != hidden:
-            raise ValueError(f"use_aux_hidden_state=False needs hidden_size {hidden} == the "
-                             f"target's hidden size {width}")  # fmt: skip
+            raise ValueError(
+                f"use_aux_hidden_state=False needs hidden_size {hidden} == the "
+                f"target's hidden size {width}"
+            )
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.embed_tokens = nn.Embedding(self.vocab_size, hidden) if own_embedding else None
@@ -115,8 +117,10 @@ class Eagle3Head(DraftHead):
             return default_aux_layers(n)
         bad = [i for i in self.aux_layer_ids if not -1 <= i < n]
         if bad:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)}: "
-                             f"{bad} are not outputs of layers -1..{n - 1}")  # fmt: skip
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)}: "
+                f"{bad} are not outputs of layers -1..{n - 1}"
+            )
         return tuple(i + 1 for i in self.aux_layer_ids)  # output of layer i = input of layer i+1
 
     def forward(
@@ -176,8 +180,10 @@ class Eagle3Head(DraftHead):
             expected = torch.zeros(self.vocab_size, dtype=torch.bool)
             expected[ids] = True
             if t2d.shape != expected.shape or not torch.equal(t2d.bool(), expected):
-                raise ValueError(f"'t2d' {list(t2d.shape)} is not the [{self.vocab_size}] mask "
-                                 "of the target ids that 'd2t' maps to")  # fmt: skip
+                raise ValueError(
+                    f"'t2d' {list(t2d.shape)} is not the [{self.vocab_size}] mask "
+                    "of the target ids that 'd2t' maps to"
+                )
         self.draft_to_target.copy_(ids)
         self.identity_vocab = torch.equal(ids, torch.arange(self.vocab_size))
 
@@ -199,8 +205,9 @@ def load_eagle3_head(
     config = load_config(folder)
     architectures = list(getattr(config, "architectures", None) or [])
     if EAGLE3_ARCHITECTURE not in architectures:
-        raise ValueError(f"{folder}: architectures {architectures} do not name "
-                         f"{EAGLE3_ARCHITECTURE!r}")  # fmt: skip
+        raise ValueError(
+            f"{folder}: architectures {architectures} do not name {EAGLE3_ARCHITECTURE!r}"
+        )
     where = tensor_names(safetensors_files(folder))
     own_embed, own_head = "embed_tokens.weight" in where, "lm_head.weight" in where
     head = build_head(lambda: Eagle3Head(config, target, own_embed, own_head), dtype, device)
@@ -250,40 +257,54 @@ def _config_aux_ids(config: PretrainedConfig, eagle: dict) -> tuple[int, ...] | 
 def _check_eagle3_config(config: PretrainedConfig, target: nn.Module, draft_vocab: int) -> None:
     check_config(config)
     if config.num_hidden_layers != 1:
-        raise ValueError(f"num_hidden_layers={config.num_hidden_layers}: only one-layer EAGLE3 "
-                         "heads are supported")  # fmt: skip
+        raise ValueError(
+            f"num_hidden_layers={config.num_hidden_layers}: only one-layer EAGLE3 "
+            "heads are supported"
+        )
     if config.vocab_size != target.vocab_size:
-        raise ValueError(f"vocab_size {config.vocab_size} differs from the target's "
-                         f"{target.vocab_size}")  # fmt: skip
+        raise ValueError(
+            f"vocab_size {config.vocab_size} differs from the target's {target.vocab_size}"
+        )
     if not 0 < draft_vocab <= config.vocab_size:
         raise ValueError(f"draft_vocab_size {draft_vocab} must be in 1..{config.vocab_size}")
     width = getattr(config, "target_hidden_size", None) or config.hidden_size
     if width != target.hidden_size:
-        raise ValueError(f"target_hidden_size {width} differs from the target's hidden size "
-                         f"{target.hidden_size}")  # fmt: skip
+        raise ValueError(
+            f"target_hidden_size {width} differs from the target's hidden size {target.hidden_size}"
+        )
 
 
 def _check_shared(head: Eagle3Head, target: nn.Module, own_embed: bool, own_head: bool) -> None:
-    borrowed = [name for name, own in (("embed_tokens.weight", own_embed),
-                                       ("lm_head.weight", own_head)) if not own]  # fmt: skip
+    borrowed = [
+        name
+        for name, own in (("embed_tokens.weight", own_embed), ("lm_head.weight", own_head))
+        if not own
+    ]
     if borrowed and target.hidden_size != head.hidden_size:
-        raise ValueError(f"no {borrowed} in the checkpoint to replace the target's, whose width "
-                         f"{target.hidden_size} != hidden_size {head.hidden_size}")  # fmt: skip
+        raise ValueError(
+            f"no {borrowed} in the checkpoint to replace the target's, whose width "
+            f"{target.hidden_size} != hidden_size {head.hidden_size}"
+        )
     if not own_head and head.draft_vocab_size != head.vocab_size:
-        raise ValueError(f"no lm_head.weight in the checkpoint but draft_vocab_size "
-                         f"{head.draft_vocab_size} != vocab_size {head.vocab_size}")  # fmt: skip
+        raise ValueError(
+            f"no lm_head.weight in the checkpoint but draft_vocab_size "
+            f"{head.draft_vocab_size} != vocab_size {head.vocab_size}"
+        )
 
 
 def _target_ids(d2t: torch.Tensor | None, draft_vocab: int, vocab: int) -> torch.Tensor:
     """[draft_vocab] int64 target id of each draft id, checked to be distinct and in range."""
     if d2t is None:
         if draft_vocab != vocab:
-            raise ValueError(f"draft_vocab_size {draft_vocab} < vocab_size {vocab} but the "
-                             "checkpoint has no 'd2t'")  # fmt: skip
+            raise ValueError(
+                f"draft_vocab_size {draft_vocab} < vocab_size {vocab} but the "
+                "checkpoint has no 'd2t'"
+            )
         return torch.arange(vocab)
     if d2t.shape != (draft_vocab,) or d2t.is_floating_point():
-        raise ValueError(f"'d2t' must be [{draft_vocab}] integers, got {list(d2t.shape)} "
-                         f"{d2t.dtype}")  # fmt: skip
+        raise ValueError(
+            f"'d2t' must be [{draft_vocab}] integers, got {list(d2t.shape)} {d2t.dtype}"
+        )
     ids = torch.arange(draft_vocab) + d2t.long()
     if ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != draft_vocab:
         raise ValueError(f"'d2t' must map draft ids to distinct target ids in 0..{vocab - 1}")
@@ -323,16 +344,31 @@ def published_config(
     ``eagle_aux_hidden_state_layer_ids``) go into ``eagle_config`` when given.
     """
     rope = rope_parameters(config)
-    copied = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-              "num_key_value_heads", "rms_norm_eps", "max_position_embeddings")  # fmt: skip
+    copied = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    )
     published = {key: getattr(config, key) for key in copied} | {
-        "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
-        "draft_vocab_size": draft_vocab, "head_dim": head_dim_of(config), "hidden_act": "silu",
-        "attention_bias": False, "tie_word_embeddings": False, "rope_theta": rope["rope_theta"],
-    }  # fmt: skip
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "draft_vocab_size": draft_vocab,
+        "head_dim": head_dim_of(config),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "rope_theta": rope["rope_theta"],
+    }
     if rope["rope_type"] != "default":
         published["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if aux_layer_ids is not None:
-        published["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
-                                     "use_aux_hidden_state": True}  # fmt: skip
+        published["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        }
     return published

@@ -47,8 +47,10 @@ def kv_head_split(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
     if num_kv_heads >= tp.size:
         return tp.shard(num_kv_heads, "num_key_value_heads"), 1
     if tp.size % num_kv_heads:
-        raise ValueError(f"tp_size ({tp.size}) must divide num_key_value_heads "
-                         f"({num_kv_heads}) or be a multiple of it")
+        raise ValueError(
+            f"tp_size ({tp.size}) must divide num_key_value_heads "
+            f"({num_kv_heads}) or be a multiple of it"
+        )
     return 1, tp.size // num_kv_heads
 
 
@@ -63,8 +65,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=flags.qkv_bias,
-                                     tp=tp, replicas=(1, kv_replicas, kv_replicas))
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            self.split_sizes,
+            bias=flags.qkv_bias,
+            tp=tp,
+            replicas=(1, kv_replicas, kv_replicas),
+        )
         self.o_proj = RowParallelLinear(q_size * tp.size, config.hidden_size, flags.o_bias, tp)
         self.qk_norm = flags.qk_norm
         if flags.qk_norm:

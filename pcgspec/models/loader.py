@@ -116,8 +116,10 @@ def context_length(requested: int | None, hf_config: PretrainedConfig) -> int:
             raise ValueError("the model config has no max_position_embeddings: pass context_length")
         return limit
     if limit is not None and requested > limit:
-        raise ValueError(f"context_length {requested} exceeds the model's maximum "
-                         f"(max_position_embeddings = {limit}); use at most {limit}")
+        raise ValueError(
+            f"context_length {requested} exceeds the model's maximum "
+            f"(max_position_embeddings = {limit}); use at most {limit}"
+        )
     return requested
 
 

@@ -53,11 +53,19 @@ MIMO_ARCHITECTURE = "MiMoForCausalLM"
 # our module -> the layout's name for it, under the layer prefix; the block's names are the
 # target's decoder-layer names ("block." dropped)
 _SPECIAL_NAMES = {
-    "deepseek": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-                 "final_norm": "shared_head.norm"},
-    "mimo": {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
-             "final_norm": "final_layernorm"},
-}  # fmt: skip
+    "deepseek": {
+        "enorm": "enorm",
+        "hnorm": "hnorm",
+        "eh_proj": "eh_proj",
+        "final_norm": "shared_head.norm",
+    },
+    "mimo": {
+        "enorm": "token_layernorm",
+        "hnorm": "hidden_layernorm",
+        "eh_proj": "input_proj",
+        "final_norm": "final_layernorm",
+    },
+}
 _IGNORED = {"deepseek": ("embed_tokens.weight", "shared_head.head.weight"), "mimo": ()}
 _DEEPSEEK_LAYER = re.compile(r"model\.layers\.(\d+)\.enorm\.weight")
 
@@ -177,8 +185,11 @@ def write_mtp_checkpoint(
     config.num_nextn_predict_layers = 1
     shapes = hf_tensor_shapes(config)
     prefix = "model.mtp_layers.0." if mimo else f"model.layers.{config.num_hidden_layers}."
-    mtp_shapes = {prefix + name[len("model.layers.0."):]: shape for name, shape in shapes.items()
-                  if name.startswith("model.layers.0.")}  # fmt: skip
+    mtp_shapes = {
+        prefix + name[len("model.layers.0.") :]: shape
+        for name, shape in shapes.items()
+        if name.startswith("model.layers.0.")
+    }
     hidden = config.hidden_size
     for module, name in _SPECIAL_NAMES[layout].items():
         shape = (hidden, 2 * hidden) if module == "eh_proj" else (hidden,)

@@ -27,31 +27,85 @@ logger = logging.getLogger(__name__)
 
 INIT_STD = 0.02  # Hugging Face's default initializer_range
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # name -> (model_type, config kwargs); the numbers are those of the public config.json files.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-3.2-1b": ("llama", dict(
-        architectures=["LlamaForCausalLM"], hidden_size=2048, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
-        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True)),
-    "qwen3-8b": ("qwen3", dict(
-        architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
-        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, tie_word_embeddings=False)),
-    "smollm2-135m": ("llama", dict(
-        architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-        vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope_theta=100000.0, tie_word_embeddings=True)),
-    "tiny": ("llama", dict(  # for tests: a few MB, runs anywhere in milliseconds
-        architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True)),
+    "llama-3.2-1b": (
+        "llama",
+        dict(
+            architectures=["LlamaForCausalLM"],
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=8192,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA3_ROPE,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-8b": (
+        "qwen3",
+        dict(
+            architectures=["Qwen3ForCausalLM"],
+            hidden_size=4096,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=12288,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "smollm2-135m": (
+        "llama",
+        dict(
+            architectures=["LlamaForCausalLM"],
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "tiny": (
+        "llama",
+        dict(  # for tests: a few MB, runs anywhere in milliseconds
+            architectures=["LlamaForCausalLM"],
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -72,8 +126,9 @@ def shape_config(shape: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     model_type, kwargs = SHAPES[shape]
-    return AutoConfig.for_model(model_type, hidden_act="silu", attention_bias=False,
-                                initializer_range=INIT_STD, **kwargs)
+    return AutoConfig.for_model(
+        model_type, hidden_act="silu", attention_bias=False, initializer_range=INIT_STD, **kwargs
+    )
 
 
 def random_model(
@@ -99,8 +154,14 @@ def random_model(
     model.model.rotary_emb.init_rope()
     model.requires_grad_(False).eval()
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    logger.info("Built %s (%.1fM params, %s) with random weights on %s in %.1f s",
-                cls.__name__, millions, dtype, device, time.perf_counter() - start)
+    logger.info(
+        "Built %s (%.1fM params, %s) with random weights on %s in %.1f s",
+        cls.__name__,
+        millions,
+        dtype,
+        device,
+        time.perf_counter() - start,
+    )
     return model
 
 

@@ -174,23 +174,41 @@ def build_verify_batch(
     graph's static buffers, whose views the batch then holds.
     """
     b, k1 = tokens.drafts.shape[0], tokens.drafts.shape[1] + 1
-    common = dict(forward_mode=ForwardMode.TARGET_VERIFY, page_table=page_table,
-                  page_size=page_size, seq_lens_cpu=tuple(seq_len_bounds),
-                  extend_lens_cpu=(k1,) * b, spec_num_draft_tokens=k1)  # fmt: skip
+    common = dict(
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        page_table=page_table,
+        page_size=page_size,
+        seq_lens_cpu=tuple(seq_len_bounds),
+        extend_lens_cpu=(k1,) * b,
+        spec_num_draft_tokens=k1,
+    )
     if graph_rows is not None:
         into = padded_rows_into if seq_lens.is_cuda else padded_rows_into_ref
         into(graph_rows, seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
         n, g = b * k1, graph_rows
-        return ForwardBatch(input_ids=g.input_ids[:n], positions=g.positions[:n],
-                            out_cache_loc=g.out_cache_loc[:n], seq_lens=g.seq_lens[:b],
-                            extend_lens=g.extend_lens[:b], logits_indices=g.all_rows[:n],
-                            **common, **extra)  # type: ignore[arg-type]  # fmt: skip
+        return ForwardBatch(
+            input_ids=g.input_ids[:n],
+            positions=g.positions[:n],
+            out_cache_loc=g.out_cache_loc[:n],
+            seq_lens=g.seq_lens[:b],
+            extend_lens=g.extend_lens[:b],
+            logits_indices=g.all_rows[:n],
+            **common,
+            **extra,
+        )  # type: ignore[arg-type]
     build = padded_rows if seq_lens.is_cuda else padded_rows_ref
     rows = build(seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
-    return ForwardBatch(input_ids=rows.input_ids, positions=rows.positions,
-                        out_cache_loc=rows.out_cache_loc, seq_lens=rows.seq_lens,
-                        extend_lens=rows.extend_lens, logits_indices=rows.all_rows,
-                        extend_start=rows.extend_start, **common, **extra)  # type: ignore[arg-type]  # fmt: skip
+    return ForwardBatch(
+        input_ids=rows.input_ids,
+        positions=rows.positions,
+        out_cache_loc=rows.out_cache_loc,
+        seq_lens=rows.seq_lens,
+        extend_lens=rows.extend_lens,
+        logits_indices=rows.all_rows,
+        extend_start=rows.extend_start,
+        **common,
+        **extra,
+    )  # type: ignore[arg-type]
 
 
 def build_padded_batch(

@@ -120,8 +120,9 @@ class StaticBuffers:
     def tokens_per_seq(self) -> int:
         return self.input_ids.shape[0] // self.seq_lens.shape[0]
 
-    def batch(self, mode: ForwardMode, bs: int, page_size: int, max_seq_len: int,
-              **fields: object) -> ForwardBatch:  # fmt: skip
+    def batch(
+        self, mode: ForwardMode, bs: int, page_size: int, max_seq_len: int, **fields: object
+    ) -> ForwardBatch:
         """The static batch of bucket ``bs``: views of the first ``bs`` requests' rows."""
         n = self.tokens_per_seq
         return ForwardBatch(
@@ -141,8 +142,14 @@ class StaticBuffers:
     def bucket_rows(self, bs: int) -> GraphRows:
         """Bucket ``bs``'s rows, for a pass built in place (``padded_rows_into``)."""
         n = bs * self.tokens_per_seq
-        return GraphRows(self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
-                         self.seq_lens[:bs], self.extend_lens[:bs], self.rows[:n])  # fmt: skip
+        return GraphRows(
+            self.input_ids[:n],
+            self.positions[:n],
+            self.out_cache_loc[:n],
+            self.seq_lens[:bs],
+            self.extend_lens[:bs],
+            self.rows[:n],
+        )
 
     def load(self, batch: ForwardBatch, bs: int) -> None:
         """Copy ``batch`` into the first requests' rows, requests ``B..bs`` padding. A batch
@@ -154,8 +161,16 @@ class StaticBuffers:
             return
         n, rows = batch.batch_size, bs * self.tokens_per_seq
         pad = pad_batch if self.input_ids.device.type == "cuda" else pad_batch_ref
-        pad(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
-            self.input_ids[:rows], self.positions[:rows], self.out_cache_loc[:rows], None)
+        pad(
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            batch.extend_lens,
+            self.input_ids[:rows],
+            self.positions[:rows],
+            self.out_cache_loc[:rows],
+            None,
+        )
         self.seq_lens[:n].copy_(batch.seq_lens)
         self.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
         if bs > n:
@@ -230,10 +245,15 @@ class DecodeGraphRunner(GuardedRunner):
                 self._capture_one(bs)
         logger.info(
             "Captured %d %s (batch %d..%d, %d tokens per request, %s) in %.1f s, %.0f MiB",
-            len(order), what, order[-1], order[0], self.tokens_per_seq,
+            len(order),
+            what,
+            order[-1],
+            order[0],
+            self.tokens_per_seq,
             "CUDA" if on_cuda else "eager stand-in",
-            time.perf_counter() - start, (self._reserved_bytes() - before) / 2**20,
-        )  # fmt: skip
+            time.perf_counter() - start,
+            (self._reserved_bytes() - before) / 2**20,
+        )
 
     def _capture_one(self, bs: int) -> None:
         step = functools.partial(self._step, self._static_batch(bs))
@@ -254,10 +274,13 @@ class DecodeGraphRunner(GuardedRunner):
     def _static_batch(self, bs: int) -> ForwardBatch:
         verify = self.mode is ForwardMode.TARGET_VERIFY
         return self.buffers.batch(
-            self.mode, bs, self.page_size, self.max_seq_len,
+            self.mode,
+            bs,
+            self.page_size,
+            self.max_seq_len,
             capture_hidden_mode=self.capture_hidden_mode,
             spec_num_draft_tokens=self.tokens_per_seq if verify else 0,
-        )  # fmt: skip
+        )
 
     def _reserved_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -274,8 +297,7 @@ class DecodeGraphRunner(GuardedRunner):
         will (``can_run`` then refuses it and counts why).
         """
         bs = pad_to_bucket(batch_size, self.batch_sizes)
-        if (bs not in self.graphs or max_pages > self.max_pages
-                or max_seq_len > self.max_seq_len):  # fmt: skip
+        if bs not in self.graphs or max_pages > self.max_pages or max_seq_len > self.max_seq_len:
             return None
         return self.buffers.bucket_rows(bs)
 

@@ -51,14 +51,17 @@ class DraftGraphRunner(GuardedRunner):
         self.batch_sizes = decode_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         rows = self.max_bs * (num_steps + 1)
-        self.buffers = StaticBuffers.allocate(self.max_bs, num_steps + 1,
-                                              -(-max_seq_len // self.page_size), self.device)
+        self.buffers = StaticBuffers.allocate(
+            self.max_bs, num_steps + 1, -(-max_seq_len // self.page_size), self.device
+        )
         self.last_rows = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)
         self.hidden = (
-            torch.zeros(rows, draft.draft.target_hidden_size, dtype=draft.draft.dtype,
-                        device=self.device)
-            if draft.uses_target_hidden else None
-        )  # fmt: skip
+            torch.zeros(
+                rows, draft.draft.target_hidden_size, dtype=draft.draft.dtype, device=self.device
+            )
+            if draft.uses_target_hidden
+            else None
+        )
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: tuple[int, int] | None = None
@@ -72,23 +75,32 @@ class DraftGraphRunner(GuardedRunner):
         self.buffers.seq_lens.zero_()
         start = time.perf_counter()
         with capture_stream(self.device):
-            for bs in progress(self.batch_sizes[::-1], desc="Capturing draft graphs",
-                               unit="bucket"):
+            for bs in progress(
+                self.batch_sizes[::-1], desc="Capturing draft graphs", unit="bucket"
+            ):
                 for _ in range(self.num_warmup):
                     self._propose(bs)
                 graph = _CudaGraph(self.pool) if on_cuda else _EagerGraph()
                 self.outputs[bs] = graph.capture(self._propose, (bs,))
                 self.graphs[bs] = graph
-        logger.info("Captured %d draft graphs (catch-up + %d steps, batch 1..%d) in %.1f s",
-                    len(self.graphs), self.num_steps - 1, self.max_bs,
-                    time.perf_counter() - start)  # fmt: skip
+        logger.info(
+            "Captured %d draft graphs (catch-up + %d steps, batch 1..%d) in %.1f s",
+            len(self.graphs),
+            self.num_steps - 1,
+            self.max_bs,
+            time.perf_counter() - start,
+        )
 
     def _propose(self, bs: int) -> torch.Tensor:
         """The captured region: ``[bs, k]`` drafts from the static buffers."""
         batch = self.buffers.batch(
-            ForwardMode.DRAFT_EXTEND, bs, self.page_size, self.max_seq_len,
-            logits_indices=self.last_rows[:bs], spec_num_draft_tokens=self.num_steps + 1,
-        )  # fmt: skip
+            ForwardMode.DRAFT_EXTEND,
+            bs,
+            self.page_size,
+            self.max_seq_len,
+            logits_indices=self.last_rows[:bs],
+            spec_num_draft_tokens=self.num_steps + 1,
+        )
         hidden = None if self.hidden is None else self.hidden[: bs * (self.num_steps + 1)]
         return self.draft.propose(batch, hidden, self.num_steps, capture_len=self.max_seq_len)
 

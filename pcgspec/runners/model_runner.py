@@ -62,8 +62,10 @@ class ModelRunner:
         self.tp_driver: TPDriver | None = None
         if config.tp_size > 1 and tp_groups is None:
             if model is not None:
-                raise ValueError("tp_size > 1 loads a shard in every rank: pass model_path "
-                                 "(a folder or RandomWeights), not a built model")
+                raise ValueError(
+                    "tp_size > 1 loads a shard in every rank: pass model_path "
+                    "(a folder or RandomWeights), not a built model"
+                )
             from pcgspec.runners.tp_worker import run_worker  # NOTE: it imports this module
 
             self.tp_driver = TPDriver(config, model_path, run_worker)
@@ -75,24 +77,30 @@ class ModelRunner:
         if model is None:
             model = _build_model(model_path, self.dtype, self.device, self.tp)
         elif model.dtype != self.dtype or model.device.type != self.device.type:
-            raise ValueError(f"model is {model.dtype} on {model.device}, the config asks for "
-                             f"{self.dtype} on {self.device}")
+            raise ValueError(
+                f"model is {model.dtype} on {model.device}, the config asks for "
+                f"{self.dtype} on {self.device}"
+            )
         self.model = model
         hf = self.model.config
         self.context_length = context_length(config.context_length, hf)
         self.page_size = config.page_size
-        spec = KVCacheSpec(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
-                           self.dtype)
+        spec = KVCacheSpec(
+            self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype
+        )
         reserve = self._activation_reserve_bytes(spec)
         pages = self._num_kv_pages(spec.bytes_per_token + draft_kv_bytes_per_token, reserve)
         if tp_groups is not None:  # NOTE: rank 0's page ids index every rank's cache
             pages = tp_groups.min_over_ranks(pages)
         self.kv_cache = KVCache(spec, pages, self.page_size, self.device)
         self.attn_backend = self._attention_backend(self.kv_cache)
-        logger.info("KV cache: %d pages x %d tokens (%.1f MiB), attention backend %s",
-                    self.kv_cache.num_pages, self.page_size,
-                    self.kv_cache.num_slots * spec.bytes_per_token / 2**20,
-                    config.resolved_attention_backend)
+        logger.info(
+            "KV cache: %d pages x %d tokens (%.1f MiB), attention backend %s",
+            self.kv_cache.num_pages,
+            self.page_size,
+            self.kv_cache.num_slots * spec.bytes_per_token / 2**20,
+            config.resolved_attention_backend,
+        )
         self.drafter_reads_hidden = drafter_reads_hidden
         self.extend_capture_hidden_mode = self._configure_aux_hidden_layers()
         self.piecewise: PiecewiseRunner | None = None
@@ -102,8 +110,9 @@ class ModelRunner:
 
     def _attention_backend(self, kv_cache: KVCache) -> AttentionBackend:
         backend_cls = ATTENTION_BACKENDS.get(self.config.resolved_attention_backend)
-        return backend_cls(kv_cache, self.model.num_heads, self.model.head_dim,
-                           self.model.attn_scale)
+        return backend_cls(
+            kv_cache, self.model.num_heads, self.model.head_dim, self.model.attn_scale
+        )
 
     def _configure_aux_hidden_layers(self) -> CaptureHiddenMode:
         """Set the configured aux layers before any graph runner traces the decoder (the trace
@@ -162,9 +171,14 @@ class ModelRunner:
         scratch = KVCache(spec, 1, self.page_size, self.device)
         # NOTE: every position maps to page 0 of the scratch cache and writes nothing (-1).
         pages = [0] * -(-num_tokens // self.page_size)
-        batch = without_kv_writes(build_forward_batch(
-            ForwardMode.EXTEND, [SeqChunk([0] * num_tokens, 0, pages)], self.page_size,
-            self.device))
+        batch = without_kv_writes(
+            build_forward_batch(
+                ForwardMode.EXTEND,
+                [SeqChunk([0] * num_tokens, 0, pages)],
+                self.page_size,
+                self.device,
+            )
+        )
         backend = self._attention_backend(scratch)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -204,8 +218,9 @@ class ModelRunner:
         Graph runners bake the layers in at their trace: set them through
         ``EngineConfig.aux_hidden_state_layers`` instead when graphs are on.
         """
-        traced = any(r is not None for r in (self.piecewise, self.decode_graphs,
-                                             self.verify_graphs))  # fmt: skip
+        traced = any(
+            r is not None for r in (self.piecewise, self.decode_graphs, self.verify_graphs)
+        )
         if traced and tuple(layer_ids) != self.model.model.aux_hidden_layers:
             raise RuntimeError(
                 f"aux hidden layers {tuple(layer_ids)} set after the graphs were traced with "
@@ -245,8 +260,11 @@ class ModelRunner:
 
     def graph_runners(self) -> dict[str, GuardedRunner]:
         """The target's graph runners by name (those built), for their ``stats()``."""
-        runners = {"piecewise": self.piecewise, "decode": self.decode_graphs,
-                   "verify": self.verify_graphs}  # fmt: skip
+        runners = {
+            "piecewise": self.piecewise,
+            "decode": self.decode_graphs,
+            "verify": self.verify_graphs,
+        }
         return {name: r for name, r in runners.items() if r is not None}
 
     def _forward(self, batch: ForwardBatch, want_logits: bool = True) -> ForwardOutput:
@@ -268,8 +286,10 @@ class ModelRunner:
 
     def _run_decoder(self, batch: ForwardBatch) -> GraphOutput:
         """Hidden states, auxiliary hidden states and (from a decode graph) every row's logits."""
-        graphs = {ForwardMode.DECODE: self.decode_graphs,
-                  ForwardMode.TARGET_VERIFY: self.verify_graphs}.get(batch.forward_mode)
+        graphs = {
+            ForwardMode.DECODE: self.decode_graphs,
+            ForwardMode.TARGET_VERIFY: self.verify_graphs,
+        }.get(batch.forward_mode)
         if graphs is not None and graphs.can_run(batch):
             return graphs.replay(batch)
         if self.piecewise is not None and self.piecewise.can_run(batch):

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pcgspec")
 
+
 class PiecewiseRunner(GuardedRunner):
     """Runs the decoder stack of ``model_runner`` through the piecewise backend.
 
@@ -46,8 +47,14 @@ class PiecewiseRunner(GuardedRunner):
     consume or copy them before the next forward (``ModelRunner.forward`` does).
     """
 
-    reasons = ("empty", "target_verify", "hidden_mode", "input_embeds", "input_logprobs",
-               "too_many_tokens")  # fmt: skip
+    reasons = (
+        "empty",
+        "target_verify",
+        "hidden_mode",
+        "input_embeds",
+        "input_logprobs",
+        "too_many_tokens",
+    )
 
     def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__()
@@ -70,8 +77,9 @@ class PiecewiseRunner(GuardedRunner):
         self.graphs = PiecewiseGraphs(self.device)
         tp = model_runner.tp  # NOTE: one compile cache per rank of a group: no shared writes
         cache = None if tp.size == 1 else envs.cache_dir() / "compile" / f"tp{tp.size}-{tp.rank}"
-        self.backend = PiecewiseBackend(config.resolved_piecewise_compiler, graphs=self.graphs,
-                                        cache_dir=cache)
+        self.backend = PiecewiseBackend(
+            config.resolved_piecewise_compiler, graphs=self.graphs, cache_dir=cache
+        )
         self.decoder = CompiledDecoder(model_runner.model.model, self.backend)
         # Static inputs: every compiled call reads views of these, so replays copy nothing; the
         # padded batch's KV slots and request starts live here too (filled by one launch).
@@ -157,19 +165,33 @@ class PiecewiseRunner(GuardedRunner):
         """
         ids, positions = self.input_ids[:bucket], self.positions[:bucket]
         out_cache_loc, start = self.out_cache_loc[:bucket], self.extend_start[: batch.batch_size]
-        self._pad_batch(batch.input_ids, batch.positions, batch.out_cache_loc, batch.extend_lens,
-                        ids, positions, out_cache_loc, start)  # fmt: skip
+        self._pad_batch(
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            batch.extend_lens,
+            ids,
+            positions,
+            out_cache_loc,
+            start,
+        )
         return dataclasses.replace(
-            batch, input_ids=ids, positions=positions, out_cache_loc=out_cache_loc,
+            batch,
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
             extend_start=start,
-        )  # fmt: skip
+        )
 
     def _dummy_batch(self, num_tokens: int) -> ForwardBatch:
         """One token reading page 0, padded to ``num_tokens``; nothing is written to the KV
         cache.
         """
         one = build_forward_batch(
-            ForwardMode.EXTEND, [SeqChunk([0], 0, [0])], self.page_size, self.device,
+            ForwardMode.EXTEND,
+            [SeqChunk([0], 0, [0])],
+            self.page_size,
+            self.device,
             capture_hidden_mode=self.hidden_mode,
-        )  # fmt: skip
+        )
         return self._pad(without_kv_writes(one), num_tokens)

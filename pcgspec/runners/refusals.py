@@ -41,8 +41,10 @@ class GuardedRunner(ABC):
         if reason is None:
             return True
         if reason not in self._fallbacks:
-            raise RuntimeError(f"{type(self).__name__} refused for {reason!r}, not one of "
-                               f"its reasons {self.reasons}")  # fmt: skip
+            raise RuntimeError(
+                f"{type(self).__name__} refused for {reason!r}, not one of "
+                f"its reasons {self.reasons}"
+            )
         self._fallbacks[reason] += 1
         return False
 
@@ -59,8 +61,12 @@ class GuardedRunner(ABC):
         self._padded_rows += padded_rows
 
     def stats(self) -> GraphStats:
-        return GraphStats(graphs=self.num_graphs, runs=self._runs, padded_rows=self._padded_rows,
-                          fallbacks=dict(self._fallbacks))  # fmt: skip
+        return GraphStats(
+            graphs=self.num_graphs,
+            runs=self._runs,
+            padded_rows=self._padded_rows,
+            fallbacks=dict(self._fallbacks),
+        )
 
 
 def hit_ratio(stats: GraphStats) -> float | None:

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pcgspec")
 
 
-def run_worker(config: EngineConfig, model_path: Path | RandomWeights | None,
-               rendezvous: Rendezvous, rank: int) -> None:  # fmt: skip
+def run_worker(
+    config: EngineConfig, model_path: Path | RandomWeights | None, rendezvous: Rendezvous, rank: int
+) -> None:
     """Join the group, build this rank's runner (the same captures as rank 0, in the same
     order), warm its attention kernels up, then run every batch rank 0 broadcasts until it says
     stop.

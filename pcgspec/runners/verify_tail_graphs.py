@@ -107,8 +107,9 @@ class VerifyTailGraphs(GuardedRunner):
                 graph = _CudaGraph(self.verify_graphs.pool) if on_cuda else _EagerGraph()
                 graph.capture(self._step, (variant, bs))
                 self.graphs[(variant, bs)] = graph
-        logger.info("Captured %d verify tail graphs in %.1f s", len(keys),
-                    time.perf_counter() - start)  # fmt: skip
+        logger.info(
+            "Captured %d verify tail graphs in %.1f s", len(keys), time.perf_counter() - start
+        )
 
     def _step(self, variant: str, bs: int) -> torch.Tensor:
         """The captured region of bucket ``bs``: LM head, acceptance, commit, results."""
@@ -117,8 +118,9 @@ class VerifyTailGraphs(GuardedRunner):
         req_slots, drafts, num = self.req_slots[:bs], self.drafts[:bs], self.num_drafts[:bs]
         out = VerifyOutput(self.results[:bs, 0], self.results[:bs, 2:])
         if variant == GREEDY:
-            verified = self._verify(logits.view(bs, k1, -1), drafts, VerifyStrategy.GREEDY,
-                                    num_draft=num)  # fmt: skip
+            verified = self._verify(
+                logits.view(bs, k1, -1), drafts, VerifyStrategy.GREEDY, num_draft=num
+            )
         else:
             table = slots.table
             rows = req_slots.clamp_min(0).repeat_interleave(k1)  # [bs * k1] each row's slot
@@ -127,16 +129,26 @@ class VerifyTailGraphs(GuardedRunner):
             probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], -1)
             target = torch.where(greedy[:, None], logits, probs)  # greedy rows: argmax
             position = table.position[rows] + self.offsets[: bs * k1]
-            verified = self._verify(target.view(bs, k1, -1), drafts, VerifyStrategy.TARGET_MATCH,
-                                    seed=table.seed[rows].view(bs, k1),
-                                    position=position.view(bs, k1), num_draft=num,
-                                    is_greedy=greedy.view(bs, k1)[:, 0].contiguous())  # fmt: skip
+            verified = self._verify(
+                target.view(bs, k1, -1),
+                drafts,
+                VerifyStrategy.TARGET_MATCH,
+                seed=table.seed[rows].view(bs, k1),
+                position=position.view(bs, k1),
+                num_draft=num,
+                is_greedy=greedy.view(bs, k1)[:, 0].contiguous(),
+            )
         out.accept_len.copy_(verified.accept_len)
         out.tokens.copy_(verified.tokens)
         self.results[:bs, 1].copy_(num)
         slots.save_before_commit()
-        self._advance(slots.table.position, out.accept_len + 1, req_slots, tokens=out.tokens,
-                      **slots.commit_tables())  # fmt: skip
+        self._advance(
+            slots.table.position,
+            out.accept_len + 1,
+            req_slots,
+            tokens=out.tokens,
+            **slots.commit_tables(),
+        )
         return self.results[:bs]
 
     @property
@@ -157,9 +169,12 @@ class VerifyTailGraphs(GuardedRunner):
 
     @torch.inference_mode()
     def replay(
-        self, req_slots: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+        self,
+        req_slots: torch.Tensor,
+        drafts: torch.Tensor,
+        num_drafts: torch.Tensor,
         all_greedy: bool,
-    ) -> tuple[torch.Tensor, VerifyOutput]:  # fmt: skip
+    ) -> tuple[torch.Tensor, VerifyOutput]:
         """Accept and commit the verify pass just replayed for the requests in ``req_slots``
         [B] with ``drafts`` [B, k] (``num_drafts`` [B] real): the step's results ``[B, 2 + k+1]``
         and its ``VerifyOutput``, graph memory that the next replay overwrites.
@@ -176,4 +191,3 @@ class VerifyTailGraphs(GuardedRunner):
         self._count_run(padded_rows=(bs - n) * self.k1)
         out = VerifyOutput(self.results[:n, 0], self.results[:n, 2:])
         return self.results[:n], out
-

@@ -190,4 +190,3 @@ def _flat_index(
         raise ValueError(f"token ids must be in [0, {vocab_size}), got {cols.min()}..{cols.max()}")
     rows = torch.repeat_interleave(torch.arange(len(ids)), lengths)
     return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
-

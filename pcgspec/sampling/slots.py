@@ -68,9 +68,13 @@ class SamplingSlots:
     """
 
     def __init__(
-        self, num_slots: int, vocab_size: int, device: torch.device | str,
-        triton: bool | None = None, history_len: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        num_slots: int,
+        vocab_size: int,
+        device: torch.device | str,
+        triton: bool | None = None,
+        history_len: int | None = None,
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if vocab_size < 1:
@@ -88,15 +92,17 @@ class SamplingSlots:
         self._undo: tuple[torch.Tensor, tuple | None] | None = None  # the newest commit's
         self.num_commits = 0
         f = dict(zip(FLOAT_FIELDS, self._floats))
-        self.table = SamplingTensors(f["temperature"], f["top_p"], self._ints[0], f["min_p"],
-                                     self._ints[1], self._ints[2])  # fmt: skip
+        self.table = SamplingTensors(
+            f["temperature"], f["top_p"], self._ints[0], f["min_p"], self._ints[1], self._ints[2]
+        )
         self._prompt_len = self._ints[3]
         # NOTE: the column past the end takes the writes that fall outside a row (never read).
         self._history: torch.Tensor | None = None  # [S, history_len + 1] int32
         self.token_history: torch.Tensor | None = None  # [S, history_len] view of it
         if history_len is not None:
-            self._history = torch.zeros(num_slots, history_len + 1, dtype=torch.int32,
-                                        device=self.device)  # fmt: skip
+            self._history = torch.zeros(
+                num_slots, history_len + 1, dtype=torch.int32, device=self.device
+            )
             self.token_history = self._history[:, :history_len]
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
         self._slot_of: dict[SlotRequest, int] = {}
@@ -149,8 +155,13 @@ class SamplingSlots:
         for req, slot in zip(reqs, slots):
             values = self._values[slot] = row_values(req.params, self.vocab_size)
             floats += [values[name] for name in FLOAT_FIELDS]
-            ints += [values["top_k"], as_int64(req.seed), len(req.output_token_ids),
-                     len(req.prompt_token_ids), slot]  # fmt: skip
+            ints += [
+                values["top_k"],
+                as_int64(req.seed),
+                len(req.output_token_ids),
+                len(req.prompt_token_ids),
+                slot,
+            ]
         n = len(reqs)
         columns = self._upload(floats, torch.float32).view(n, -1)
         int_columns = self._upload(ints, torch.int64).view(n, -1)
@@ -189,8 +200,10 @@ class SamplingSlots:
     def _write_history_row(self, slot: int, tokens: list[int]) -> None:
         assert self.token_history is not None
         if len(tokens) > self.token_history.shape[1]:
-            raise ValueError(f"a request of {len(tokens)} tokens does not fit the token history "
-                             f"of {self.token_history.shape[1]}")  # fmt: skip
+            raise ValueError(
+                f"a request of {len(tokens)} tokens does not fit the token history "
+                f"of {self.token_history.shape[1]}"
+            )
         self.token_history[slot, : len(tokens)].copy_(self._upload(tokens, torch.int32))
 
     # the step -----------------------------------------------------------------------------
@@ -215,9 +228,18 @@ class SamplingSlots:
                 mask = self.prompt_mask.index_select(0, rows.row_slots)
         t = rows.tensors
         return SamplingBatch(
-            t.temperature, t.top_p, t.top_k, t.min_p, t.seed, t.position, *rows.penalties,
-            output_counts=counts, prompt_mask=mask, vocab_size=self.vocab_size, **rows.flags,
-        )  # fmt: skip
+            t.temperature,
+            t.top_p,
+            t.top_k,
+            t.min_p,
+            t.seed,
+            t.position,
+            *rows.penalties,
+            output_counts=counts,
+            prompt_mask=mask,
+            vocab_size=self.vocab_size,
+            **rows.flags,
+        )
 
     def _expanded(
         self, reqs: Sequence[SlotRequest], slots: torch.Tensor, per_request: int
@@ -235,16 +257,20 @@ class SamplingSlots:
             return rows
         num_rows = len(reqs) * per_request
         build = build_sampling_params if self._triton else build_sampling_params_ref
-        tensors = build(self.table, torch.full_like(slots, per_request), num_rows,
-                        req_slots=slots)  # fmt: skip
+        tensors = build(self.table, torch.full_like(slots, per_request), num_rows, req_slots=slots)
         row_slots = slots[:, None].expand(-1, per_request).reshape(-1)  # [R]
         offsets = None
         if per_request > 1:
             offsets = torch.arange(per_request, device=self.device).repeat(len(reqs))  # [R] j
         values = [self._values[self._slot_of[r]] for r in reqs]
-        rows = _Rows(key, tensors, row_slots, offsets,
-                     self._floats[_PENALTY_FIELDS].index_select(1, row_slots),  # [3, R]
-                     host_flags([r.params for r in reqs], values, self.vocab_size))  # fmt: skip
+        rows = _Rows(
+            key,
+            tensors,
+            row_slots,
+            offsets,
+            self._floats[_PENALTY_FIELDS].index_select(1, row_slots),  # [3, R]
+            host_flags([r.params for r in reqs], values, self.vocab_size),
+        )
         self._rows[per_request] = rows
         return rows
 
@@ -261,8 +287,11 @@ class SamplingSlots:
         """The tables ``commit`` writes besides the counters, as ``advance_positions`` takes
         them (a commit captured in a graph)."""
         history = self._history is not None
-        return {"last_token": self.last_token, "history": self._history,
-                "prompt_len": self._prompt_len if history else None}  # fmt: skip
+        return {
+            "last_token": self.last_token,
+            "history": self._history,
+            "prompt_len": self._prompt_len if history else None,
+        }
 
     @staticmethod
     def _add_drafts(counts: torch.Tensor, drafts: torch.Tensor, tracked: torch.Tensor) -> None:
@@ -286,9 +315,15 @@ class SamplingSlots:
         self.num_commits += 1
         self._undo = (slots, None)
         advance = advance_positions if self._triton else advance_positions_ref
-        advance(self.table.position, num_emitted, slots, tokens=tokens, last_token=self.last_token,
-                history=self._history,
-                prompt_len=None if self._history is None else self._prompt_len)  # fmt: skip
+        advance(
+            self.table.position,
+            num_emitted,
+            slots,
+            tokens=tokens,
+            last_token=self.last_token,
+            history=self._history,
+            prompt_len=None if self._history is None else self._prompt_len,
+        )
         if self.output_counts is None or not any(r.params.needs_penalties for r in reqs):
             return
         steps = torch.arange(tokens.shape[1], device=self.device)

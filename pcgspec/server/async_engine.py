@@ -41,8 +41,7 @@ if TYPE_CHECKING:
     from pcgspec.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pcgspec")
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "Generation",
-           "RequestFailedError"]  # fmt: skip
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "Generation", "RequestFailedError"]
 
 
 class RequestStream:
@@ -131,8 +130,9 @@ class AsyncEngine:
         if self.in_process:
             channel = ThreadChannel(self._post)
             self._send = channel.inbox.put
-            self._worker = threading.Thread(target=run_engine, args=(config, channel),
-                                            name="pcgspec-engine", daemon=True)  # fmt: skip
+            self._worker = threading.Thread(
+                target=run_engine, args=(config, channel), name="pcgspec-engine", daemon=True
+            )
         else:
             context = multiprocessing.get_context("spawn")  # NOTE: a forked CUDA process breaks
             ours, theirs = context.Pipe()
@@ -141,23 +141,29 @@ class AsyncEngine:
             # workers). It leaves on "stop", when its pipe closes with this process, or at this
             # process's exit (``_terminate``), which would otherwise wait for it.
             self._worker = context.Process(
-                target=run_engine_process, name="pcgspec-engine",
+                target=run_engine_process,
+                name="pcgspec-engine",
                 args=(config, theirs, logging.getLogger().getEffectiveLevel()),
-            )  # fmt: skip
+            )
         self._worker.start()
         if not self.in_process:
             atexit.register(_terminate, self._worker)
             theirs.close()  # NOTE: the reader then sees EOF once the engine process is gone
-            threading.Thread(target=self._read, args=(ours,), name="pcgspec-engine-reader",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._read, args=(ours,), name="pcgspec-engine-reader", daemon=True
+            ).start()
         await self._ready
         assert self.info is not None
         return self.info
 
     @property
     def alive(self) -> bool:
-        return (self.info is not None and not self._dead and self._worker is not None
-                and self._worker.is_alive())  # fmt: skip
+        return (
+            self.info is not None
+            and not self._dead
+            and self._worker is not None
+            and self._worker.is_alive()
+        )
 
     def submit(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams) -> None:
         if not self.alive:

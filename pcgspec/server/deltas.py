@@ -65,8 +65,12 @@ class SeqTracker:
         if end == self._text and not tokens and not logprobs and not req.finished:
             return None
         first = None
-        if (tokens and not self._tokens and req.scheduled_time is not None
-                and req.first_token_time is not None):  # fmt: skip
+        if (
+            tokens
+            and not self._tokens
+            and req.scheduled_time is not None
+            and req.first_token_time is not None
+        ):
             first = FirstTokenTimes(req.arrival_time, req.scheduled_time, req.first_token_time)
         delta = SeqDelta(
             req.index,

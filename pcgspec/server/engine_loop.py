@@ -125,8 +125,13 @@ def log_slow_collections(process: str, threshold: float = 1e-3) -> None:
         if phase == "start":
             start = time.perf_counter()
         elif (took := time.perf_counter() - start) > threshold:
-            logger.debug("%s: gc of generation %d took %.2f ms (%d collected)", process,
-                         info["generation"], 1e3 * took, info["collected"])  # fmt: skip
+            logger.debug(
+                "%s: gc of generation %d took %.2f ms (%d collected)",
+                process,
+                info["generation"],
+                1e3 * took,
+                info["collected"],
+            )
 
     gc.callbacks.append(timed)
 
@@ -146,9 +151,17 @@ def run_engine(config: EngineConfig, channel: Channel, freeze: bool = False) -> 
     if freeze:
         freeze_start_up()
     stats = engine.stats()
-    channel.send(("ready", EngineInfo(str(engine.model_dir), engine.runner.vocab_size,
-                                      engine.context_length,
-                                      stats["kv_pages_total"] * stats["page_size"])))  # fmt: skip
+    channel.send(
+        (
+            "ready",
+            EngineInfo(
+                str(engine.model_dir),
+                engine.runner.vocab_size,
+                engine.context_length,
+                stats["kv_pages_total"] * stats["page_size"],
+            ),
+        )
+    )
     loop = EngineLoop(engine, channel)
     try:
         loop.run()
@@ -238,8 +251,10 @@ class EngineLoop:
         if self._unhealthy is not None:
             return
         if device_unusable(error) or self._failed_in_a_row >= MAX_STEP_ERRORS:
-            self._unhealthy = (f"{self._failed_in_a_row} engine step(s) failed in a row, the "
-                               f"last with {type(error).__name__}: {error}")  # fmt: skip
+            self._unhealthy = (
+                f"{self._failed_in_a_row} engine step(s) failed in a row, the "
+                f"last with {type(error).__name__}: {error}"
+            )
             logger.error("the engine is unhealthy: %s", self._unhealthy)
 
     def _publish(self, snapshot: bool) -> None:

@@ -25,11 +25,19 @@ def log_finished(stream: RequestStream, now: float, error: BaseException | None)
     """One line for a request that ended (its ``n`` sequences), ``now`` on its arrival's clock."""
     if not logger.isEnabledFor(logging.INFO):
         return
-    reason = f"error: {error}" if error is not None else ",".join(
-        dict.fromkeys(stream.finish_reasons)) or "none"
-    logger.info("request %s finished (%s): %d prompt tokens, %d output tokens, %.0f ms",
-                stream.request_id, reason, stream.num_prompt_tokens, stream.num_output_tokens,
-                1e3 * (now - stream.arrival))  # fmt: skip
+    reason = (
+        f"error: {error}"
+        if error is not None
+        else ",".join(dict.fromkeys(stream.finish_reasons)) or "none"
+    )
+    logger.info(
+        "request %s finished (%s): %d prompt tokens, %d output tokens, %.0f ms",
+        stream.request_id,
+        reason,
+        stream.num_prompt_tokens,
+        stream.num_output_tokens,
+        1e3 * (now - stream.arrival),
+    )
 
 
 class ThroughputLog:
@@ -37,9 +45,10 @@ class ThroughputLog:
     ``tick`` after the step."""
 
     def __init__(
-        self, interval: float = THROUGHPUT_LOG_INTERVAL,
+        self,
+        interval: float = THROUGHPUT_LOG_INTERVAL,
         clock: Callable[[], float] = time.perf_counter,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.interval = interval
         self._clock = clock
         self._start: float | None = None  # the window's; None while idle
@@ -83,7 +92,9 @@ class ThroughputLog:
 
     def _line(self, elapsed: float, stats: dict[str, int]) -> str:
         used, total = stats["kv_pages_used"], stats["kv_pages_total"]
-        return (f"running {stats['num_running']}, waiting {stats['num_waiting']} | "
-                f"prompt {self._prompt_tokens / elapsed:.1f} tok/s, generation "
-                f"{self._generation_tokens / elapsed:.1f} tok/s | KV cache "
-                f"{100 * used / max(total, 1):.1f}% ({used}/{total} pages)")  # fmt: skip
+        return (
+            f"running {stats['num_running']}, waiting {stats['num_waiting']} | "
+            f"prompt {self._prompt_tokens / elapsed:.1f} tok/s, generation "
+            f"{self._generation_tokens / elapsed:.1f} tok/s | KV cache "
+            f"{100 * used / max(total, 1):.1f}% ({used}/{total} pages)"
+        )

@@ -235,11 +235,14 @@ class _EngineCollector:
         """Prefix-cache counters (zero with ``--disable-radix-cache``)."""
         cache, labels = snap.cache, [self.model_name]
         for name, key, doc in (
-            ("prefix_cache_queried_tokens", "prompt_tokens",
-             "Tokens looked up in the prefix cache (prompts, resumed sequences)."),
+            (
+                "prefix_cache_queried_tokens",
+                "prompt_tokens",
+                "Tokens looked up in the prefix cache (prompts, resumed sequences).",
+            ),
             ("prefix_cache_hit_tokens", "cached_tokens", "Looked-up tokens the cache served."),
             ("prefix_cache_evicted_tokens", "evicted_tokens", "Tokens evicted from the cache."),
-        ):  # fmt: skip
+        ):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric(labels, cache.get(key, 0))
             yield counter
@@ -256,8 +259,9 @@ class _EngineCollector:
         decode, verify, draft, draft_piecewise; those the engine built).
         """
         labels = ["model_name", "runner"]
-        runs = CounterMetricFamily(PREFIX + "graph_runs", "Passes a graph runner served.",
-                                   labels=labels)  # fmt: skip
+        runs = CounterMetricFamily(
+            PREFIX + "graph_runs", "Passes a graph runner served.", labels=labels
+        )
         hits = GaugeMetricFamily(
             PREFIX + "graph_hit_ratio",
             "Passes a graph runner served / those offered to it (0 before the first).",

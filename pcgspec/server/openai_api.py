@@ -135,8 +135,9 @@ async def _collect(
     out = [body_choice(req.chat, i, choices[i], want, state.token_bytes) for i in sorted(choices)]
     num_prompt = sum(s.num_prompt_tokens for s in gen.streams)
     num_cached = sum(s.num_cached_tokens for s in gen.streams)
-    return header.body(out, usage(num_prompt, sum(c.num_tokens for c in choices.values()),
-                                  num_cached))
+    return header.body(
+        out, usage(num_prompt, sum(c.num_tokens for c in choices.values()), num_cached)
+    )
 
 
 async def _stream(

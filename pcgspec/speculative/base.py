@@ -31,15 +31,20 @@ class DraftProposal:
     def __post_init__(self) -> None:
         tokens, num = self.tokens, self.num_tokens
         if tokens.dim() != 2 or tokens.dtype != torch.int64:
-            raise ValueError(f"tokens must be [B, k] int64, got {list(tokens.shape)} "
-                             f"{tokens.dtype}")  # fmt: skip
+            raise ValueError(
+                f"tokens must be [B, k] int64, got {list(tokens.shape)} {tokens.dtype}"
+            )
         if num.shape != tokens.shape[:1] or num.dtype != torch.int64:
-            raise ValueError(f"num_tokens must be [{tokens.shape[0]}] int64, got "
-                             f"{list(num.shape)} {num.dtype}")  # fmt: skip
-        if self.probs is not None and (self.probs.dim() != 3
-                                       or self.probs.shape[:2] != tokens.shape):  # fmt: skip
-            raise ValueError(f"probs must be [{tokens.shape[0]}, {tokens.shape[1]}, V], got "
-                             f"{list(self.probs.shape)}")  # fmt: skip
+            raise ValueError(
+                f"num_tokens must be [{tokens.shape[0]}] int64, got {list(num.shape)} {num.dtype}"
+            )
+        if self.probs is not None and (
+            self.probs.dim() != 3 or self.probs.shape[:2] != tokens.shape
+        ):
+            raise ValueError(
+                f"probs must be [{tokens.shape[0]}, {tokens.shape[1]}, V], got "
+                f"{list(self.probs.shape)}"
+            )
 
     @property
     def batch_size(self) -> int:
@@ -77,8 +82,14 @@ class Proposer(ABC):
     def propose(self, batch: ProposeInput) -> DraftProposal:
         """One ``DraftProposal`` for the batch's requests, in order."""
 
-    def observe(self, request: Any, start: int, hidden: torch.Tensor | None, row: int = 0,
-                num: int | None = None) -> None:  # fmt: skip
+    def observe(
+        self,
+        request: Any,
+        start: int,
+        hidden: torch.Tensor | None,
+        row: int = 0,
+        num: int | None = None,
+    ) -> None:
         """A plain target pass computed positions ``start ..`` of ``request`` (``hidden``: the
         pass's captured states, of which rows ``row .. row + num`` are these positions', or
         None). Drafters that keep per-request state update it here.

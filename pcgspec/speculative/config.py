@@ -29,8 +29,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         algorithm = self.speculative_algorithm
         if not isinstance(algorithm, str) or algorithm.upper() not in SUPPORTED_ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be one of "
-                             f"{', '.join(SUPPORTED_ALGORITHMS)}, got {algorithm!r}")  # fmt: skip
+            raise ValueError(
+                f"speculative_algorithm must be one of "
+                f"{', '.join(SUPPORTED_ALGORITHMS)}, got {algorithm!r}"
+            )
         object.__setattr__(self, "speculative_algorithm", algorithm.upper())
         if self.speculative_num_draft_tokens is None and _is_int(self.speculative_num_steps):
             object.__setattr__(self, "speculative_num_draft_tokens", self.num_steps + 1)
@@ -41,8 +43,10 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         for name, value in kwargs.items():
             if name not in known:
-                raise ValueError(f"unknown speculative option {name}={value!r}; "
-                                 f"known: {', '.join(sorted(known))}")  # fmt: skip
+                raise ValueError(
+                    f"unknown speculative option {name}={value!r}; "
+                    f"known: {', '.join(sorted(known))}"
+                )
         return cls(**kwargs)
 
     @property
@@ -79,8 +83,11 @@ class SpeculativeConfig:
             raise bad("speculative_draft_model_path", f"is required by {self.algorithm}")
         if self.algorithm == "NGRAM" and path is not None:
             raise bad("speculative_draft_model_path", "is not used by NGRAM")
-        for name in ("speculative_num_steps", "speculative_eagle_topk",
-                     "speculative_ngram_min_match_window_size"):  # fmt: skip
+        for name in (
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_ngram_min_match_window_size",
+        ):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be an integer >= 1")
         if self.speculative_policy not in POLICIES:
@@ -88,13 +95,18 @@ class SpeculativeConfig:
         if self.speculative_eagle_topk > 1:
             raise bad("speculative_eagle_topk", "> 1 needs tree drafting, not supported yet")
         if self.speculative_num_draft_tokens != self.num_steps + 1:
-            raise bad("speculative_num_draft_tokens", f"must be speculative_num_steps + 1 = "
-                      f"{self.num_steps + 1} with speculative_eagle_topk 1")  # fmt: skip
+            raise bad(
+                "speculative_num_draft_tokens",
+                f"must be speculative_num_steps + 1 = "
+                f"{self.num_steps + 1} with speculative_eagle_topk 1",
+            )
         max_window = self.speculative_ngram_max_match_window_size
         if not _is_int(max_window) or max_window < self.speculative_ngram_min_match_window_size:
-            raise bad("speculative_ngram_max_match_window_size",
-                      "must be an integer >= speculative_ngram_min_match_window_size "
-                      f"({self.speculative_ngram_min_match_window_size})")  # fmt: skip
+            raise bad(
+                "speculative_ngram_max_match_window_size",
+                "must be an integer >= speculative_ngram_min_match_window_size "
+                f"({self.speculative_ngram_min_match_window_size})",
+            )
 
 
 def _is_int(x: object) -> bool:

@@ -47,8 +47,15 @@ class StandaloneDraft(nn.Module):
         super().__init__()
         self.model = model
         self.compiled_decoder: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
-        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "attn_scale",
-                     "hidden_size", "vocab_size"):  # fmt: skip
+        for name in (
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "attn_scale",
+            "hidden_size",
+            "vocab_size",
+        ):
             setattr(self, name, getattr(model, name))
 
     @property
@@ -89,8 +96,12 @@ class DraftRunner:
     tp = SINGLE  # NOTE: drafts run unsharded (model drafters are refused with tp_size > 1)
 
     def __init__(
-        self, draft: nn.Module, num_pages: int, page_size: int, config: EngineConfig,
-    ) -> None:  # fmt: skip
+        self,
+        draft: nn.Module,
+        num_pages: int,
+        page_size: int,
+        config: EngineConfig,
+    ) -> None:
         self.draft = draft
         self.config = config
         self.device = config.torch_device
@@ -116,8 +127,9 @@ class DraftRunner:
     def _trace(self) -> None:
         """One pass over two dummy tokens that writes no KV: the compiled head traces there."""
         chunk = SeqChunk([0, 0], 0, [0, 0], sample=False)  # NOTE: two pages: page_size may be 1
-        batch = without_kv_writes(build_forward_batch(ForwardMode.DRAFT_EXTEND, [chunk],
-                                                      self.page_size, self.device))  # fmt: skip
+        batch = without_kv_writes(
+            build_forward_batch(ForwardMode.DRAFT_EXTEND, [chunk], self.page_size, self.device)
+        )
         width = getattr(self.draft, "target_hidden_size", self.draft.hidden_size)
         self.forward(batch, torch.zeros(2, width, dtype=self.draft.dtype, device=self.device))
 
@@ -179,9 +191,13 @@ class DraftRunner:
         return torch.stack(drafts, dim=1)
 
     def _step_batch(
-        self, catch_up: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor,
-        valid: torch.Tensor, bound: int,
-    ) -> ForwardBatch:  # fmt: skip
+        self,
+        catch_up: ForwardBatch,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        bound: int,
+    ) -> ForwardBatch:
         """One draft token per request at ``positions``, built on the device."""
         bs, table = len(tokens), catch_up.page_table
         return ForwardBatch(
@@ -189,7 +205,8 @@ class DraftRunner:
             input_ids=tokens,
             positions=positions,
             out_cache_loc=torch.where(
-                valid, page_slots(table, positions[:, None], self.page_size).squeeze(1), -1),
+                valid, page_slots(table, positions[:, None], self.page_size).squeeze(1), -1
+            ),
             seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
             extend_lens=torch.ones(bs, dtype=torch.int32, device=tokens.device),
             page_table=table,

@@ -109,8 +109,14 @@ class ModelProposer(Proposer):
 
     # target passes ---------------------------------------------------------------------------
 
-    def observe(self, request: object, start: int, hidden: torch.Tensor | None, row: int = 0,
-                num: int | None = None) -> None:  # fmt: skip
+    def observe(
+        self,
+        request: object,
+        start: int,
+        hidden: torch.Tensor | None,
+        row: int = 0,
+        num: int | None = None,
+    ) -> None:
         """A plain target pass computed positions ``start ..`` of ``request``; rows ``row ..
         row + num`` of ``hidden`` (the pass's captured states; None when this draft does not
         read them) are theirs. A pass from position 0 (a prefill, also after preemption)
@@ -126,12 +132,15 @@ class ModelProposer(Proposer):
             raise ValueError("this draft needs the target's hidden states (CaptureHiddenMode.FULL)")
         have = state.computed + state.num_pending
         if have != start:
-            raise RuntimeError(f"target hidden states of positions {have}.. are missing: the "
-                               f"next pass starts at {start}")  # fmt: skip
+            raise RuntimeError(
+                f"target hidden states of positions {have}.. are missing: the "
+                f"next pass starts at {start}"
+            )
         state.add(hidden, row, num)
 
-    def verified(self, requests: Sequence[object], out: object, hidden: torch.Tensor | None
-                 ) -> VerifiedRows:  # fmt: skip
+    def verified(
+        self, requests: Sequence[object], out: object, hidden: torch.Tensor | None
+    ) -> VerifiedRows:
         """Keep the verify step's emitted tokens (and hidden rows) on the device: the next
         speculative step catches its requests up from them.
         """
@@ -139,7 +148,8 @@ class ModelProposer(Proposer):
             raise ValueError("this draft needs the target's hidden states of verify passes")
         # NOTE: ``hidden`` is the runner's copy of the graph's rows (FULL capture), kept as is
         rows: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary(
-            (r, b) for b, r in enumerate(requests))  # fmt: skip
+            (r, b) for b, r in enumerate(requests)
+        )
         tokens = torch.where(out.tokens < 0, FILLER_TOKEN, out.tokens)  # catch-up input ids
         new = VerifiedRows(tokens, out.accept_len + 1, hidden, rows)
         self._verified = self._carried(new, self._verified)
@@ -150,8 +160,11 @@ class ModelProposer(Proposer):
         step caught those up yet (the step ran only some of the last one's requests, as fault
         isolation's reruns of halves do), so their next catch-up still reads them.
         """
-        left = [] if old is None else [(r, b) for r, b in list(old.rows.items())
-                                       if r not in new.rows and not r.finished]  # fmt: skip
+        left = (
+            []
+            if old is None
+            else [(r, b) for r, b in list(old.rows.items()) if r not in new.rows and not r.finished]
+        )
         if not left:
             return new
         k1, n, device = self.num_steps + 1, len(new.num), new.num.device
@@ -161,8 +174,12 @@ class ModelProposer(Proposer):
             rows = (index[:, None] * k1 + torch.arange(k1, device=device)).view(-1)
             hidden = torch.cat([hidden, old.hidden[rows]])
         new.rows.update((r, n + i) for i, (r, _) in enumerate(left))
-        return VerifiedRows(torch.cat([new.tokens, old.tokens[index]]),
-                            torch.cat([new.num, old.num[index]]), hidden, new.rows)  # fmt: skip
+        return VerifiedRows(
+            torch.cat([new.tokens, old.tokens[index]]),
+            torch.cat([new.num, old.num[index]]),
+            hidden,
+            new.rows,
+        )
 
     def checkpoint(self) -> object:
         return self._verified
@@ -219,8 +236,9 @@ class ModelProposer(Proposer):
         reqs = batch.requests
         verified = self._verified
         on_device = [verified is not None and r in verified.rows for r in reqs]
-        states = [None if d else self._states.setdefault(r, DraftState())
-                  for r, d in zip(reqs, on_device)]  # fmt: skip
+        states = [
+            None if d else self._states.setdefault(r, DraftState()) for r, d in zip(reqs, on_device)
+        ]
         host = [(r, s) for r, s in zip(reqs, states) if s is not None]
         self._check_pending(host)
         self._catch_up_far_behind(host)
@@ -250,8 +268,10 @@ class ModelProposer(Proposer):
             if self.uses_target_hidden:
                 have = state.num_pending
             if behind < 1 or have != behind:
-                raise RuntimeError(f"request {req.request_id}: {behind} draft rows to catch up, "
-                                   f"{have} target hidden states")  # fmt: skip
+                raise RuntimeError(
+                    f"request {req.request_id}: {behind} draft rows to catch up, "
+                    f"{have} target hidden states"
+                )
 
     def _catch_up_far_behind(self, host: Sequence[tuple[object, DraftState]]) -> None:
         """One DRAFT_EXTEND (``DraftRunner.extend``) over all but the last k+1 catch-up rows of
@@ -262,10 +282,18 @@ class ModelProposer(Proposer):
         self.caught_up = bool(far)
         if not far:
             return
-        chunks = [SeqChunk(r.token_ids[s.computed + self.lag : s.computed + self.lag + n],
-                           s.computed, r.pages, sample=False) for r, s, n in far]  # fmt: skip
-        batch = build_forward_batch(ForwardMode.DRAFT_EXTEND, chunks, self.runner.page_size,
-                                    self.runner.device)  # fmt: skip
+        chunks = [
+            SeqChunk(
+                r.token_ids[s.computed + self.lag : s.computed + self.lag + n],
+                s.computed,
+                r.pages,
+                sample=False,
+            )
+            for r, s, n in far
+        ]
+        batch = build_forward_batch(
+            ForwardMode.DRAFT_EXTEND, chunks, self.runner.page_size, self.runner.device
+        )
         hidden = None
         if self.uses_target_hidden:
             hidden = torch.cat([s.rows()[:n] for _, s, n in far])
@@ -278,8 +306,12 @@ class ModelProposer(Proposer):
         state of speculative steps): then its rows are the catch-up's as they are.
         """
         verified = self._verified
-        return (verified is not None and all(on_device) and len(reqs) == len(verified.num)
-                and all(verified.rows[r] == b for b, r in enumerate(reqs)))  # fmt: skip
+        return (
+            verified is not None
+            and all(on_device)
+            and len(reqs) == len(verified.num)
+            and all(verified.rows[r] == b for b, r in enumerate(reqs))
+        )
 
     def _catch_up_from_verified(
         self, batch: ProposeInput
@@ -290,10 +322,14 @@ class ModelProposer(Proposer):
         """
         v, k1 = self._verified, self.num_steps + 1
         catch_up = build_padded_batch(
-            ForwardMode.DRAFT_EXTEND, v.tokens,
-            batch.seq_lens - v.num - self.lag, batch.page_table, self.runner.page_size,
-            [r.num_tokens + k1 for r in batch.requests], num_valid=v.num,
-        )  # fmt: skip
+            ForwardMode.DRAFT_EXTEND,
+            v.tokens,
+            batch.seq_lens - v.num - self.lag,
+            batch.page_table,
+            self.runner.page_size,
+            [r.num_tokens + k1 for r in batch.requests],
+            num_valid=v.num,
+        )
         return catch_up, v.hidden if self.uses_target_hidden else None
 
     def _catch_up_batch(
@@ -321,15 +357,18 @@ class ModelProposer(Proposer):
                 bounds.append(req.num_tokens + k1)  # NOTE: start <= the worst-case length
                 continue
             n, start = self._behind(req, state), state.computed
-            ids += [*req.token_ids[start + self.lag : start + self.lag + n],
-                    *[FILLER_TOKEN] * (k1 - n)]  # fmt: skip
+            ids += [
+                *req.token_ids[start + self.lag : start + self.lag + n],
+                *[FILLER_TOKEN] * (k1 - n),
+            ]
             starts.append(start)
             nums.append(n)
             src += [have + min(j, n - 1) for j in range(k1)]
             bounds.append(start + k1)
             have += n
         input_ids, start, num, src_rows, device_b, device_rows = upload(
-            device, int64=(ids, starts, nums, src, on_device, verified_rows))
+            device, int64=(ids, starts, nums, src, on_device, verified_rows)
+        )
         b = len(reqs)
         input_ids, src_rows = input_ids.view(b, k1), src_rows.view(b, k1)
         if on_device:
@@ -341,8 +380,15 @@ class ModelProposer(Proposer):
             steps = torch.arange(k1, device=device)
             rows = have + device_rows[:, None] * k1 + torch.minimum(steps, n[:, None] - 1)
             src_rows.index_copy_(0, device_b, rows)
-        catch_up = build_padded_batch(ForwardMode.DRAFT_EXTEND, input_ids, start,
-                                      batch.page_table, page, bounds, num_valid=num)
+        catch_up = build_padded_batch(
+            ForwardMode.DRAFT_EXTEND,
+            input_ids,
+            start,
+            batch.page_table,
+            page,
+            bounds,
+            num_valid=num,
+        )
         if not self.uses_target_hidden:
             return catch_up, None
         sources = [s.rows() for s in states if s is not None and s.num_pending]

@@ -18,8 +18,9 @@ from pcgspec.speculative.config import SpeculativeConfig
 
 
 class NgramProposer(Proposer):
-    def __init__(self, slots: SamplingSlots, num_steps: int, min_window: int = 1,
-                 max_window: int = 12) -> None:  # fmt: skip
+    def __init__(
+        self, slots: SamplingSlots, num_steps: int, min_window: int = 1, max_window: int = 12
+    ) -> None:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         if not 1 <= min_window <= max_window:
@@ -34,12 +35,22 @@ class NgramProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, slots: SamplingSlots) -> NgramProposer:
-        return cls(slots, config.num_steps, config.speculative_ngram_min_match_window_size,
-                   config.speculative_ngram_max_match_window_size)  # fmt: skip
+        return cls(
+            slots,
+            config.num_steps,
+            config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size,
+        )
 
     def propose(self, batch: ProposeInput) -> DraftProposal:
         """Drafts for ``batch.requests`` (which hold slots) on the slots' device."""
         reqs = batch.requests
-        drafts, counts = self._search(self.history, self.slots.slot_indices(reqs), batch.seq_lens,
-                                      self.num_steps, self.min_window, self.max_window)
+        drafts, counts = self._search(
+            self.history,
+            self.slots.slot_indices(reqs),
+            batch.seq_lens,
+            self.num_steps,
+            self.min_window,
+            self.max_window,
+        )
         return DraftProposal(drafts, counts)

@@ -125,8 +125,14 @@ class SpecPolicy:
         """Per batch-size bucket timed so far, the step costs the policy decides by (ms; None:
         not known yet), for benchmarks and debugging."""
         costs = self.costs
-        return {b: {"spec_ms": _ms(costs.cost(True, b)), "plain_ms": _ms(costs.cost(False, b)),
-                    "switch_ms": _ms(costs.switch_cost(b))} for b in costs.buckets()}  # fmt: skip
+        return {
+            b: {
+                "spec_ms": _ms(costs.cost(True, b)),
+                "plain_ms": _ms(costs.cost(False, b)),
+                "switch_ms": _ms(costs.switch_cost(b)),
+            }
+            for b in costs.buckets()
+        }
 
     def probe_interval(self, bucket: int, t_plain: float, switch_cost: float) -> int:
         """Plain steps before the next probe: backed off, and long enough that the probe's
@@ -146,8 +152,11 @@ class SpecPolicy:
         stay the same (a run of plain steps: no verify step, so no new sample).
         """
         batch, samples, total = self._sum
-        if samples != self._samples or len(batch) != len(requests) or any(
-                a is not b for a, b in zip(batch, requests)):  # fmt: skip
+        if (
+            samples != self._samples
+            or len(batch) != len(requests)
+            or any(a is not b for a, b in zip(batch, requests))
+        ):
             total = sum(self.expected_accept(r) for r in requests)
             self._sum = (tuple(requests), self._samples, total)
         return total
@@ -172,13 +181,17 @@ class SpecPolicy:
         if self._probed.get(bucket, self._samples) < self._samples:
             # the probe's results are in: probe again after 8 plain steps, or twice as many
             del self._probed[bucket]
-            interval = (MIN_PROBE_INTERVAL if pays else
-                        2 * self.probe_interval(bucket, t_plain, switch_cost))  # fmt: skip
+            interval = (
+                MIN_PROBE_INTERVAL
+                if pays
+                else 2 * self.probe_interval(bucket, t_plain, switch_cost)
+            )
             self._interval[bucket] = min(interval, MAX_PROBE_INTERVAL)
         if pays:
             return self._chose(True, bucket)
         if bucket not in self._probed and self._plain_run[bucket] >= self.probe_interval(
-                bucket, t_plain, switch_cost):  # fmt: skip
+            bucket, t_plain, switch_cost
+        ):
             self._probe(requests, bucket)
             return True  # NOTE: not a choice to speculate: the bar to go on stays the same
         return self._chose(False, bucket)
@@ -188,9 +201,11 @@ class SpecPolicy:
         plain step's cost and none was timed for ``RETIME_AFTER`` plain steps."""
         self._probed[bucket] = self._samples
         self._plain_run[bucket] = 0
-        if (self.costs.own(True, bucket) is not None
-                and self._expected_sum(requests) > RETIME_GAIN * len(requests)
-                and self.plain_steps - self._spec_timed.get(bucket, 0) >= RETIME_AFTER):
+        if (
+            self.costs.own(True, bucket) is not None
+            and self._expected_sum(requests) > RETIME_GAIN * len(requests)
+            and self.plain_steps - self._spec_timed.get(bucket, 0) >= RETIME_AFTER
+        ):
             self.costs.forget(True, bucket)
             self._retiming[bucket] = MIN_TIMED
             self._spec_timed[bucket] = self.plain_steps

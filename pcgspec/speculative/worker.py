@@ -85,11 +85,15 @@ class SpecWorker:
         self.slots = slots
         self.eos_token_ids = eos_token_ids
         self.proposer: Proposer = (
-            NgramProposer.from_config(config, slots) if draft is None
+            NgramProposer.from_config(config, slots)
+            if draft is None
             else ModelProposer(draft, config.num_steps)
-        )  # fmt: skip
-        self.policy = SpecPolicy(config.speculative_policy, config.num_steps,
-                                 decode_batch_sizes(scheduler.max_running_requests))
+        )
+        self.policy = SpecPolicy(
+            config.speculative_policy,
+            config.num_steps,
+            decode_batch_sizes(scheduler.max_running_requests),
+        )
         self.stats = SpecCounters()  # summed over requests
         self.tail: VerifyTailGraphs | None = None  # acceptance and commit as graphs (CUDA)
         self.num_fallbacks = 0  # plain steps for logprobs, the context length or KV space
@@ -145,9 +149,12 @@ class SpecWorker:
     # verify ------------------------------------------------------------------------------
 
     def verify(
-        self, reqs: Sequence[Request], seq_lens: torch.Tensor, page_table: torch.Tensor,
+        self,
+        reqs: Sequence[Request],
+        seq_lens: torch.Tensor,
+        page_table: torch.Tensor,
         proposal: DraftProposal,
-    ) -> VerifiedStep:  # fmt: skip
+    ) -> VerifiedStep:
         """One TARGET_VERIFY pass over k+1 tokens per request (``seq_lens``, ``page_table``:
         their token counts and pages on the device), then acceptance: in the verify tail graph
         where it serves the batch (which also commits), else eagerly.
@@ -157,42 +164,59 @@ class SpecWorker:
         flags = self.slots.flags(reqs)
         bounds = [r.num_tokens + k for r in reqs]
         graphs, tail = self.runner.verify_graphs, self.tail
-        rows = None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1],
-                                                             max(bounds))  # fmt: skip
+        rows = (
+            None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1], max(bounds))
+        )
         use_tail = tail is not None and tail.can_run(TailBatch(len(reqs), flags, rows is not None))
         sampling = None if use_tail else self.slots.rows(reqs, drafts)
         slot_indices = self.slots.slot_indices(reqs)
         batch = build_verify_batch(
-            VerifyTokens(self.slots.last_token, slot_indices, drafts), seq_lens, page_table,
-            self.runner.page_size, bounds, rows, sampling=sampling,
+            VerifyTokens(self.slots.last_token, slot_indices, drafts),
+            seq_lens,
+            page_table,
+            self.runner.page_size,
+            bounds,
+            rows,
+            sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
-        )  # fmt: skip
+        )
         runs = graphs.stats()["runs"] if graphs is not None else 0
         out = self.runner.forward(batch, logits=not use_tail)
         if use_tail:
             if graphs.stats()["runs"] == runs:  # NOTE: rows_for promised a replay
                 raise RuntimeError("the verify graph refused a batch built in its rows")
-            results, verified = tail.replay(slot_indices, drafts, proposal.num_tokens,
-                                            bool(flags["all_greedy"]))  # fmt: skip
+            results, verified = tail.replay(
+                slot_indices, drafts, proposal.num_tokens, bool(flags["all_greedy"])
+            )
             return VerifiedStep(verified, out.hidden_states, results, committed=True)
         verified = self._accept(out.logits, sampling, drafts, proposal.num_tokens)
-        results = torch.cat([verified.accept_len[:, None], proposal.num_tokens[:, None],
-                             verified.tokens], 1)  # fmt: skip
+        results = torch.cat(
+            [verified.accept_len[:, None], proposal.num_tokens[:, None], verified.tokens], 1
+        )
         return VerifiedStep(verified, out.hidden_states, results, committed=False)
 
     def _accept(
-        self, logits: torch.Tensor, sampling: SamplingBatch, drafts: torch.Tensor,
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingBatch,
+        drafts: torch.Tensor,
         num_drafts: torch.Tensor,
-    ) -> VerifyOutput:  # fmt: skip
+    ) -> VerifyOutput:
         """The verify kernel over a verify pass's logits [B * (k+1), V], eagerly."""
         b, k1 = drafts.shape[0], self.num_steps + 1
         with torch.inference_mode():
             target, strategy = _target_rows(process_logits(logits, sampling), sampling)
-            verify = (verify_draft_tokens if logits.device.type == "cuda"
-                      else verify_draft_tokens_ref)  # fmt: skip
-            return verify(target.view(b, k1, -1), drafts, strategy,
-                          seed=sampling.seed.view(b, k1), position=sampling.position.view(b, k1),
-                          num_draft=num_drafts)  # fmt: skip
+            verify = (
+                verify_draft_tokens if logits.device.type == "cuda" else verify_draft_tokens_ref
+            )
+            return verify(
+                target.view(b, k1, -1),
+                drafts,
+                strategy,
+                seed=sampling.seed.view(b, k1),
+                position=sampling.position.view(b, k1),
+                num_draft=num_drafts,
+            )
 
     # read: accept + commit / rollback on the host ----------------------------------------
 
@@ -251,16 +275,25 @@ class LaunchedSpecStep:
     ``drafter_rows``: what the proposer kept of its verify pass (``Proposer.verified``).
     """
 
-    def __init__(self, worker: SpecWorker, requests: list[Request], results: torch.Tensor,
-                 ready: torch.cuda.Event | None, drafter_rows: object) -> None:  # fmt: skip
+    def __init__(
+        self,
+        worker: SpecWorker,
+        requests: list[Request],
+        results: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        drafter_rows: object,
+    ) -> None:
         self.worker, self.requests, self.results, self.ready = worker, requests, results, ready
         self.drafter_rows = drafter_rows
 
     @classmethod
     def start(
-        cls, worker: SpecWorker, reqs: Sequence[Request], results: torch.Tensor,
+        cls,
+        worker: SpecWorker,
+        reqs: Sequence[Request],
+        results: torch.Tensor,
         drafter_rows: object,
-    ) -> LaunchedSpecStep:  # fmt: skip
+    ) -> LaunchedSpecStep:
         """Start copying ``results`` (``[B, 2 + k+1]`` on the device) to the host."""
         cuda = results.is_cuda
         results = results.to("cpu", non_blocking=True)  # NOTE: the step's one copy back

@@ -43,15 +43,28 @@ class ShardWriter:
     _seqs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     _chat: list[bool] = field(default_factory=list)
 
-    def add(self, ids: Sequence[int], mask: Sequence[bool], aux: torch.Tensor,
-            final: torch.Tensor, chat: bool) -> None:  # fmt: skip
+    def add(
+        self,
+        ids: Sequence[int],
+        mask: Sequence[bool],
+        aux: torch.Tensor,
+        final: torch.Tensor,
+        chat: bool,
+    ) -> None:
         if not len(ids) == len(mask) == len(aux) == len(final):
-            raise ValueError(f"sequence parts differ in length: {len(ids)} ids, {len(mask)} mask, "
-                             f"{len(aux)} aux, {len(final)} final")  # fmt: skip
+            raise ValueError(
+                f"sequence parts differ in length: {len(ids)} ids, {len(mask)} mask, "
+                f"{len(aux)} aux, {len(final)} final"
+            )
         bf16 = torch.bfloat16
-        self._seqs.append((torch.tensor(ids, dtype=torch.int32),
-                           torch.tensor(mask, dtype=torch.uint8),
-                           aux.to(bf16).cpu(), final.to(bf16).cpu()))  # fmt: skip
+        self._seqs.append(
+            (
+                torch.tensor(ids, dtype=torch.int32),
+                torch.tensor(mask, dtype=torch.uint8),
+                aux.to(bf16).cpu(),
+                final.to(bf16).cpu(),
+            )
+        )
         self._chat.append(chat)
         if sum(len(s[0]) for s in self._seqs) >= self.shard_tokens:
             self.flush()
@@ -63,10 +76,19 @@ class ShardWriter:
         lengths = [len(s[0]) for s in self._seqs]
         offsets = torch.tensor([0, *lengths]).cumsum(0)
         name = f"{self.split}-{len(self.shards):05d}.safetensors"
-        save_file({"input_ids": ids, "loss_mask": mask, "aux": aux, "final": final,
-                   "offsets": offsets}, self.out_dir / name)  # fmt: skip
-        self.shards.append({"file": name, "split": self.split, "lengths": lengths,
-                            "response_tokens": int(mask.sum()), "chat": self._chat})  # fmt: skip
+        save_file(
+            {"input_ids": ids, "loss_mask": mask, "aux": aux, "final": final, "offsets": offsets},
+            self.out_dir / name,
+        )
+        self.shards.append(
+            {
+                "file": name,
+                "split": self.split,
+                "lengths": lengths,
+                "response_tokens": int(mask.sum()),
+                "chat": self._chat,
+            }
+        )
         self._seqs, self._chat = [], []
 
 
@@ -102,9 +124,11 @@ def split_sizes(index: dict) -> dict[str, dict[str, int]]:
     sizes = {}
     for split in SPLITS:
         shards = split_shards(index, split)
-        sizes[split] = {"sequences": sum(len(s["lengths"]) for s in shards),
-                        "tokens": sum(sum(s["lengths"]) for s in shards),
-                        "response_tokens": sum(s["response_tokens"] for s in shards)}  # fmt: skip
+        sizes[split] = {
+            "sequences": sum(len(s["lengths"]) for s in shards),
+            "tokens": sum(sum(s["lengths"]) for s in shards),
+            "response_tokens": sum(s["response_tokens"] for s in shards),
+        }
     return sizes
 
 
@@ -169,9 +193,13 @@ def plan_batches(
 
 
 def iter_batches(
-    data_dir: Path, index: dict, shards: Sequence[dict],
-    plan: Sequence[tuple[int, list[list[int]]]], shape: BatchShape, device: torch.device,
-) -> Iterator[Batch]:  # fmt: skip
+    data_dir: Path,
+    index: dict,
+    shards: Sequence[dict],
+    plan: Sequence[tuple[int, list[list[int]]]],
+    shape: BatchShape,
+    device: torch.device,
+) -> Iterator[Batch]:
     """The planned batches on ``device``; one shard in memory at a time."""
     loaded, tensors, chat = -1, {}, []
     for shard, lines in plan:
@@ -182,9 +210,12 @@ def iter_batches(
 
 
 def make_batch(
-    tensors: dict[str, torch.Tensor], chat: Sequence[bool], lines: Sequence[Sequence[int]],
-    line_tokens: int, device: torch.device,
-) -> Batch:  # fmt: skip
+    tensors: dict[str, torch.Tensor],
+    chat: Sequence[bool],
+    lines: Sequence[Sequence[int]],
+    line_tokens: int,
+    device: torch.device,
+) -> Batch:
     """The sequences ``lines`` names, each line's one after another, then padding. For CUDA
     it is built in pinned memory, so the copy to the device does not wait for the step before.
     """
@@ -195,8 +226,10 @@ def make_batch(
     def empty(dtype: torch.dtype, *inner: int, fill: int = 0) -> torch.Tensor:
         return torch.full((*shape, *inner), fill, dtype=dtype, pin_memory=pin)
 
-    parts = {name: empty(tensors[name].dtype, *tensors[name].shape[1:])
-             for name in ("input_ids", "loss_mask", "aux", "final")}  # fmt: skip
+    parts = {
+        name: empty(tensors[name].dtype, *tensors[name].shape[1:])
+        for name in ("input_ids", "loss_mask", "aux", "final")
+    }
     seq = empty(torch.long, fill=-1)
     positions = empty(torch.long)
     is_chat = empty(torch.bool)
@@ -215,9 +248,15 @@ def make_batch(
     def moved(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
-    return Batch(moved(parts["input_ids"]).long(), moved(parts["loss_mask"]).bool(),
-                 moved(parts["aux"]), moved(parts["final"]), moved(seq), moved(positions),
-                 moved(is_chat))  # fmt: skip
+    return Batch(
+        moved(parts["input_ids"]).long(),
+        moved(parts["loss_mask"]).bool(),
+        moved(parts["aux"]),
+        moved(parts["final"]),
+        moved(seq),
+        moved(positions),
+        moved(is_chat),
+    )
 
 
 def draft_vocabulary(data_dir: Path, index: dict, size: int, vocab_size: int) -> torch.Tensor:

@@ -43,8 +43,10 @@ def generate_responses(
             return tokenizer.encode(p.text)
         return chat_prompt(tokenizer, [{"role": "user", "content": p.text}])[1]
 
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+        for i in range(len(prompts))
+    ]
     outs = llm.generate([{"prompt_token_ids": ids(p)} for p in prompts], params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
@@ -67,8 +69,10 @@ def capture_hidden(
             used += len(sequences[end]) + page
             end += 1
         if used > slots:
-            raise ValueError(f"a sequence of {len(sequences[start])} tokens does not fit the "
-                             f"KV cache ({slots} slots)")  # fmt: skip
+            raise ValueError(
+                f"a sequence of {len(sequences[start])} tokens does not fit the "
+                f"KV cache ({slots} slots)"
+            )
         yield from _capture_pass(runner, sequences[start:end])
         start = end
 
@@ -81,8 +85,9 @@ def _capture_pass(
         num_pages = -(-len(ids) // page)
         chunks.append(SeqChunk(list(ids), 0, range(first, first + num_pages), sample=False))
         first += num_pages
-    batch = build_forward_batch(ForwardMode.EXTEND, chunks, page, runner.device,
-                                capture_hidden_mode=CaptureHiddenMode.FULL)  # fmt: skip
+    batch = build_forward_batch(
+        ForwardMode.EXTEND, chunks, page, runner.device, capture_hidden_mode=CaptureHiddenMode.FULL
+    )
     final, aux = runner.run_eager(batch)
     if aux is None:
         raise RuntimeError("the runner captures no aux hidden states: set aux_hidden_state_layers")
@@ -91,9 +96,17 @@ def _capture_pass(
 
 
 def write_dataset(
-    llm: LLM, prompts: Sequence[Prompt], data_dir: Path, *, max_tokens: int, temperature: float,
-    seed: int, eval_fraction: float, pass_tokens: int, shard_tokens: int,
-) -> dict[str, float]:  # fmt: skip
+    llm: LLM,
+    prompts: Sequence[Prompt],
+    data_dir: Path,
+    *,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    eval_fraction: float,
+    pass_tokens: int,
+    shard_tokens: int,
+) -> dict[str, float]:
     """Generate, capture and write ``data_dir`` (shards + ``index.json``); phase times in s."""
     data_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -115,16 +128,26 @@ def write_dataset(
         writer.flush()
     runner = llm.engine.runner
     metadata = {
-        "target": str(llm.engine.model_dir), "num_layers": runner.model.num_layers,
-        "hidden_size": runner.model.hidden_size, "vocab_size": runner.vocab_size,
+        "target": str(llm.engine.model_dir),
+        "num_layers": runner.model.num_layers,
+        "hidden_size": runner.model.hidden_size,
+        "vocab_size": runner.vocab_size,
         "aux_hidden_state_layers": list(runner.model.model.aux_hidden_layers),
-        "prompts": describe(prompts), "max_tokens": max_tokens, "temperature": temperature,
-        "seed": seed, "eval_fraction": eval_fraction, "dropped_sequences": len(pairs) - len(keep),
+        "prompts": describe(prompts),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "eval_fraction": eval_fraction,
+        "dropped_sequences": len(pairs) - len(keep),
         "response_source": "pcgspec LLM.generate: the target's chat template (raw text where "
-                           "the prompt has chat=False)",
-    }  # fmt: skip
+        "the prompt has chat=False)",
+    }
     write_index(data_dir, writers["train"].shards + writers["eval"].shards, metadata)
     times = {"generate_s": generated - start, "capture_s": time.perf_counter() - generated}
-    logger.info("Data: %d sequences generated in %.1f s, captured in %.1f s", len(keep),
-                times["generate_s"], times["capture_s"])  # fmt: skip
+    logger.info(
+        "Data: %d sequences generated in %.1f s, captured in %.1f s",
+        len(keep),
+        times["generate_s"],
+        times["capture_s"],
+    )
     return times

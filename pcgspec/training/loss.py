@@ -83,8 +83,17 @@ def ttt_loss(
     target_logits, target_ids = target_view(head, batch.final)
     loss_fn = _compiled_unrolled_loss if compiled else unrolled_loss
     weights = step_weights(num_steps, decay, target_ids.device)
-    loss, counts = loss_fn(head, batch.input_ids, batch.loss_mask, batch.aux, batch.seq,
-                           batch.positions, target_logits, target_ids, weights)  # fmt: skip
+    loss, counts = loss_fn(
+        head,
+        batch.input_ids,
+        batch.loss_mask,
+        batch.aux,
+        batch.seq,
+        batch.positions,
+        target_logits,
+        target_ids,
+        weights,
+    )
     return loss, StepCounts(*counts)
 
 

@@ -43,18 +43,26 @@ def run(opts: TrainOptions) -> dict:
 
     if "prompts" in opts.phases:
         start = time.perf_counter()
-        prompts = build_prompts(opts.num_prompts, opts.self_prompt_fraction, opts.seed, engine,
-                                opts.raw_prompt_fraction)
+        prompts = build_prompts(
+            opts.num_prompts, opts.self_prompt_fraction, opts.seed, engine, opts.raw_prompt_fraction
+        )
         save_prompts(work / PROMPTS_FILE, prompts)
         times["prompts"] = time.perf_counter() - start
     if "generate" in opts.phases:
         from pcgspec.training.generate import write_dataset
 
         prompts = load_prompts(work / PROMPTS_FILE)
-        phase = write_dataset(engine(), prompts, data_dir, max_tokens=opts.max_tokens,
-                              temperature=opts.temperature, seed=opts.seed,
-                              eval_fraction=opts.eval_fraction, pass_tokens=opts.capture_tokens,
-                              shard_tokens=opts.shard_tokens)  # fmt: skip
+        phase = write_dataset(
+            engine(),
+            prompts,
+            data_dir,
+            max_tokens=opts.max_tokens,
+            temperature=opts.temperature,
+            seed=opts.seed,
+            eval_fraction=opts.eval_fraction,
+            pass_tokens=opts.capture_tokens,
+            shard_tokens=opts.shard_tokens,
+        )
         times.update({k.removesuffix("_s"): v for k, v in phase.items()})
     if llm is not None:
         del llm  # NOTE: frees the engine's KV cache before training
@@ -81,11 +89,17 @@ def generation_llm(opts: TrainOptions) -> LLM:
     from pcgspec.models.loader import load_config, resolve_model_dir
 
     layers = load_config(resolve_model_dir(opts.model)).num_hidden_layers
-    return LLM(opts.model, tokenizer=opts.tokenizer, device=opts.device, random_seed=opts.seed,
-               aux_hidden_state_layers=default_aux_layers(layers),
-               max_running_requests=opts.gen_batch_size, cuda_graph_max_bs=opts.gen_batch_size,
-               mem_fraction_static=opts.mem_fraction_static,
-               disable_piecewise_cuda_graph=True)  # fmt: skip
+    return LLM(
+        opts.model,
+        tokenizer=opts.tokenizer,
+        device=opts.device,
+        random_seed=opts.seed,
+        aux_hidden_state_layers=default_aux_layers(layers),
+        max_running_requests=opts.gen_batch_size,
+        cuda_graph_max_bs=opts.gen_batch_size,
+        mem_fraction_static=opts.mem_fraction_static,
+        disable_piecewise_cuda_graph=True,
+    )
 
 
 def train_head(opts: TrainOptions, data_dir: Path, ckpt_dir: Path) -> dict:
@@ -102,8 +116,9 @@ def train_head(opts: TrainOptions, data_dir: Path, ckpt_dir: Path) -> dict:
     if target.hidden_size != meta["hidden_size"] or target.vocab_size != meta["vocab_size"]:
         raise ValueError(f"{meta['target']} is not the target {data_dir} was captured from")
     draft_ids = draft_vocabulary(data_dir, index, opts.draft_vocab_size, target.vocab_size)
-    head = build_trainable_head(target, draft_ids, meta["aux_hidden_state_layers"], opts.seed,
-                                opts.head_intermediate_size)
+    head = build_trainable_head(
+        target, draft_ids, meta["aux_hidden_state_layers"], opts.seed, opts.head_intermediate_size
+    )
     trainer = Trainer(head, opts, data_dir, index, ckpt_dir)
     if opts.resume:
         trainer.resume()
@@ -129,9 +144,11 @@ def _write_summary(summary: dict, work: Path, opts: TrainOptions) -> None:
     print(f"phase times: {line}")
     data = summary.get("data")
     if data:
-        print(f"data: {data['train']['sequences']} train / {data['eval']['sequences']} held-out "
-              f"sequences, {data['train']['response_tokens']} train response tokens, "
-              f"{data['bytes'] / 2**30:.2f} GiB")
+        print(
+            f"data: {data['train']['sequences']} train / {data['eval']['sequences']} held-out "
+            f"sequences, {data['train']['response_tokens']} train response tokens, "
+            f"{data['bytes'] / 2**30:.2f} GiB"
+        )
     final = (summary.get("train") or {}).get("final_eval")
     if final:
         from pcgspec.training.trainer import CHAT_EVAL_TOKENS

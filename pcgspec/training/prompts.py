@@ -30,30 +30,39 @@ if TYPE_CHECKING:
 
 PROMPTS_FILE = "prompts.jsonl"
 CHAT_TEMPLATES = (
-    "What is {t}?", "Explain {t} to a ten-year-old.", "Why is {t} important?",
-    "Give me three interesting facts about {t}.", "What are the pros and cons of {t}?",
-    "Write a short paragraph about {t}.", "How would you teach someone about {t}?",
-    "What are common misconceptions about {t}?", "Write a short poem about {t}.",
-    "Describe the history of {t} briefly.", "Compare {t} with something from everyday life.",
+    "What is {t}?",
+    "Explain {t} to a ten-year-old.",
+    "Why is {t} important?",
+    "Give me three interesting facts about {t}.",
+    "What are the pros and cons of {t}?",
+    "Write a short paragraph about {t}.",
+    "How would you teach someone about {t}?",
+    "What are common misconceptions about {t}?",
+    "Write a short poem about {t}.",
+    "Describe the history of {t} briefly.",
+    "Compare {t} with something from everyday life.",
     "What questions do people often ask about {t}? Answer two of them.",
-)  # fmt: skip
+)
 CODE_TEMPLATES = (
-    "Write a {lang} function to {task}.", "Show how to {task} in {lang}, with a short explanation.",
+    "Write a {lang} function to {task}.",
+    "Show how to {task} in {lang}, with a short explanation.",
     "In {lang}, {task}. Add a usage example.",
-)  # fmt: skip
+)
 INSTRUCTION_TEMPLATES = (
-    "Write a short email to a friend about {t}.", "Summarize what you know about {t} in three "
-    "bullet points.", "Create a quiz with three questions about {t}, with answers.",
+    "Write a short email to a friend about {t}.",
+    "Summarize what you know about {t} in three bullet points.",
+    "Create a quiz with three questions about {t}, with answers.",
     "Write a short blog post introduction about {t}.",
-)  # fmt: skip
+)
 PROSE_TEMPLATES = (
-    "Continue this story: {t}", "Write the next paragraph of a story that begins: {t}",
+    "Continue this story: {t}",
+    "Write the next paragraph of a story that begins: {t}",
     "Continue the text in the same style: {t}",
-)  # fmt: skip
+)
 TOPIC_PROSE_TEMPLATES = (
     "Write the opening paragraph of a novel about {t}.",
     "Continue this story: Nobody in town talked about {t} until that morning.",
-)  # fmt: skip
+)
 SELF_TEMPLATES = (
     "Write one question a curious person might ask about {t}. Reply with the question only.",
     "Write one instruction someone could give an assistant about {t}. Reply with it only.",
@@ -63,7 +72,7 @@ SELF_TEMPLATES = (
     "Write a short creative writing task about {t}. Reply with the task only.",
     "Write one question that compares {t} with something else. Reply with the question only.",
     "Write one 'why' question about {t}. Reply with the question only.",
-)  # fmt: skip
+)
 MIN_WORD_LETTERS = 5  # vocabulary words used as topics: whole lowercase words this long at least
 # share of each category among the template prompts ("request": everyday chat requests)
 MIX = {"request": 0.45, "chat": 0.2, "instruction": 0.1, "code": 0.12, "math": 0.05, "prose": 0.08}
@@ -99,13 +108,18 @@ def topic_pools() -> dict[str, list[str]]:
     """Every prompt of the topic-based categories (chat, instruction, code, prose)."""
     topics = items(TOPICS)
     prose = [t.format(t=topic) for topic in topics for t in TOPIC_PROSE_TEMPLATES]
-    return {"chat": [t.format(t=topic) for topic in topics for t in CHAT_TEMPLATES],
-            "instruction": items(INSTRUCTIONS) + [t.format(t=topic) for topic in topics
-                                                  for t in INSTRUCTION_TEMPLATES],
-            "code": [t.format(lang=lang, task=task) for task in items(CODE_TASKS)
-                     for lang in LANGUAGES for t in CODE_TEMPLATES],
-            "prose": [t.format(t=o) for o in items(PROSE_OPENINGS)
-                      for t in PROSE_TEMPLATES] + prose}  # fmt: skip
+    return {
+        "chat": [t.format(t=topic) for topic in topics for t in CHAT_TEMPLATES],
+        "instruction": items(INSTRUCTIONS)
+        + [t.format(t=topic) for topic in topics for t in INSTRUCTION_TEMPLATES],
+        "code": [
+            t.format(lang=lang, task=task)
+            for task in items(CODE_TASKS)
+            for lang in LANGUAGES
+            for t in CODE_TEMPLATES
+        ],
+        "prose": [t.format(t=o) for o in items(PROSE_OPENINGS) for t in PROSE_TEMPLATES] + prose,
+    }
 
 
 def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) -> list[Prompt]:
@@ -118,8 +132,10 @@ def self_written_prompts(llm: LLM, num: int, seed: int, max_tokens: int = 48) ->
     rng = random.Random(seed + 1)
     pools = (items(TOPICS), vocabulary_words(llm.get_tokenizer()) or items(TOPICS))
     asks = [rng.choice(SELF_TEMPLATES).format(t=rng.choice(pools[i % 2])) for i in range(num)]
-    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
-              for i in range(num)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
+        for i in range(num)
+    ]
     outs = llm.chat([[{"role": "user", "content": a}] for a in asks], params)
     texts = [" ".join(o.outputs[0].text.split()) for o in outs]
     return [Prompt(t, "self", "self") for t in texts if len(t) >= 12]
@@ -130,14 +146,26 @@ def vocabulary_words(tokenizer) -> list[str]:
     at least ``MIN_WORD_LETTERS`` letters): thousands of topics no list here names.
     """
     words = (tokenizer.decode([i]) for i in range(len(tokenizer)))
-    return sorted({w[1:] for w in words if w[:1] == " " and w[1:].isalpha() and w[1:].islower()
-                   and len(w) > MIN_WORD_LETTERS and w[1:].isascii()})  # fmt: skip
+    return sorted(
+        {
+            w[1:]
+            for w in words
+            if w[:1] == " "
+            and w[1:].isalpha()
+            and w[1:].islower()
+            and len(w) > MIN_WORD_LETTERS
+            and w[1:].isascii()
+        }
+    )
 
 
 def build_prompts(
-    num: int, self_fraction: float, seed: int, llm_factory: Callable[[], LLM] | None,
+    num: int,
+    self_fraction: float,
+    seed: int,
+    llm_factory: Callable[[], LLM] | None,
     raw_fraction: float = 0.0,
-) -> list[Prompt]:  # fmt: skip
+) -> list[Prompt]:
     """``num`` prompts, ``self_fraction`` of them written by the target (``llm_factory()``
     builds it; the shortfall of dropped self-written ones is filled from the templates) and
     ``raw_fraction`` of them (of every source) sent without the chat template.
@@ -163,32 +191,43 @@ def load_prompts(path: Path) -> list[Prompt]:
 
 def describe(prompts: Sequence[Prompt]) -> dict:
     """Counts by source and category, for the shard metadata."""
-    return {"num_prompts": len(prompts),
-            "sources": dict(Counter(p.source for p in prompts)),
-            "without_chat_template": sum(not p.chat for p in prompts),
-            "categories": dict(Counter(p.category for p in prompts)),
-            "builtin": "pcgspec.training.topics: topics x templates; request: "
-                       f"pcgspec.training.chat_requests, {len(KINDS)} kinds of everyday "
-                       "requests, templates x word lists; no hub access",
-            "self": "written by the target about built-in topics and vocabulary words"}  # fmt: skip
+    return {
+        "num_prompts": len(prompts),
+        "sources": dict(Counter(p.source for p in prompts)),
+        "without_chat_template": sum(not p.chat for p in prompts),
+        "categories": dict(Counter(p.category for p in prompts)),
+        "builtin": "pcgspec.training.topics: topics x templates; request: "
+        f"pcgspec.training.chat_requests, {len(KINDS)} kinds of everyday "
+        "requests, templates x word lists; no hub access",
+        "self": "written by the target about built-in topics and vocabulary words",
+    }
 
 
 def _math_problems(rng: random.Random, num: int) -> list[str]:
     kinds: list[Callable[[], str]] = [
         lambda: f"What is {rng.randint(12, 999)} times {rng.randint(3, 99)}? Show your work.",
-        lambda: (f"Solve for x: {rng.randint(2, 12)}x + {rng.randint(1, 50)} = "
-                 f"{rng.randint(51, 200)}."),
-        lambda: (f"A shop sells pens at {rng.randint(2, 9)} dollars each. How much do "
-                 f"{rng.randint(3, 30)} pens cost? Explain step by step."),
+        lambda: (
+            f"Solve for x: {rng.randint(2, 12)}x + {rng.randint(1, 50)} = {rng.randint(51, 200)}."
+        ),
+        lambda: (
+            f"A shop sells pens at {rng.randint(2, 9)} dollars each. How much do "
+            f"{rng.randint(3, 30)} pens cost? Explain step by step."
+        ),
         lambda: f"What is {rng.randint(5, 95)}% of {rng.randint(20, 2000)}?",
-        lambda: (f"A train travels {rng.randint(60, 600)} km in {rng.randint(2, 8)} hours. "
-                 "What is its average speed?"),
+        lambda: (
+            f"A train travels {rng.randint(60, 600)} km in {rng.randint(2, 8)} hours. "
+            "What is its average speed?"
+        ),
         lambda: f"Is {rng.randint(50, 5000)} a prime number? Explain how you checked.",
-        lambda: (f"Find the area and perimeter of a rectangle {rng.randint(2, 40)} cm by "
-                 f"{rng.randint(2, 40)} cm."),
+        lambda: (
+            f"Find the area and perimeter of a rectangle {rng.randint(2, 40)} cm by "
+            f"{rng.randint(2, 40)} cm."
+        ),
         lambda: f"Simplify the fraction {rng.randint(2, 60)}/{rng.randint(61, 240)}.",
-        lambda: (f"If I save {rng.randint(5, 200)} dollars a week, how long until I have "
-                 f"{rng.randint(500, 10000)} dollars?"),
+        lambda: (
+            f"If I save {rng.randint(5, 200)} dollars a week, how long until I have "
+            f"{rng.randint(500, 10000)} dollars?"
+        ),
         lambda: f"What is the sum of the whole numbers from 1 to {rng.randint(10, 500)}?",
-    ]  # fmt: skip
+    ]
     return [rng.choice(kinds)() for _ in range(num)]

@@ -35,7 +35,9 @@ for an exam in one week; take notes in a lecture; give a toast at a wedding; cal
 presentation
 """)
 
-WHYS = [tuple(part.strip() for part in item.split("|")) for item in items("""
+WHYS = [
+    tuple(part.strip() for part in item.split("|"))
+    for item in items("""
 do leaves change colour in autumn | leaves change colour in autumn; does bread go stale | bread
 goes stale; is the sky blue during the day | the sky is blue during the day; do we yawn | we
 yawn; do onions make people cry | onions make people cry; does ice float on water | ice floats
@@ -69,9 +71,12 @@ rainbows appear after rain | rainbows appear after rain; do chameleons change co
 chameleons change colour; does spicy food feel hot | spicy food feels hot; do phones get warm
 while charging | phones get warm while charging; does my voice sound strange on recordings | my
 voice sounds strange on recordings
-""")]
+""")
+]
 
-PAIRS = [tuple(part.strip() for part in item.split("|")) for item in items("""
+PAIRS = [
+    tuple(part.strip() for part in item.split("|"))
+    for item in items("""
 baking soda | baking powder; a crocodile | an alligator; a virus | a bacterium; a lake | a pond;
 a hurricane | a typhoon; a frog | a toad; a rabbit | a hare; an emoji | an emoticon; a debit
 card | a credit card; a stock | a bond; a latte | a cappuccino; jam | jelly; a sweet potato | a
@@ -88,7 +93,8 @@ brown rice; butter | margarine; espresso | filter coffee; green tea | black tea;
 audiobook; a hobby | a passion; a goal | a dream; a manager | a leader; a cover letter | a
 personal statement; a fact | an opinion; a theory | a law in science; a crown | a filling at
 the dentist; sparkling wine | champagne; weight | mass
-""")]
+""")
+]
 
 GOALS = items("""
 a long car journey with kids; saving money on groceries; keeping a tidy desk; a first day at a
@@ -306,5 +312,4 @@ answer.; One paragraph is enough.; What would you recommend?
 """)
 
 NUMBERS = ("two", "four", "five", "six", "seven", "ten")
-SENTENCES = ("one sentence", "two sentences", "three sentences", "four sentences",
-             "five sentences")
+SENTENCES = ("one sentence", "two sentences", "three sentences", "four sentences", "five sentences")

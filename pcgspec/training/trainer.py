@@ -51,8 +51,11 @@ class EvalResult:
         return record
 
     def message(self) -> str:
-        text = (f"loss {self.loss:.3f}, accuracy " + "/".join(f"{a:.2f}" for a in self.accuracy)
-                + f", estimated accept length {self.accept_length:.2f}")  # fmt: skip
+        text = (
+            f"loss {self.loss:.3f}, accuracy "
+            + "/".join(f"{a:.2f}" for a in self.accuracy)
+            + f", estimated accept length {self.accept_length:.2f}"
+        )
         window = f"; chat template, first {CHAT_EVAL_TOKENS} tokens:"
         if self.chat64 is None:
             return f"{text}{window} no such sequences"
@@ -75,8 +78,9 @@ class EvalSums:
     def result(self) -> EvalResult | None:
         if not self.batches or not self.count.any():
             return None
-        return EvalResult.from_counts(self.loss / self.batches, self.correct.cpu(),
-                                      self.count.cpu())  # fmt: skip
+        return EvalResult.from_counts(
+            self.loss / self.batches, self.correct.cpu(), self.count.cpu()
+        )
 
 
 def accept_length_estimate(accuracy: list[float]) -> float:
@@ -101,8 +105,9 @@ def lr_lambda(warmup: int, total: Callable[[], int]) -> Callable[[int], float]:
 
 
 class Trainer:
-    def __init__(self, head: Eagle3Head, opts: TrainOptions, data_dir: Path, index: dict,
-                 ckpt_dir: Path) -> None:  # fmt: skip
+    def __init__(
+        self, head: Eagle3Head, opts: TrainOptions, data_dir: Path, index: dict, ckpt_dir: Path
+    ) -> None:
         self.head, self.opts, self.data_dir, self.ckpt_dir = head, opts, data_dir, ckpt_dir
         self.index = index
         self.device = head.device
@@ -118,11 +123,13 @@ class Trainer:
         self.total_steps = min(total, opts.max_steps) if opts.max_steps else total
         self.planned_steps = self.total_steps  # before any fit to --max-train-seconds
         params = [p for p in head.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95),
-                                           weight_decay=opts.weight_decay)  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay
+        )
         warmup = max(1, round(opts.warmup_ratio * self.total_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(warmup, lambda: self.total_steps))
+            self.optimizer, lr_lambda(warmup, lambda: self.total_steps)
+        )
         self.step = 0
         self.evals: list[dict] = []
 
@@ -142,8 +149,9 @@ class Trainer:
         while self.step < self.total_steps and stopped is None:
             epoch, skip = divmod(self.step, self.steps_per_epoch)
             plan = plan_batches(self.train_shards, self.shape, opts.seed + epoch)[skip:]
-            batches = iter_batches(self.data_dir, self.index, self.train_shards, plan,
-                                   self.shape, self.device)  # fmt: skip
+            batches = iter_batches(
+                self.data_dir, self.index, self.train_shards, plan, self.shape, self.device
+            )
             for batch in batches:
                 self._train_step(batch, sums)
                 bar.update(1)
@@ -166,11 +174,16 @@ class Trainer:
                     break
         bar.close()
         final = self._record_eval(None)
-        return {"steps": self.step, "total_steps": self.total_steps,
-                "steps_per_epoch": self.steps_per_epoch, "stopped_by": stopped or "steps",
-                "planned_steps": self.planned_steps,
-                "train_s": time.perf_counter() - start, "final_eval": final,
-                "evals": self.evals}  # fmt: skip
+        return {
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "stopped_by": stopped or "steps",
+            "planned_steps": self.planned_steps,
+            "train_s": time.perf_counter() - start,
+            "final_eval": final,
+            "evals": self.evals,
+        }
 
     def _fit_to_time(
         self, begun: tuple[float, int], steady: tuple[float, int] | None, bar: tqdm
@@ -192,11 +205,13 @@ class Trainer:
 
     def _train_step(self, batch, sums: list[torch.Tensor]) -> None:
         with self.autocast():
-            loss, counts = ttt_loss(self.head, batch, self.opts.ttt_steps, self.opts.step_decay,
-                                    self.compiled)  # fmt: skip
+            loss, counts = ttt_loss(
+                self.head, batch, self.opts.ttt_steps, self.opts.step_decay, self.compiled
+            )
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"],
-                                       self.opts.max_grad_norm)  # fmt: skip
+        torch.nn.utils.clip_grad_norm_(
+            self.optimizer.param_groups[0]["params"], self.opts.max_grad_norm
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -228,8 +243,9 @@ class Trainer:
         self.head.eval()
         whole, chat = (EvalSums(self.opts.ttt_steps, self.device) for _ in range(2))
         plan = plan_batches(self.eval_shards, self.shape, None)
-        for batch in iter_batches(self.data_dir, self.index, self.eval_shards, plan, self.shape,
-                                  self.device):  # fmt: skip
+        for batch in iter_batches(
+            self.data_dir, self.index, self.eval_shards, plan, self.shape, self.device
+        ):
             whole.add(*self._eval_loss(batch))
             chat.add(*self._eval_loss(batch.chat_window(CHAT_EVAL_TOKENS)))
         self.head.train()
@@ -240,8 +256,9 @@ class Trainer:
 
     def _eval_loss(self, batch: Batch) -> tuple[torch.Tensor, StepCounts]:
         with self.autocast():
-            return ttt_loss(self.head, batch, self.opts.ttt_steps, self.opts.step_decay,
-                            self.compiled)  # fmt: skip
+            return ttt_loss(
+                self.head, batch, self.opts.ttt_steps, self.opts.step_decay, self.compiled
+            )
 
     def _record_eval(self, bar: tqdm | None) -> dict | None:
         result = self.evaluate()
@@ -258,11 +275,18 @@ class Trainer:
     def save(self) -> Path:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         path = self.ckpt_dir / f"step-{self.step:08d}.pt"
-        torch.save({"step": self.step, "head": self.head.state_dict(),
-                    "draft_to_target": self.head.draft_to_target.cpu(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "evals": self.evals,
-                    "options": asdict(self.opts)}, path.with_suffix(".tmp"))  # fmt: skip
+        torch.save(
+            {
+                "step": self.step,
+                "head": self.head.state_dict(),
+                "draft_to_target": self.head.draft_to_target.cpu(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "evals": self.evals,
+                "options": asdict(self.opts),
+            },
+            path.with_suffix(".tmp"),
+        )
         path.with_suffix(".tmp").replace(path)
         for old in sorted(self.ckpt_dir.glob("step-*.pt"))[:-KEEP_CHECKPOINTS]:
             old.unlink()
@@ -288,4 +312,3 @@ class Trainer:
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     found = sorted(ckpt_dir.glob("step-*.pt"))
     return found[-1] if found else None
-

@@ -35,8 +35,10 @@ def load_slice(
         return default_weight_loader(param, loaded)
     size = param.shape[dim]
     if loaded.dim() != param.dim() or loaded.shape[dim] != size * num_slices:
-        raise ValueError(f"shape {tuple(loaded.shape)} does not split into {num_slices} slices "
-                         f"of the parameter shape {tuple(param.shape)} along dim {dim}")
+        raise ValueError(
+            f"shape {tuple(loaded.shape)} does not split into {num_slices} slices "
+            f"of the parameter shape {tuple(param.shape)} along dim {dim}"
+        )
     default_weight_loader(param, loaded.narrow(dim, index * size, size))
 
 
@@ -67,8 +69,9 @@ class MergedLinear(nn.Linear):
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
         copies = self.replicas[shard_id]
-        load_slice(param.narrow(0, offset, size), loaded, 0, self.tp.rank // copies,
-                   self.tp.size // copies)
+        load_slice(
+            param.narrow(0, offset, size), loaded, 0, self.tp.rank // copies, self.tp.size // copies
+        )
 
 
 class RowParallelLinear(nn.Linear):
@@ -76,8 +79,9 @@ class RowParallelLinear(nn.Linear):
     are summed across ranks, then the bias (held whole by every rank) is added once.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool,
-                 tp: TPGroup = SINGLE) -> None:  # fmt: skip
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__(tp.shard(in_features, "in_features"), out_features, bias=bias)
         self.tp = tp
 
@@ -109,8 +113,10 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         if loaded.shape != (self.full_vocab_size, param.shape[1]):
-            raise ValueError(f"shape {tuple(loaded.shape)} != full vocabulary shape "
-                             f"{(self.full_vocab_size, param.shape[1])}")
+            raise ValueError(
+                f"shape {tuple(loaded.shape)} != full vocabulary shape "
+                f"{(self.full_vocab_size, param.shape[1])}"
+            )
         rows = loaded[self.vocab_start : self.vocab_start + self.per_rank]
         param.zero_()
         default_weight_loader(param[: rows.shape[0]], rows)
