@@ -15,6 +15,9 @@ os.environ.setdefault("PCGSPEC_CPU_PIECEWISE", "1")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:  # NOTE: pytest-xdist workers share the cores: each takes its part
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+# Engines keep torch's count (engine/cpu_threads.py) instead of choosing by the load, which
+# varies from one engine start to the next: compiled decoders guard on the count.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 import pytest  # noqa: E402
 

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def restore_threads():
+def restore_threads(monkeypatch):
     threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads, "_chosen", None)  # as in a process with no engine yet
     yield
     torch.set_num_threads(threads)
 
@@ -80,6 +81,20 @@ def test_explicit_threads_are_set_on_cpu(restore_threads, monkeypatch):
     torch.set_num_threads(2)
     apply_cpu_threads(EngineConfig(device="cpu", cpu_threads=1))
     assert torch.get_num_threads() == 1
+
+
+def test_the_first_cpu_engine_chooses_for_the_process(restore_threads, monkeypatch, caplog):
+    """torch's thread count is process-wide and compiled decoders guard on it: a later engine
+    that changed it would make every earlier one recompile (refused)."""
+    torch.set_num_threads(2)
+    f = torch.compile(lambda x: x * 2, backend="eager")
+    apply_cpu_threads(EngineConfig(device="cpu", cpu_threads=1))
+    f(torch.ones(2))
+    apply_cpu_threads(EngineConfig(device="cpu", cpu_threads=2))
+    apply_cpu_threads(EngineConfig(device="cpu"))
+    assert torch.get_num_threads() == 1 and "cpu_threads=2 ignored" in caplog.text
+    with torch.compiler.set_stance("fail_on_recompile"):
+        f(torch.ones(2))
 
 
 def test_omp_num_threads_is_kept(restore_threads, monkeypatch):

@@ -135,9 +135,10 @@ def test_product_text_speaks_of_the_product():
 
 def test_forbidden_patterns_catch_what_they_should():
     samples = {
-        "a numbered session": "measured in session 12",
-        "an issue number": "Issue #14",
-        "machine-time accounting": "no device time left to run it",
+        # NOTE: built from pieces, or this file would match itself
+        "a numbered session": "measured in sess" + "ion 12",
+        "an issue number": "Iss" + "ue #14",
+        "machine-time accounting": "no dev" + "ice time left to run it",
     }
     for what, text in samples.items():
         assert FORBIDDEN[what].search(text), what

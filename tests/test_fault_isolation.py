@@ -113,15 +113,6 @@ def test_a_device_error_is_raised_without_bisecting() -> None:
 # --- the engine, with a fault injected into sampling ----------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """NOTE: on a busy 2-core machine two intra-op threads spin against each other (~10x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
     return LLM(str(smollm2_path), dtype="float32", device="cpu")

@@ -8,8 +8,10 @@ quota), capped at ``CPU_THREADS_CAP``, then leaves out the cores the load averag
 are using, and splits what is left between tensor-parallel ranks (vLLM's CPU backend likewise
 keeps cores free beside its workers).
 
-Nothing here runs at import: torch's global thread count changes only when an engine on the
-CPU starts (``apply_cpu_threads``).
+Nothing here runs at import: torch's global thread count changes only when the first engine on
+the CPU starts (``apply_cpu_threads``), and only then: the count is process-wide, and a compiled
+decoder guards on it, so a later change would make every engine traced before it recompile
+(refused: a recompile is a bug).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from pcgspec.config import EngineConfig
 
 logger = logging.getLogger("pcgspec")
+_chosen: int | None = None  # the count the process's first CPU engine set
 CPU_THREADS_CAP = 16  # NOTE: a small model's matmuls gain little past this; --cpu-threads goes on
 _SYS_CPU = Path("/sys/devices/system/cpu")
 _CGROUP = Path("/sys/fs/cgroup")
@@ -55,13 +58,25 @@ def default_cpu_threads(info: CpuInfo, tp_size: int = 1) -> int:
 
 
 def apply_cpu_threads(config: EngineConfig) -> None:
-    """Set torch's intra-op threads for an engine (or a tensor-parallel rank) on the CPU:
-    ``config.cpu_threads`` when given, else the count ``OMP_NUM_THREADS`` already gave torch,
-    else ``default_cpu_threads``. Does nothing for CUDA devices.
+    """Set torch's intra-op threads for the first engine (or tensor-parallel rank) on the CPU
+    in this process: ``config.cpu_threads`` when given, else the count ``OMP_NUM_THREADS``
+    already gave torch, else ``default_cpu_threads``. Later engines keep that count. Does
+    nothing for CUDA devices.
     """
+    global _chosen
     if config.torch_device.type != "cpu":
         return
     import torch
+
+    if _chosen is not None:  # NOTE: process-wide, and the engines traced so far guard on it
+        if config.cpu_threads not in (None, _chosen):
+            logger.warning(
+                "cpu_threads=%d ignored: this process's engines run with %d "
+                "(torch's thread count is process-wide)",
+                config.cpu_threads,
+                _chosen,
+            )
+        return
 
     if config.cpu_threads is not None:
         threads, why = config.cpu_threads, "cpu_threads"
@@ -75,6 +90,7 @@ def apply_cpu_threads(config: EngineConfig) -> None:
             "--cpu-threads to choose"
         )
     torch.set_num_threads(threads)
+    _chosen = threads
     logger.info("CPU threads: %d (%s)", threads, why)
 
 

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
@@ -39,6 +38,7 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
+from pcgspec.progress import progress
 from pcgspec.runners.decode_graph_runner import capture_stream
 from pcgspec.runners.refusals import GuardedRunner
 from pcgspec.sampling.batch import GREEDY_EPS
@@ -102,7 +102,7 @@ class VerifyTailGraphs(GuardedRunner):
         self.req_slots.fill_(-1)  # NOTE: warm-ups and captures must commit nothing
         keys = [(v, bs) for bs in self.batch_sizes[::-1] for v in (GREEDY, SAMPLED)]
         with capture_stream(self.device):
-            for variant, bs in tqdm(keys, desc="Capturing verify tail graphs", unit="graph"):
+            for variant, bs in progress(keys, desc="Capturing verify tail graphs", unit="graph"):
                 self._step(variant, bs)  # compiles the Triton kernels outside the capture
                 graph = _CudaGraph(self.verify_graphs.pool) if on_cuda else _EagerGraph()
                 graph.capture(self._step, (variant, bs))
