@@ -5,9 +5,11 @@ tested without one.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+import torch._dynamo
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -51,12 +53,33 @@ def hf_model(smollm2_path):
     return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="session")
+_dynamo_resets = [0]  # Dynamo resets in this process so far (a test of the compiler may reset)
+
+
+def _counted(reset):
+    @functools.wraps(reset)
+    def counted(*args, **kwargs):
+        _dynamo_resets[0] += 1
+        return reset(*args, **kwargs)
+
+    return counted
+
+
+torch._dynamo.reset = _counted(torch._dynamo.reset)
+torch.compiler.reset = _counted(torch.compiler.reset)
+_plain: dict[str, tuple[object, int]] = {}
+
+
+@pytest.fixture(scope="module")
 def plain_llm(smollm2_path):
     """The plain SmolLM2 engine (float32, CPU, piecewise prefill by the session's default),
     built once for the modules that only generate with it (test_engine, test_spec_engine,
-    test_spec_models): a build traces the 30-layer target (~8 s on the CI machine).
+    test_spec_models): a build traces the 30-layer target (~8 s on the CI machine). Built
+    again after a Dynamo reset (a compiler test's), which drops its compiled decoder.
     """
     from pcgspec import LLM
 
-    return LLM(str(smollm2_path), dtype="float32", device="cpu")
+    built = _plain.get("llm")
+    if built is None or built[1] != _dynamo_resets[0]:
+        _plain["llm"] = (LLM(str(smollm2_path), dtype="float32", device="cpu"), _dynamo_resets[0])
+    return _plain["llm"][0]

@@ -13,12 +13,12 @@ PROMPTS = ALL_PROMPTS[:11]
 NEW_TOKENS = 48
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def llm(plain_llm) -> LLM:
-    return plain_llm  # conftest: one build for the session
+    return plain_llm  # conftest: one build for the modules
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def greedy_refs(llm, hf_model):
     tok = llm.get_tokenizer()
     return {p: hf_greedy(hf_model, tok.encode(p), NEW_TOKENS) for p in PROMPTS}

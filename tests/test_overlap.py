@@ -15,7 +15,6 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 from oracle import PROMPTS, assert_all_pages_free, greedy
-from test_fault_isolation import _one_torch_thread  # noqa: F401 - autouse fixture
 
 import pcgspec.server.engine_loop as engine_loop
 from pcgspec import LLM, SamplingParams
