@@ -24,6 +24,18 @@ their ratios. ``--repeats N`` runs the load N times on one server, flushing the 
 between runs (each finds it as the first did); the report pools them (TTFT percentiles over
 every request, throughput over the whole time) and lists each run's TTFT p50 and requests/s.
 
+Head-of-line blocking (chat endpoint, single run): ``mixed`` runs ``--max-concurrency`` short
+streams (default 4) of ``chat`` messages in a closed loop (each sends its next request as its
+last ends) for ``--mixed-seconds`` (default 20) alone, the baseline point, then again with long
+prompts beside them, the mixed point: one every 1 / ``--long-rate`` s (default 1 per second),
+each about ``--long-prompt-tokens`` tokens of shuffled words (default 8000; distinct, so the
+prefix cache serves none of it) asking for ``--long-max-tokens`` tokens (default 4). Per point,
+for the short streams only: ITL (between consecutive token-bearing chunks of a stream) p50, p99
+and max (the longest gap of any short stream), TTFT p50 and p99 and their tokens/s; for the long
+prompts: how many were sent and completed and their TTFT. Then mixed / baseline of the short
+streams' ITL p99, ITL max and TTFT p99. A warm-up of one short and one long request comes first.
+Requests whose phase ended are awaited, not cut, so a phase may run past its seconds.
+
 ``--compare-engine`` (with ``--launch``) then runs the same prompts with the same sampling
 through ``LLM.generate`` in this process, with the server's engine flags (``--server-args``;
 with ``--max-concurrency`` the engine runs at most that many requests at once), and prints the
@@ -65,6 +77,8 @@ ratios; ``scripts/gpu_served_spec.sh`` runs plain / EAGLE3 / NGRAM on a GPU in o
     python scripts/bench_serving.py --launch --dataset shared-prefix --shared-prefix-len 2000 \\
         --question-len 32 --num-prompts 64 --random-output-len 32 --max-concurrency 16
     python scripts/bench_serving.py --launch --dataset multi-turn --num-chats 16 --num-turns 8
+    python scripts/bench_serving.py --launch --dataset mixed --max-concurrency 8 \\
+        --long-prompt-tokens 8000 --long-rate 1 --mixed-seconds 30 --max-tokens 256
     python scripts/bench_serving.py --launch --server-args "--dtype bfloat16" \\
         --compare "plain=" "eagle3=--speculative-algorithm EAGLE3" \\
                   "ngram=--speculative-algorithm NGRAM --speculative-num-steps 4" \\
@@ -96,6 +110,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_compare  # noqa: E402
 import serving_datasets  # noqa: E402
+import serving_mixed  # noqa: E402
 from serving_sweep import open_session, post_stream  # noqa: E402
 
 
@@ -448,8 +463,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dataset",
         default="random",
-        help="random | builtin | shared-prefix | multi-turn | a prompt file",
+        help="random | builtin | chat | repetition | shared-prefix | multi-turn | mixed | "
+        "a prompt file",
     )
+    _mixed_args(p)
     p.add_argument(
         "--shared-prefix-len",
         type=int,
@@ -536,6 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_tokens is None:
         args.max_tokens = 128 if args.sweep else 32
     args.ignore_eos = (not args.sweep) if args.ignore_eos is None else args.ignore_eos
+    if args.dataset == "mixed":
+        _check_mixed(p, args)
     if args.dataset in ("random", "shared-prefix", "multi-turn") and args.endpoint == "chat":
         p.error(f"--dataset {args.dataset} uses the completions endpoint")
     if args.random_weights and not args.launch:
@@ -553,6 +572,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.cache_modes) <= {"on", "off"} or not args.cache_modes:
         p.error(f"--cache-modes takes on and/or off, got {args.cache_modes}")
     return args
+
+
+def _mixed_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("mixed: short streams beside long prompts (see the top)")
+    m.add_argument("--long-prompt-tokens", type=int, default=8000, help="words per long prompt")
+    m.add_argument("--long-rate", type=float, default=1.0, help="long prompts per second")
+    m.add_argument("--long-max-tokens", type=int, default=4, help="max_tokens of a long prompt")
+    m.add_argument("--mixed-seconds", type=float, default=20.0, help="seconds per point")
+
+
+def _check_mixed(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.sweep or args.repeats > 1 or args.compare_engine:
+        p.error("--dataset mixed is a single run: no sweep options, --repeats or --compare-engine")
+    args.max_concurrency = args.max_concurrency or 4
+    for name in ("long_prompt_tokens", "long_max_tokens", "max_concurrency"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("long_rate", "mixed_seconds"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
 
 
 # The closed-loop sweep's options: any of them given runs it; these are their defaults.
@@ -752,6 +791,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def single_run(args: argparse.Namespace) -> dict[str, Any]:
     """The load once (with --launch per cache mode of a prefix-cache dataset), and the
     comparisons asked for."""
+    if args.dataset == "mixed":
+        return mixed_run(args)
     modes = args.cache_modes if args.launch and args.dataset in CACHE_DATASETS else [None]
     runs = {}
     for mode in modes:
@@ -766,6 +807,19 @@ def single_run(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_engine:
         record["engine"] = engine_run(args)
         record["engine_comparison"] = compare_engine(runs[modes[0]], record["engine"])
+    return record
+
+
+def mixed_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Short streams alone, then beside long prompts (with --launch on its own server)."""
+    server = launch(args) if args.launch else None
+    try:
+        record = asyncio.run(serving_mixed.run_mixed(args))
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+    serving_mixed.print_mixed(record["mixed"])
     return record
 
 
