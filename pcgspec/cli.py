@@ -125,7 +125,22 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--max-connections",
         type=int,
         default=1024,
-        help="open connections at most; more get 503 and are closed (default: %(default)s)",
+        help="open connections at most; more get 503 and are closed, but for a reserve of "
+        "16 that may ask /health and /metrics (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=512,
+        help="open connections of one remote address; more may only ask /health and /metrics. "
+        "High enough for a benchmark client on loopback at 512 in flight (default: %(default)s)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a new connection has to send a complete request head, then it is closed "
+        "(default: %(default)s)",
     )
     s.add_argument(
         "--engine-in-process",
@@ -270,6 +285,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         keep_alive_timeout=args.keep_alive_timeout,
         read_timeout=args.read_timeout,
         max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer,
+        header_timeout=args.header_timeout,
         engine_in_process=args.engine_in_process,
     )
     return run_server(engine_config_from_args(args), settings)

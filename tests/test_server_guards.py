@@ -6,11 +6,13 @@ and a client hanging up inside a handler. A few seconds (the tokenizer loads onc
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import select
 import socket
 import threading
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -21,7 +23,8 @@ from pcgspec.engine.request import TokenLogprobs
 from pcgspec.models.loader import load_tokenizer
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.server import app as server_app
-from pcgspec.server.connections import QuietClientErrors, RateLimit, listen
+from pcgspec.server.admission import admission, listen
+from pcgspec.server.connections import QuietClientErrors, RateLimit
 from pcgspec.server.protocol import ApiError, GenerationRequest
 from pcgspec.server.responses import chat_logprobs, completion_logprobs
 from pcgspec.server.state import ServerSettings
@@ -38,7 +41,13 @@ def tokenizer(smollm2_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("keep_alive_timeout", 0.0), ("read_timeout", -1.0), ("max_connections", 0)],
+    [
+        ("keep_alive_timeout", 0.0),
+        ("read_timeout", -1.0),
+        ("header_timeout", 0.0),
+        ("max_connections", 0),
+        ("max_connections_per_peer", 0),
+    ],
 )
 def test_server_settings_name_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -70,46 +79,122 @@ def test_client_errors_log_once_as_a_warning_without_traceback():
     assert quiet.filter(other) and other.levelno == logging.ERROR and other.exc_info
 
 
-def _burst(port: int, count: int, refused: int) -> list[bytes | None]:
-    """``count`` connections at once; what each received once ``refused`` of them got an answer
-    (None: nothing, the connection is open and idle)."""
-    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
-    try:
-        ready: list[socket.socket] = []
-        for _ in range(600):  # a guard against hanging, not a deadline: the loop ends early
-            ready = select.select(socks, [], [], 0)[0]
-            if len(ready) >= refused:
-                break
-            time.sleep(0.05)
-        return [s.recv(12) if s in ready else None for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def _open(port: int, count: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+
+
+def _answers(socks: list[socket.socket], count: int, wait: float = 30.0) -> list[bytes | None]:
+    """What each socket received once ``count`` of them are readable (None: nothing yet, still
+    open); the loop is a guard against hanging, it ends as soon as the count is reached."""
+    ready: list[socket.socket] = []
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        ready = select.select(socks, [], [], 0.02)[0]
+        if len(ready) >= count:
+            break
+    return [s.recv(12) if s in ready else None for s in socks]
 
 
 async def _ok(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def test_connections_over_the_cap_get_503_then_the_server_answers():
-    async def run() -> tuple[list[bytes | None], int]:
-        app = web.Application()
-        app.router.add_get("/", _ok)
+def _serve(body: Any, **limits: Any) -> Any:
+    """Runs ``body(port)`` in a thread against a server of ``/``, ``/health`` and ``/v1/x``."""
+
+    async def run() -> Any:
+        app = web.Application(middlewares=[admission, server_app._errors])
+        for path in ("/", "/health", "/v1/x"):
+            app.router.add_get(path, _ok)
         runner = web.AppRunner(app, keepalive_timeout=60)
         await runner.setup()
-        listener = await listen(runner, "127.0.0.1", 0, max_connections=5)
+        listener = await listen(runner, "127.0.0.1", 0, **limits)
         port = listener.sockets[0].getsockname()[1]
         try:
-            got = await asyncio.get_running_loop().run_in_executor(None, _burst, port, 12, 7)
-            async with aiohttp.ClientSession() as session:
-                async with session.get(f"http://127.0.0.1:{port}/") as resp:
-                    return got, resp.status
+            return await asyncio.get_running_loop().run_in_executor(None, body, port)
         finally:
             listener.close()
             await runner.cleanup()
 
-    got, status = asyncio.run(run())
-    assert sorted(got, key=str) == [None] * 5 + [b"HTTP/1.1 503"] * 7 and status == 200
+    return asyncio.run(run())
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_connections_over_the_cap_and_its_reserve_get_503():
+    def body(port: int) -> list[bytes | None]:
+        socks = _open(port, 12)
+        try:
+            return _answers(socks, 5)
+        finally:
+            for s in socks:
+                s.close()
+
+    got = _serve(body, max_connections=5, reserve=2, header_timeout=30.0)
+    assert sorted(got, key=str) == [None] * 7 + [b"HTTP/1.1 503"] * 5
+
+
+def test_health_answers_in_time_while_idle_sockets_fill_the_cap():
+    def body(port: int) -> tuple[int, float, list[bytes | None], int]:
+        socks = _open(port, 12)
+        try:
+            start = time.monotonic()
+            status, _ = _get(port, "/health")
+            took = time.monotonic() - start
+            refused, _ = _get(port, "/v1/x")  # a reserve slot: health and metrics only
+            return status, took, _answers(socks, 12, wait=10.0), refused
+        finally:
+            for s in socks:
+                s.close()
+
+    status, took, closed, refused = _serve(body, max_connections=8, header_timeout=1.0)
+    assert status == 200 and took < 2.0 and refused == 503
+    assert closed == [b""] * 12  # the idle ones were closed by the header timeout
+
+
+def test_a_slow_drip_head_is_closed_by_the_header_timeout():
+    def body(port: int) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            start = time.monotonic()
+            got = b""
+            for piece in (b"GET / HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: 1\r\n", b"X-B: 2\r\n"):
+                try:
+                    s.sendall(piece)
+                except OSError:
+                    break
+                if select.select([s], [], [], 0.4)[0]:
+                    got = s.recv(64)
+                    break
+            if not got:
+                got = s.recv(64)
+            return got, time.monotonic() - start
+
+    got, took = _serve(body, max_connections=8, header_timeout=1.0)
+    assert got == b"" and took < 3.0
+
+
+def test_the_per_peer_cap_leaves_the_excess_only_health():
+    def body(port: int) -> tuple[int, int, int]:
+        socks = _open(port, 4)
+        try:
+            assert _answers(socks, 1, wait=0.3) == [None] * 4  # all four admitted
+            return _get(port, "/v1/x")[0], _get(port, "/health")[0], _get(port, "/")[0]
+        finally:
+            for s in socks:
+                s.close()
+
+    over, health, after = _serve(body, max_connections=64, per_peer=4, header_timeout=30.0)
+    assert (over, health) == (503, 200) and after == 503
+    ok = _serve(lambda port: _get(port, "/v1/x")[0], max_connections=64, per_peer=4)
+    assert ok == 200
 
 
 class _FakeTokenizer:

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from server_process import API_KEY, ServerProcess
 
+from pcgspec.server.admission import RESERVE
+
 MODEL = "test-org/SmolLM2"  # a served name with a slash
 MAX_CONNECTIONS = 16
 KV_TOKENS = 256  # --max-total-tokens: less than the 512-token context
@@ -34,6 +36,8 @@ def server():
         "--max-connections",
         str(MAX_CONNECTIONS),
         "--keep-alive-timeout",
+        "30",
+        "--header-timeout",
         "2",
         "--read-timeout",
         "2",
@@ -58,14 +62,15 @@ def _answers(socks: list[socket.socket], count: int) -> list[bytes | None]:
 
 
 def test_connections_over_the_cap_get_503_and_idle_ones_are_closed(server):
-    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(24)]
+    opened = MAX_CONNECTIONS + RESERVE + 8
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(opened)]
     try:
-        first = _answers(socks, 24 - MAX_CONNECTIONS)
+        first = _answers(socks, 8)
         refused = [a for a in first if a is not None]
-        assert len(refused) == 24 - MAX_CONNECTIONS
+        assert len(refused) == 8
         assert all(a.startswith(b"HTTP/1.1 503") for a in refused)
         idle = [s for s, a in zip(socks, first) if a is None]
-        assert _answers(idle, len(idle)) == [b""] * len(idle)  # closed by the keep-alive timeout
+        assert _answers(idle, len(idle)) == [b""] * len(idle)  # closed by the head timeout
     finally:
         for s in socks:
             s.close()
