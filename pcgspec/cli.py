@@ -143,12 +143,30 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "(default: %(default)s)",
     )
     s.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=(),
+        help="comma-separated Host names a server on a loopback address also answers, besides "
+        "localhost, 127.0.0.1 and [::1] (any port); '*' answers any (default: none)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        type=_names,
+        default=(),
+        help="comma-separated browser origins given CORS headers, e.g. https://app.example; "
+        "'*' for any (default: none, so browsers on other origins cannot read the answers)",
+    )
+    s.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine loop on a thread of the server process, not in a "
         "process of its own: one process for debuggers and profilers, but the "
         "HTTP side then shares the engine's GIL and throughput falls",
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip().lower() for n in text.split(",") if n.strip())
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -287,6 +305,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         max_connections_per_peer=args.max_connections_per_peer,
         header_timeout=args.header_timeout,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
         engine_in_process=args.engine_in_process,
     )
     return run_server(engine_config_from_args(args), settings)

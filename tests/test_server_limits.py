@@ -85,7 +85,7 @@ def _raw(server: ServerProcess, data: bytes) -> bytes:
 
 def test_a_body_slower_than_the_read_timeout_gets_408(server):
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {API_KEY}\r\n"
         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     )
     answer = _raw(server, head.encode() + b'{"prompt": ')
@@ -97,7 +97,8 @@ def test_malformed_requests_get_400_and_leave_no_traceback(server):
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: _raw(server, bad), range(40)))
     assert all(a.split(b"\r\n")[0].endswith(b" 400 Bad Request") for a in answers), answers[0]
-    gzip = {"Content-Encoding": "gzip", "Authorization": f"Bearer {API_KEY}"}
+    gzip = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    gzip["Authorization"] = f"Bearer {API_KEY}"
     status, body = server.request("POST", "/v1/completions", b'{"prompt": "hi"}', gzip)
     assert status == 400 and body["error"]["code"] == "invalid_body"
     assert server.get("/health")[0] == 200

@@ -195,7 +195,8 @@ def _mutated(rng: random.Random) -> bytes:
 
 async def _send(session: aiohttp.ClientSession, url: str, data: bytes) -> int:
     """The status, after reading the whole body."""
-    async with session.post(url, data=data, headers=AUTH) as resp:
+    headers = {**AUTH, "Content-Type": "application/json"}
+    async with session.post(url, data=data, headers=headers) as resp:
         await resp.read()
         return resp.status
 

@@ -17,6 +17,8 @@ from pcgspec.engine.collector import freeze_start_up
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.server.admission import admission, listen
 from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
+from pcgspec.server.browser import browser_guard
+from pcgspec.server.browser import install as install_browser_policy
 from pcgspec.server.connections import install_log_filters
 from pcgspec.server.engine_loop import log_slow_collections
 from pcgspec.server.metrics import graph_summary
@@ -205,10 +207,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[admission, _errors, _gate],
+        middlewares=[admission, _errors, browser_guard, _gate],
         client_max_size=state.settings.max_request_bytes,
     )
     app[STATE] = state
+    settings = state.settings
+    install_browser_policy(app, settings.host, settings.allowed_hosts, settings.allowed_origins)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/server_info", server_info)

@@ -31,6 +31,8 @@ class ServerSettings:
     max_connections: int = 1024  # open connections; more are answered 503 and closed
     max_connections_per_peer: int = 512  # open connections of one remote address
     header_timeout: float = 5.0  # seconds a new connection has to send its first request head
+    allowed_hosts: tuple[str, ...] = ()  # Host names a loopback server also answers; "*": any
+    allowed_origins: tuple[str, ...] = ()  # origins given CORS headers; "*": any
     engine_in_process: bool = False  # the engine loop on a thread, not a process of its own
 
     def __post_init__(self) -> None:
