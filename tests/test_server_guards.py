@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import importlib.util
+import json
 import logging
 import select
 import socket
@@ -195,6 +197,50 @@ def test_the_per_peer_cap_leaves_the_excess_only_health():
     assert (over, health) == (503, 200) and after == 503
     ok = _serve(lambda port: _get(port, "/v1/x")[0], max_connections=64, per_peer=4)
     assert ok == 200
+
+
+def _raw(port: int, data: bytes) -> tuple[str, dict]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), json.loads(body)
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "code"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400, "malformed_request"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400, "malformed_request"),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, "malformed_request"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 9000 + b"\r\n\r\n", 400, "malformed_request"),
+        (
+            b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+            415,
+            "unsupported_content_encoding",
+        ),
+        (
+            b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+            400,
+            "invalid_body",
+        ),
+    ],
+)
+def test_requests_aiohttp_cannot_parse_get_openai_error_bodies(data, status, code):
+    if status == 415 and any(importlib.util.find_spec(m) for m in ("brotli", "brotlicffi")):
+        pytest.skip("br is decoded where Brotli is installed")
+    line, body = _serve(lambda port: _raw(port, data), max_connections=8)
+    assert line.split(" ", 2)[1] == str(status), line
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code
+    message = body["error"]["message"]
+    assert "install" not in message and "aiohttp" not in message and "Brotli" not in message
+    if status == 415:
+        assert "'br'" in message
 
 
 class _FakeTokenizer:

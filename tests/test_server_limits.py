@@ -97,10 +97,14 @@ def test_malformed_requests_get_400_and_leave_no_traceback(server):
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: _raw(server, bad), range(40)))
     assert all(a.split(b"\r\n")[0].endswith(b" 400 Bad Request") for a in answers), answers[0]
+    assert all(b'"code": "malformed_request"' in a for a in answers), answers[0]
     gzip = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
     gzip["Authorization"] = f"Bearer {API_KEY}"
     status, body = server.request("POST", "/v1/completions", b'{"prompt": "hi"}', gzip)
     assert status == 400 and body["error"]["code"] == "invalid_body"
+    gzip["Content-Encoding"] = "compress"
+    status, body = server.request("POST", "/v1/completions", b'{"prompt": "hi"}', gzip)
+    assert status == 415 and "'compress'" in body["error"]["message"], body
     assert server.get("/health")[0] == 200
     log = server.log.read_text()
     assert "Traceback" not in log and " ERROR " not in log, server.log_tail()

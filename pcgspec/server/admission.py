@@ -14,17 +14,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections import Counter
 from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestHandler
 
 from pcgspec.server.connections import RateLimit, fit_to_fd_limit
 from pcgspec.server.validate import ApiError
 
 logger = logging.getLogger("pcgspec")
+_UNSUPPORTED_ENCODING = re.compile(r"content-encoding: \w+ \((\w+)\)")
 RESERVE = 16  # connections over the cap that may still ask for /health or /metrics
 RESERVED_PATHS = ("/health", "/metrics")
 _BUSY = ApiError(
@@ -146,14 +149,29 @@ class Connection(RequestHandler):
         """aiohttp's answer to a request it could not parse or handle, as an OpenAI error body
         that names no implementation detail."""
         super().handle_error(request, status, exc, message)  # logs; raises once output started
-        if status >= 500:
-            error = ApiError(status, "internal server error", type="internal_error")
-        else:
-            text = f"malformed HTTP request ({HTTPStatus(status).phrase})"
-            error = ApiError(status, text, code="malformed_request")
-        resp = web.json_response(error.body(), status=status)
+        error = http_error(status, exc)
+        resp = web.json_response(error.body(), status=error.status)
         resp.force_close()
         return resp
+
+
+def http_error(status: int, exc: BaseException | None) -> ApiError:
+    """What a client is told of a request aiohttp could not parse: no implementation detail."""
+    if status >= 500:
+        return ApiError(status, "internal server error", type="internal_error")
+    if isinstance(exc, ContentEncodingError):
+        found = _UNSUPPORTED_ENCODING.search(str(exc))
+        if found is None:
+            return ApiError(
+                400, "the body does not decode as its Content-Encoding", code="invalid_body"
+            )
+        return ApiError(
+            415,
+            f"Content-Encoding {found.group(1)!r} is not supported (send gzip, deflate or none)",
+            code="unsupported_content_encoding",
+        )
+    text = f"malformed HTTP request ({HTTPStatus(status).phrase})"
+    return ApiError(status, text, code="malformed_request")
 
 
 @web.middleware
