@@ -147,7 +147,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=_names,
         default=(),
         help="comma-separated Host names a server on a loopback address also answers, besides "
-        "localhost, 127.0.0.1 and [::1] (any port); '*' answers any (default: none)",
+        "localhost, 127.0.0.1 and the IPv6 loopback (any port); '*' answers any (default: none)",
     )
     s.add_argument(
         "--allowed-origins",
