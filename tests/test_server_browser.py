@@ -110,6 +110,7 @@ def test_the_host_check_is_off_for_wildcards_and_non_loopback_binds():
         False,
     ]
     assert host_name("[::1]:80") == "[::1]" and host_name("A.b:1") == "a.b"
+    assert "gpu.lan" in BrowserPolicy.build("::1", ("GPU.lan:8000",), ()).hosts
 
 
 def test_cors_headers_only_for_allowed_origins():

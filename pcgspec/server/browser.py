@@ -48,7 +48,7 @@ class BrowserPolicy:
         cls, bind: str, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...]
     ) -> BrowserPolicy:
         check = is_loopback(bind) and "*" not in allowed_hosts
-        hosts = frozenset(LOOPBACK_HOSTS + allowed_hosts) if check else None
+        hosts = frozenset(map(host_name, LOOPBACK_HOSTS + allowed_hosts)) if check else None
         return cls(hosts, frozenset(o.rstrip("/").lower() for o in allowed_origins))
 
     def allows_origin(self, origin: str) -> bool:
