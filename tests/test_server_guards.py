@@ -131,7 +131,7 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
         conn.close()
 
 
-def test_connections_over_the_cap_and_its_reserve_get_503():
+def test_connections_over_the_cap_and_its_silent_reserve_get_503():
     def body(port: int) -> list[bytes | None]:
         socks = _open(port, 12)
         try:
@@ -141,7 +141,25 @@ def test_connections_over_the_cap_and_its_reserve_get_503():
                 s.close()
 
     got = _serve(body, max_connections=5, reserve=2, header_timeout=30.0)
-    assert sorted(got, key=str) == [None] * 7 + [b"HTTP/1.1 503"] * 5
+    assert sorted(got, key=str) == [None] * 7 + [b"HTTP/1.1 503"] * 5  # 2 silent ones evicted
+
+
+def test_a_health_check_takes_the_place_of_a_silent_reserve_connection():
+    def body(port: int) -> tuple[int, float, int]:
+        socks = _open(port, 10)  # 4 normal, 2 reserve, 4 of them evicted in turn
+        try:
+            _answers(socks, 4)
+            start = time.monotonic()
+            status, _ = _get(port, "/health")
+            took = time.monotonic() - start
+            return status, took, sum(a is None for a in _answers(socks, 5, wait=0.5))
+        finally:
+            for s in socks:
+                s.close()
+
+    status, took, silent = _serve(body, max_connections=4, reserve=2, header_timeout=30.0)
+    assert status == 200 and took < 2.0
+    assert silent == 5  # 4 normal, 1 reserve: the health check took the other's place
 
 
 def test_health_answers_in_time_while_idle_sockets_fill_the_cap():

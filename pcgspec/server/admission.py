@@ -4,7 +4,8 @@ aiohttp's parser refuses.
 
 A connection is admitted to a normal slot while fewer than ``limit`` are open and its address
 holds fewer than ``per_peer``; else to one of ``reserve`` extra slots, where only /health and
-/metrics are answered (then the connection closes); else it gets a 503 and is closed. Every
+/metrics are answered (then the connection closes), the oldest silent one giving way when they
+are full (so idle sockets cannot hold them against a health check); else it gets a 503. Every
 admitted connection must send a complete request head within ``header_timeout`` seconds (idle
 and slow-drip connections are closed); later requests on it follow aiohttp's keep-alive timeout.
 """
@@ -60,6 +61,7 @@ class ConnectionCap:
         self.reserve = reserve
         self.open = 0
         self.peers: Counter[str] = Counter()
+        self.silent: dict[Connection, None] = {}  # reserve connections yet to send, oldest first
         self.refused = 0
         self._log = RateLimit()
 
@@ -68,12 +70,15 @@ class ConnectionCap:
         kwargs: dict[str, Any] = self.server._kwargs  # type: ignore[attr-defined]
         return Connection(self, self.server, loop=asyncio.get_running_loop(), **kwargs)
 
-    def admit(self, peer: str) -> str | None:
-        """ "normal", "reserve", or None (refused); counts the connection when admitted."""
+    def admit(self, conn: Connection) -> str | None:
+        """ "normal", "reserve", or None (refused); counts the connection when admitted. A full
+        reserve makes room by closing its oldest connection that has sent nothing yet."""
+        peer = conn.peer
         if self.open < self.limit and self.peers[peer] < self.per_peer:
             slot = "normal"
-        elif self.open < self.limit + self.reserve:
+        elif self.open < self.limit + self.reserve or self._evict_silent():
             slot = "reserve"
+            self.silent[conn] = None
         else:
             self.refused += 1
             if self._log.allow() is not None:
@@ -87,11 +92,18 @@ class ConnectionCap:
         self.peers[peer] += 1
         return slot
 
-    def release(self, peer: str) -> None:
+    def _evict_silent(self) -> bool:
+        if not self.silent:
+            return False
+        next(iter(self.silent)).close_now()
+        return True
+
+    def release(self, conn: Connection) -> None:
+        self.silent.pop(conn, None)
         self.open -= 1
-        self.peers[peer] -= 1
-        if not self.peers[peer]:
-            del self.peers[peer]
+        self.peers[conn.peer] -= 1
+        if not self.peers[conn.peer]:
+            del self.peers[conn.peer]
 
 
 def _peer_ip(transport: asyncio.BaseTransport) -> str:
@@ -102,18 +114,20 @@ def _peer_ip(transport: asyncio.BaseTransport) -> str:
 class Connection(RequestHandler):
     """aiohttp's request handler, admitted by a ``ConnectionCap``."""
 
-    __slots__ = ("cap", "peer", "slot", "_head_timer")
+    __slots__ = ("cap", "peer", "slot", "counted", "_head_timer")
 
     def __init__(self, cap: ConnectionCap, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cap = cap
         self.peer = ""
         self.slot: str | None = None
+        self.counted = False
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.peer = _peer_ip(transport)
-        self.slot = self.cap.admit(self.peer)
+        self.slot = self.cap.admit(self)
+        self.counted = self.slot is not None
         if self.slot is None:
             assert isinstance(transport, asyncio.Transport)
             transport.write(_BUSY_RESPONSE)
@@ -130,13 +144,26 @@ class Connection(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if self.slot is not None:
+            self.cap.silent.pop(self, None)
             super().data_received(data)
+
+    def close_now(self) -> None:
+        """Answer 503 and close, giving the slot back at once (not when the loss is reported)."""
+        self._release()
+        if self.transport is not None:
+            self.transport.write(_BUSY_RESPONSE)
+        self.force_close()
+
+    def _release(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.head_arrived()
+            self.cap.release(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.slot is None:
             return
-        self.head_arrived()
-        self.cap.release(self.peer)
+        self._release()
         super().connection_lost(exc)
 
     def handle_error(
