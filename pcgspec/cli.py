@@ -125,7 +125,36 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--max-connections",
         type=int,
         default=1024,
-        help="open connections at most; more get 503 and are closed (default: %(default)s)",
+        help="open connections at most; more get 503 and are closed, but for a reserve of "
+        "16 that may ask /health and /metrics (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=512,
+        help="open connections of one remote address; more may only ask /health and /metrics. "
+        "High enough for a benchmark client on loopback at 512 in flight (default: %(default)s)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a new connection has to send a complete request head, then it is closed "
+        "(default: %(default)s)",
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=(),
+        help="comma-separated Host names a server on a loopback address also answers, besides "
+        "localhost, 127.0.0.1 and the IPv6 loopback (any port); '*' answers any (default: none)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        type=_names,
+        default=(),
+        help="comma-separated browser origins given CORS headers, e.g. https://app.example; "
+        "'*' for any (default: none, so browsers on other origins cannot read the answers)",
     )
     s.add_argument(
         "--engine-in-process",
@@ -134,6 +163,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "process of its own: one process for debuggers and profilers, but the "
         "HTTP side then shares the engine's GIL and throughput falls",
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip().lower() for n in text.split(",") if n.strip())
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -270,6 +303,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         keep_alive_timeout=args.keep_alive_timeout,
         read_timeout=args.read_timeout,
         max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer,
+        header_timeout=args.header_timeout,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
         engine_in_process=args.engine_in_process,
     )
     return run_server(engine_config_from_args(args), settings)

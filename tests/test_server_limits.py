@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from server_process import API_KEY, ServerProcess
 
+from pcgspec.server.admission import RESERVE
+
 MODEL = "test-org/SmolLM2"  # a served name with a slash
 MAX_CONNECTIONS = 16
 KV_TOKENS = 256  # --max-total-tokens: less than the 512-token context
@@ -34,6 +36,8 @@ def server():
         "--max-connections",
         str(MAX_CONNECTIONS),
         "--keep-alive-timeout",
+        "30",
+        "--header-timeout",
         "2",
         "--read-timeout",
         "2",
@@ -58,14 +62,15 @@ def _answers(socks: list[socket.socket], count: int) -> list[bytes | None]:
 
 
 def test_connections_over_the_cap_get_503_and_idle_ones_are_closed(server):
-    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(24)]
+    opened = MAX_CONNECTIONS + RESERVE + 8
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(opened)]
     try:
-        first = _answers(socks, 24 - MAX_CONNECTIONS)
+        first = _answers(socks, 8)
         refused = [a for a in first if a is not None]
-        assert len(refused) == 24 - MAX_CONNECTIONS
+        assert len(refused) == 8
         assert all(a.startswith(b"HTTP/1.1 503") for a in refused)
         idle = [s for s, a in zip(socks, first) if a is None]
-        assert _answers(idle, len(idle)) == [b""] * len(idle)  # closed by the keep-alive timeout
+        assert _answers(idle, len(idle)) == [b""] * len(idle)  # closed by the head timeout
     finally:
         for s in socks:
             s.close()
@@ -80,7 +85,7 @@ def _raw(server: ServerProcess, data: bytes) -> bytes:
 
 def test_a_body_slower_than_the_read_timeout_gets_408(server):
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {API_KEY}\r\n"
         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     )
     answer = _raw(server, head.encode() + b'{"prompt": ')
@@ -92,9 +97,14 @@ def test_malformed_requests_get_400_and_leave_no_traceback(server):
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: _raw(server, bad), range(40)))
     assert all(a.split(b"\r\n")[0].endswith(b" 400 Bad Request") for a in answers), answers[0]
-    gzip = {"Content-Encoding": "gzip", "Authorization": f"Bearer {API_KEY}"}
+    assert all(b'"code": "malformed_request"' in a for a in answers), answers[0]
+    gzip = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    gzip["Authorization"] = f"Bearer {API_KEY}"
     status, body = server.request("POST", "/v1/completions", b'{"prompt": "hi"}', gzip)
     assert status == 400 and body["error"]["code"] == "invalid_body"
+    gzip["Content-Encoding"] = "compress"
+    status, body = server.request("POST", "/v1/completions", b'{"prompt": "hi"}', gzip)
+    assert status == 415 and "'compress'" in body["error"]["message"], body
     assert server.get("/health")[0] == 200
     log = server.log.read_text()
     assert "Traceback" not in log and " ERROR " not in log, server.log_tail()

@@ -195,7 +195,8 @@ def _mutated(rng: random.Random) -> bytes:
 
 async def _send(session: aiohttp.ClientSession, url: str, data: bytes) -> int:
     """The status, after reading the whole body."""
-    async with session.post(url, data=data, headers=AUTH) as resp:
+    headers = {**AUTH, "Content-Type": "application/json"}
+    async with session.post(url, data=data, headers=headers) as resp:
         await resp.read()
         return resp.status
 
@@ -290,7 +291,8 @@ def _engine_pid(server_pid: int) -> int:
 
 def test_engine_process_death_ends_open_streams_and_the_server():
     """SIGKILL to the engine process (the OOM killer, a crashed driver): the open stream ends
-    with an OpenAI error event and [DONE], and the server exits with 1."""
+    with an OpenAI error event and [DONE], the log names the signal, and the server exits
+    with 1."""
     proc = ServerProcess("--disable-piecewise-cuda-graph")
     try:
         proc.wait_healthy()
@@ -313,5 +315,6 @@ def test_engine_process_death_ends_open_streams_and_the_server():
         assert done and events[-1]["error"]["type"] == "internal_error"
         assert "engine" in events[-1]["error"]["message"]
         assert proc.proc.wait(timeout=30) == 1
+        assert "ERROR pcgspec: the engine process was killed by SIGKILL" in proc.log.read_text()
     finally:
         proc.close()

@@ -5,6 +5,10 @@ and ``Scheduler.abort``. Well under a second.
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
+import os
+import time
 
 import pytest
 
@@ -12,6 +16,7 @@ from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, RequestStatus
 from pcgspec.engine.scheduler import Scheduler
 from pcgspec.sampling_params import SamplingParams
+from pcgspec.server.async_engine import AsyncEngine, exit_reason
 from pcgspec.server.deltas import SeqTracker
 from pcgspec.server.protocol import (
     ApiError,
@@ -205,3 +210,52 @@ def test_scheduler_abort_frees_pages_at_once():
     assert all(r.finish_reason == "abort" and r.pages == [] for r in group)
     assert all(r.status is RequestStatus.FINISHED for r in group)
     assert list(sched.waiting) == [other] and sched.abort("a") == []
+
+
+@pytest.mark.parametrize("best_of", [float("nan"), -1, 0, 3, 2.0, True, "2"])
+def test_best_of_other_than_n_is_refused(best_of):
+    for parse, body in ((parse_completion, {"prompt": "x"}), (parse_chat, {"messages": USER})):
+        with pytest.raises(ApiError) as info:
+            parse({**body, "n": 2, "best_of": best_of}, LIMITS)
+        assert info.value.status == 400 and info.value.param == "best_of"
+    assert parse_completion({"prompt": "x", "n": 2, "best_of": 2}, LIMITS).params.n == 2
+    assert parse_completion({"prompt": "x", "best_of": None}, LIMITS).params.n == 1
+
+
+def test_unknown_fields_are_logged_once_per_name(caplog):
+    with caplog.at_level(logging.WARNING, logger="pcgspec"):
+        for _ in range(3):
+            parse_completion({"prompt": "x", "unknown_knob": 1, "user": "u"}, LIMITS)
+            parse_chat({"messages": USER, "unknown_knob": 1, "other_knob": 2}, LIMITS)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sorted(lines) == [
+        "request field 'other_knob' is not supported and was ignored",
+        "request field 'unknown_knob' is not supported and was ignored",
+    ]
+
+
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def test_the_engine_process_exit_is_named_with_its_code_or_signal():
+    context = multiprocessing.get_context("fork")
+    exited = context.Process(target=_exit_with, args=(3,))
+    exited.start()
+    assert exit_reason(exited, wait=30) == "the engine process exited with code 3"
+    killed = context.Process(target=time.sleep, args=(60,))
+    killed.start()
+    killed.kill()
+    assert exit_reason(killed, wait=30) == "the engine process was killed by SIGKILL"
+
+
+def test_engine_death_is_an_error_line_but_a_stop_is_not(caplog):
+    with caplog.at_level(logging.INFO, logger="pcgspec"):
+        dead = AsyncEngine()
+        dead._died("the engine process was killed by SIGKILL")
+        stopped = AsyncEngine()
+        stopped._stopping = True
+        stopped._died("the engine process exited with code 0")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == ["the engine process was killed by SIGKILL"]
+    assert not dead.alive and not stopped.alive

@@ -15,8 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pcgspec.config import EngineConfig
 from pcgspec.engine.collector import freeze_start_up
 from pcgspec.sampling_params import SamplingParams
+from pcgspec.server.admission import admission, listen
 from pcgspec.server.async_engine import AsyncEngine, EngineDeadError, Generation
-from pcgspec.server.connections import install_log_filters, listen
+from pcgspec.server.browser import browser_guard
+from pcgspec.server.browser import install as install_browser_policy
+from pcgspec.server.connections import install_log_filters
 from pcgspec.server.engine_loop import log_slow_collections
 from pcgspec.server.metrics import graph_summary
 from pcgspec.server.openai_api import chat_completions, completions
@@ -204,9 +207,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[_errors, _gate], client_max_size=state.settings.max_request_bytes
+        middlewares=[admission, _errors, browser_guard, _gate],
+        client_max_size=state.settings.max_request_bytes,
     )
     app[STATE] = state
+    settings = state.settings
+    install_browser_policy(app, settings.host, settings.allowed_hosts, settings.allowed_origins)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/server_info", server_info)
@@ -249,7 +255,14 @@ async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
         keepalive_timeout=settings.keep_alive_timeout,
     )
     await runner.setup()
-    listener = await listen(runner, settings.host, settings.port, settings.max_connections)
+    listener = await listen(
+        runner,
+        settings.host,
+        settings.port,
+        settings.max_connections,
+        settings.max_connections_per_peer,
+        settings.header_timeout,
+    )
     logger.info(
         "serving %s on http://%s:%d (max model length %d tokens)",
         state.limits.model_name,

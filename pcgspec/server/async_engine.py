@@ -16,6 +16,7 @@ import atexit
 import itertools
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -122,6 +123,7 @@ class AsyncEngine:
         self._ready: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead = False
+        self._stopping = False
 
     async def start(self, config: EngineConfig) -> EngineInfo:
         """Start the engine loop; returns once the engine is built (or raises its error)."""
@@ -196,6 +198,7 @@ class AsyncEngine:
         worker = self._worker
         if worker is None:
             return
+        self._stopping = True
         self._command("stop")
         await asyncio.get_running_loop().run_in_executor(None, worker.join, timeout)
         if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
@@ -208,7 +211,7 @@ class AsyncEngine:
         try:
             self._send(command)
         except (OSError, ValueError):  # NOTE: the pipe is closed: the engine process is gone
-            self._died("the engine process is gone")
+            self._died(exit_reason(self._worker, wait=0.5))
 
     # Messages from the engine (on the event loop) -----------------------------------------------
 
@@ -218,7 +221,7 @@ class AsyncEngine:
             try:
                 message = connection.recv()
             except (EOFError, OSError):
-                self._post(("died", "the engine process exited"))
+                self._post(("died", exit_reason(self._worker, wait=5.0)))
                 return
             self._post(message)
 
@@ -278,6 +281,8 @@ class AsyncEngine:
         if self._dead:
             return
         self._dead = True
+        if not self._stopping:
+            logger.error("%s", message)
         error = EngineDeadError(message)
         if self._ready is not None:
             _settle_future(self._ready, error)
@@ -288,6 +293,23 @@ class AsyncEngine:
             _settle_future(future, error)
         self._flushes.clear()
         self._deliver([(request_id, error, True) for request_id in list(self.streams)])
+
+
+def exit_reason(worker: object, wait: float) -> str:
+    """How the engine process ended: its exit code, or the signal that killed it."""
+    if not isinstance(worker, multiprocessing.process.BaseProcess):
+        return "the engine loop ended"
+    worker.join(wait)
+    code = worker.exitcode
+    if code is None:
+        return "the engine process closed its pipe and does not exit"
+    if code >= 0:
+        return f"the engine process exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"the engine process was killed by {name}"
 
 
 def _terminate(process: multiprocessing.process.BaseProcess) -> None:

@@ -1,14 +1,11 @@
-"""Connection limits and quiet logs: no client can exhaust file descriptors or fill the log.
+"""Quiet logs and the descriptor limit: no client can exhaust file descriptors or fill the log.
 
-Idle connections (before their first request too) close after the keep-alive timeout (aiohttp's
-``keepalive_timeout``); connections over ``max_connections`` get a 503 and are closed at once;
-the log lines a client can trigger at will are rate-limited and lose their tracebacks.
+The log lines a client can trigger at will are rate-limited and lose their tracebacks; who gets
+a connection is ``admission``'s business.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import resource
 import time
@@ -102,67 +99,3 @@ def fit_to_fd_limit(max_connections: int) -> int:
         )
         return fitted
     return max_connections
-
-
-_BUSY = json.dumps(
-    {
-        "error": {
-            "message": "too many connections",
-            "type": "service_unavailable",
-            "param": None,
-            "code": "too_many_connections",
-        }
-    }
-).encode()
-_BUSY_RESPONSE = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    b"Connection: close\r\nContent-Length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY
-)
-
-
-class _Refuse(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(_BUSY_RESPONSE)
-        transport.close()
-
-
-class ConnectionCap:
-    """The listener's protocol factory: aiohttp's handler while under ``limit`` connections."""
-
-    def __init__(self, server: web.Server, limit: int) -> None:
-        self.server = server
-        self.limit = limit
-        self.refused = 0
-        self._pending = 0  # handlers made whose connection_made has not run yet
-        self._log = RateLimit()
-
-    def __call__(self) -> asyncio.Protocol:
-        # NOTE: asyncio accepts a burst of sockets before any connection_made runs, so the count
-        # includes the handlers just made; the transport schedules connection_made right after
-        # the call_soon below, so the handler moves from pending to connections in one go.
-        if len(self.server.connections) + self._pending < self.limit:
-            self._pending += 1
-            asyncio.get_running_loop().call_soon(self._made)
-            return self.server()
-        self.refused += 1
-        if self._log.allow() is not None:
-            logger.warning(
-                "%d connections open (--max-connections): refusing new ones (%d so far)",
-                self.limit,
-                self.refused,
-            )
-        return _Refuse()
-
-    def _made(self) -> None:
-        self._pending -= 1
-
-
-async def listen(
-    runner: web.AppRunner, host: str, port: int, max_connections: int
-) -> asyncio.Server:
-    """Serve ``runner``'s application on ``host:port`` with at most ``max_connections``."""
-    assert runner.server is not None, "call runner.setup() first"
-    cap = ConnectionCap(runner.server, fit_to_fd_limit(max_connections))
-    loop = asyncio.get_running_loop()
-    return await loop.create_server(cap, host, port, backlog=128, reuse_address=True)

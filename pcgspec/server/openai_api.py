@@ -37,11 +37,20 @@ from pcgspec.server.responses import (
 from pcgspec.server.state import STATE, ServerState
 from pcgspec.server.token_bytes import TextOffsets
 
+DECODED = ("identity", "gzip", "x-gzip", "deflate", "br", "zstd")  # aiohttp decodes (or refuses)
+
 
 async def read_body(request: web.Request) -> bytes:
     """The body: 413 over the size limit, 408 when it is slower than the read timeout, 400 when
     it does not decode."""
     settings = request.app[STATE].settings
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in DECODED:
+        raise ApiError(
+            415,
+            f"Content-Encoding {encoding[:40]!r} is not supported (send gzip, deflate or none)",
+            code="unsupported_content_encoding",
+        )
     try:
         return await asyncio.wait_for(request.read(), settings.read_timeout)
     except web.HTTPRequestEntityTooLarge:
@@ -56,9 +65,11 @@ async def read_body(request: web.Request) -> bytes:
             f"the request body did not arrive within {settings.read_timeout} s",
             code="request_timeout",
         ) from None
-    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
+    except web.RequestPayloadError:  # e.g. a Content-Encoding the body does not match
         raise ApiError(
-            400, f"the body could not be read: {str(e)[:200]}", code="invalid_body"
+            400,
+            f"the body does not decode as its Content-Encoding {encoding!r}",
+            code="invalid_body",
         ) from None
 
 

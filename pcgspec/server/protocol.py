@@ -7,6 +7,7 @@ never an exception inside a step).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from pcgspec.server.validate import (
     get_stop,
     get_token_ids,
     in_vocab,
+    is_int,
     is_int_list,
     show,
     utf8,
@@ -49,6 +51,22 @@ _UNSUPPORTED = {
     "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
 }
+
+_SAMPLING = (
+    *"n best_of temperature top_p top_k min_p seed repetition_penalty presence_penalty".split(),
+    *"frequency_penalty stop stop_token_ids ignore_eos skip_special_tokens".split(),
+    *"include_stop_str_in_output stream stream_options model user".split(),
+    *_UNSUPPORTED,
+)
+_FIELDS = {
+    False: frozenset((*_SAMPLING, "prompt", "max_tokens", "logprobs")),
+    True: frozenset(
+        (*_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs")
+    ),
+}
+_MAX_WARNED = 256  # field names remembered; a client sending endless new ones is not logged
+logger = logging.getLogger("pcgspec")
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -128,11 +146,27 @@ def sampling_params(
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
         logprobs=logprobs,
     )
+    _check_best_of(body, kwargs["n"])
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:  # SamplingParams names the field first
         field = str(e).split(" ", 1)[0]
         raise bad(field if field in kwargs else None, str(e)) from None
+
+
+def _check_best_of(body: dict[str, Any], n: int) -> None:
+    """``best_of`` is accepted only as a no-op: unset, or equal to ``n``."""
+    value = body.get("best_of")
+    if value is not None and not (is_int(value) and value == n):
+        raise bad("best_of", f"best_of must equal n ({n}) when given, got {show(value)}")
+
+
+def warn_unknown_fields(body: dict[str, Any], chat: bool) -> None:
+    """A WARNING, once per field name, for fields this server ignores (refused by none)."""
+    for name in body.keys() - _FIELDS[chat]:
+        if name not in _warned and len(_warned) < _MAX_WARNED:
+            _warned.add(name)
+            logger.warning("request field %s is not supported and was ignored", show(name))
 
 
 def _max_tokens(
@@ -168,6 +202,7 @@ def _prompts(body: dict[str, Any], vocab: int) -> tuple[str | list[int], ...]:
 
 def parse_completion(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     model = _check_common(body, limits)
+    warn_unknown_fields(body, chat=False)
     prompts = _prompts(body, limits.vocab_size)
     logprobs = get_int(body, "logprobs", 0, MAX_LOGPROBS, None)
     max_tokens = _max_tokens(body, ("max_tokens",), limits, 16)
@@ -208,6 +243,7 @@ def _message(i: int, msg: object) -> dict[str, str]:
 
 def parse_chat(body: dict[str, Any], limits: Limits) -> GenerationRequest:
     model = _check_common(body, limits)
+    warn_unknown_fields(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", f"messages must be a non-empty list, got {show(messages)}")

@@ -29,6 +29,10 @@ class ServerSettings:
     keep_alive_timeout: float = 30.0  # seconds an idle connection (or one yet to send) stays
     read_timeout: float = 30.0  # seconds a request body may take to arrive (then 408)
     max_connections: int = 1024  # open connections; more are answered 503 and closed
+    max_connections_per_peer: int = 512  # open connections of one remote address
+    header_timeout: float = 5.0  # seconds a new connection has to send its first request head
+    allowed_hosts: tuple[str, ...] = ()  # Host names a loopback server also answers; "*": any
+    allowed_origins: tuple[str, ...] = ()  # origins given CORS headers; "*": any
     engine_in_process: bool = False  # the engine loop on a thread, not a process of its own
 
     def __post_init__(self) -> None:
@@ -40,11 +44,12 @@ class ServerSettings:
             raise ValueError(
                 f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout!r}"
             )
-        for name in ("keep_alive_timeout", "read_timeout"):
+        for name in ("keep_alive_timeout", "read_timeout", "header_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+        for name in ("max_connections", "max_connections_per_peer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
 
