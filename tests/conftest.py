@@ -9,7 +9,6 @@ import functools
 import os
 
 import torch
-import torch._dynamo
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -64,6 +63,8 @@ def _counted(reset):
 
     return counted
 
+
+import torch._dynamo  # noqa: E402  (after TRITON_INTERPRET: it imports Triton)
 
 torch._dynamo.reset = _counted(torch._dynamo.reset)
 torch.compiler.reset = _counted(torch.compiler.reset)
