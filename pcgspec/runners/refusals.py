@@ -56,6 +56,11 @@ class GuardedRunner(ABC):
     @abstractmethod
     def num_graphs(self) -> int: ...
 
+    @property
+    def runs(self) -> int:
+        """Batches served so far."""
+        return self._runs
+
     def _count_run(self, padded_rows: int = 0) -> None:
         self._runs += 1
         self._padded_rows += padded_rows

@@ -277,7 +277,8 @@ class SamplingSlots:
     def flags(self, reqs: Sequence[SlotRequest]) -> dict[str, bool | int | None]:
         """The host flags of ``rows(reqs)`` (``host_flags``) without building the rows, kept
         while the batch and the tables stay the same."""
-        key = (tuple(self._slot_of[r] for r in reqs), self._version)
+        self.slot_indices(reqs)  # NOTE: keys the batch, as rows() does
+        key = (self._cached_slots[0], self._version)
         if self._flags[0] != key:
             values = [self._values[slot] for slot in key[0]]
             self._flags = (key, host_flags([r.params for r in reqs], values, self.vocab_size))
@@ -311,19 +312,10 @@ class SamplingSlots:
         history on the device, with no host sync.
         """
         slots = self.slot_indices(reqs)
-        self._before_commit.copy_(self._moved)  # NOTE: one launch; what ``rollback`` restores
-        self.num_commits += 1
-        self._undo = (slots, None)
+        self.save_before_commit()
+        self.mark_commit(slots)
         advance = advance_positions if self._triton else advance_positions_ref
-        advance(
-            self.table.position,
-            num_emitted,
-            slots,
-            tokens=tokens,
-            last_token=self.last_token,
-            history=self._history,
-            prompt_len=None if self._history is None else self._prompt_len,
-        )
+        advance(self.table.position, num_emitted, slots, tokens=tokens, **self.commit_tables())
         if self.output_counts is None or not any(r.params.needs_penalties for r in reqs):
             return
         steps = torch.arange(tokens.shape[1], device=self.device)
@@ -334,12 +326,14 @@ class SamplingSlots:
         self.output_counts.index_put_(index, counts, accumulate=True)
 
     def save_before_commit(self) -> None:
-        """What ``rollback`` restores, saved by a commit captured in a graph (one launch)."""
+        """What ``rollback`` restores, saved before every commit (one launch; captured in a
+        graph with a commit there)."""
         self._before_commit.copy_(self._moved)
 
     def mark_commit(self, slots: torch.Tensor) -> None:
-        """A commit of ``slots`` [B] replayed in a graph (after ``save_before_commit``): the
-        newest, for ``rollback``. A captured commit counts no penalties (refused there)."""
+        """A commit of ``slots`` [B] (after ``save_before_commit``): the newest, for
+        ``rollback``; one that counts penalties adds their undo. A commit captured in a graph
+        counts none (refused there)."""
         self.num_commits += 1
         self._undo = (slots, None)
 

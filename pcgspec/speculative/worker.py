@@ -180,10 +180,10 @@ class SpecWorker:
             sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
         )
-        runs = graphs.stats()["runs"] if graphs is not None else 0
+        runs = graphs.runs if graphs is not None else 0
         out = self.runner.forward(batch, logits=not use_tail)
         if use_tail:
-            if graphs.stats()["runs"] == runs:  # NOTE: rows_for promised a replay
+            if graphs.runs == runs:  # NOTE: rows_for promised a replay
                 raise RuntimeError("the verify graph refused a batch built in its rows")
             results, verified = tail.replay(
                 slot_indices, drafts, proposal.num_tokens, bool(flags["all_greedy"])
