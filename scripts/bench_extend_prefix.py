@@ -7,7 +7,7 @@ Per case (model heads, requests, prefix and new lengths) it times one layer's
 against ``whole`` and the largest difference of any variant's output from ``whole``'s.
 
 Timing: ``--repeats`` groups of ``--launches`` back-to-back launches after a warm-up; on CUDA
-the device time per launch from CUDA events, the host queuing all of a group behind a sleep
+the GPU time per launch from CUDA events, the host queuing all of a group behind a sleep
 kernel first (so the time is the kernels', not the host's), and the host's time per launch;
 medians over the groups. On CPU (the Triton interpreter) the wall time, for smoke tests only.
 

@@ -1,6 +1,6 @@
 """The documentation stays true: the generated benchmark page matches the results, every link
 to a result file or a page resolves, the README stays short, and the product's text speaks of
-the product only (no numbered work sessions, issue numbers or accounting of machine time)."""
+the product only (nothing of how the work behind it was organised)."""
 
 from __future__ import annotations
 
