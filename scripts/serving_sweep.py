@@ -178,11 +178,14 @@ async def read_counters(session: aiohttp.ClientSession, base_url: str) -> dict[s
     out: dict[str, Any] = {"time": time.perf_counter()}
     text = await _get(session, base_url + "/server_info")
     state = json.loads(text)["internal_states"][0] if text else {}
-    for key, value in (state.get("speculative") or {}).items():
+    spec = state.get("speculative") or {}
+    for key, value in spec.items():
         if key == "accepted_per_position" or (
             isinstance(value, int) and not isinstance(value, bool)
         ):
             out[key] = value
+    if spec:  # what the policy prices steps at now (not a counter)
+        out["policy"] = {k: spec.get(k) for k in ("step_costs_ms", "device_bound_share")}
     out["num_steps"] = state.get("num_steps", 0)
     for line in (await _get(session, base_url + "/metrics")).splitlines():
         if line.startswith("pcgspec:generation_tokens_total"):
@@ -260,7 +263,7 @@ def server_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     delta = {
         k: v - before.get(k, 0)
         for k, v in after.items()
-        if k not in ("time", "accepted_per_position")
+        if k not in ("time", "accepted_per_position", "policy")
     }
     verify = delta.get("verify_steps", 0)
     accepted = [
@@ -279,4 +282,5 @@ def server_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "accept_rate_per_position": [n / verify for n in accepted] if verify else None,
         "plain_step_share": delta["policy_plain_steps"] / steps if steps else None,
         "output_tok_s": delta["generation_tokens"] / span if "generation_tokens" in delta else None,
+        "policy": after.get("policy"),  # its step prices at the window's end
     }

@@ -23,6 +23,7 @@ from pcgspec.engine.overlap import PENDING_TOKEN, LaunchedStep, resolve_pending
 from pcgspec.engine.radix_cache import RadixCache
 from pcgspec.engine.request import Request
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
+from pcgspec.engine.step_timer import DecodeStepTimer
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
@@ -80,15 +81,16 @@ class Engine:
         self._seeds = random.Random(config.random_seed)
         self.overlap = config.use_overlap_schedule
         self.in_flight: list[LaunchedStep | LaunchedSpecStep] = []  # launched, not read yet
-        # whether the last decode step speculated (None: none yet), and a decode step whose
-        # cycle ends when the next step starts: (speculated, batch size, steady, switched, start)
-        self._last_decode: bool | None = None
-        self._timing: tuple[bool, int, bool, bool, float] | None = None
         self._ids = itertools.count()
         self.spec_worker = (
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
             if spec is not None
             else None
+        )
+        self.step_timer = (  # what decode steps cost, for the speculation policy
+            None
+            if self.spec_worker is None
+            else DecodeStepTimer(self.spec_worker.policy, self.runner.device)
         )
         if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
             self.scheduler.draft = self.spec_worker.proposer
@@ -275,10 +277,12 @@ class Engine:
         that needs the host to know tokens still on the device first reads every launched step
         (``_waits_for_host``). A prefill step's tokens, mostly first tokens, are read by a
         step of their own, which launches nothing: they go out before the next step's host work
-        (``_first_tokens_in_flight``). Returns the requests whose tokens were committed.
+        (``_first_tokens_in_flight``). Each decode step is timed for the speculation policy
+        (step_timer.py). Returns the requests whose tokens were committed.
         """
         start = time.perf_counter()
-        self._close_timing(start)
+        if self.step_timer is not None:
+            self.step_timer.step_started(start)
         if self._first_tokens_in_flight():
             return self.drain()
         batch = self.scheduler.schedule()
@@ -287,6 +291,8 @@ class Engine:
         waited = self._waits_for_host(batch, speculate)
         if waited:
             took, batch = self.drain(), _drained(batch, speculate)  # type: ignore[arg-type]
+        timer = self.step_timer if batch is not None and batch.mode.is_decode() else None
+        opened = None if timer is None else timer.mark()
         running, self.in_flight = self.in_flight, []
         try:
             if batch is not None:
@@ -296,8 +302,12 @@ class Engine:
             took += self._read(running)
             if not self.overlap:
                 took += self.drain()
-        if self.spec_worker is not None:
-            self._time_step(batch, speculate, waited, start)
+        if timer is not None:  # NOTE: a step that waited or caught a drafter up is no steady one
+            caught_up = speculate and self.spec_worker.proposer.caught_up  # type: ignore[union-attr]
+            steady = not (waited or caught_up)
+            timer.decode_step(speculate, len(batch.requests), steady, opened, start)  # type: ignore[union-attr]
+            if not self.has_unfinished:
+                timer.finish()
         if batch is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s step: %d requests, %d new tokens%s, %.2f ms",
@@ -349,35 +359,6 @@ class Engine:
             self._forward_and_sample(batch)
             self.scheduler.launched(batch)
 
-    def _time_step(
-        self, batch: ScheduledBatch | None, speculated: bool, waited: bool, start: float
-    ) -> None:
-        """Tell the speculation policy what a decode step cost: its whole cycle, from its start
-        to the start of the next step when the caller steps again right away (work is left),
-        so that the caller's work per step (a server publishing every step's tokens) counts;
-        else its own time. A step that waited for the steps in flight or whose drafter first
-        caught up is counted but not timed as a step (the first step of a kind after a decode
-        step of the other kind is timed as a switch); every other decode step is timed, whatever
-        batch ran before it or finished in it (``StepCosts``).
-        """
-        worker = self.spec_worker
-        if batch is None or not batch.mode.is_decode():
-            return
-        last, self._last_decode = self._last_decode, speculated
-        steady = not (waited or (speculated and worker.proposer.caught_up))
-        switched = last is not None and last is not speculated
-        self._timing = (speculated, len(batch.requests), steady, switched, start)
-        if not self.has_unfinished:
-            self._close_timing(time.perf_counter())
-
-    def _close_timing(self, now: float) -> None:
-        """Hand the policy the decode step whose cycle ended at ``now``."""
-        if self._timing is None:
-            return
-        speculated, size, steady, switched, start = self._timing
-        self._timing = None
-        self.spec_worker.policy.record_step(speculated, size, now - start, steady, switched)
-
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
         out = self.runner.forward(forward_batch)
@@ -394,7 +375,7 @@ class Engine:
         worker = self.spec_worker
         if worker is None:
             return {}
-        stats = worker.stats
+        stats, regimes = worker.stats, self.step_timer.regimes  # type: ignore[union-attr]
         return {
             "verify_steps": stats.verify_steps,  # request-steps
             "accepted_draft_tokens": stats.accepted_drafts,
@@ -403,6 +384,13 @@ class Engine:
             "fallback_steps": worker.num_fallbacks,
             "speculative_steps": worker.policy.speculative_steps,
             "policy_plain_steps": worker.policy.plain_steps,
+            # what the policy prices each kind of step at, per batch-size bucket (ms), and how
+            # often a timed step cost its device span rather than its host cycle
+            "step_costs_ms": worker.policy.step_times(),
+            "device_bound_share": {
+                "speculative": regimes.share(True),
+                "plain": regimes.share(False),
+            },
         }
 
     def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:

@@ -219,6 +219,11 @@ class SpecPolicy:
             self.plain_steps += 1
         return speculate
 
+    @property
+    def recording(self) -> bool:
+        """Whether steps are timed and counted now (not inside ``aside``)."""
+        return self._recording
+
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
         """Steps in the block are neither timed nor counted (a benchmark's forced or
