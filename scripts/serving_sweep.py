@@ -185,7 +185,7 @@ async def read_counters(session: aiohttp.ClientSession, base_url: str) -> dict[s
         ):
             out[key] = value
     if spec:  # what the policy prices steps at now (not a counter)
-        out["policy"] = {k: spec.get(k) for k in ("step_costs_ms", "device_bound_share")}
+        out["policy"] = spec.get("step_costs_ms")
     out["num_steps"] = state.get("num_steps", 0)
     for line in (await _get(session, base_url + "/metrics")).splitlines():
         if line.startswith("pcgspec:generation_tokens_total"):

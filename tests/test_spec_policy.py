@@ -16,6 +16,7 @@ from pcgspec.speculative.policy import (
     MIN_TIMED,
     PROBE_SHARE,
     RETIME_AFTER,
+    RETIME_PLAIN_AFTER,
     SpecPolicy,
 )
 
@@ -395,3 +396,30 @@ def test_cost_model_prices_buckets_never_timed_by_a_line():
         costs.record(True, 2, 3.0)
         costs.record(True, 4, 2.0)  # noise that would slope down: never cheaper with size
     assert costs.cost(True, 64) == pytest.approx(2.5)
+
+
+def test_a_close_call_times_plain_steps_again():
+    """Plain steps timed long ago at 2 ms (a slow start) make speculation at 2.4 ms look 1.1x
+    faster: after RETIME_PLAIN_AFTER speculative steps the policy times plain steps again (a
+    switch, then MIN_TIMED steady ones) and, at their 1.0 ms, stays plain. A clear win (1.5x)
+    times nothing again."""
+    for accept, plain_steps in ((1.32, MIN_TIMED + 1), (1.8, 0)):
+        p, r = measured(policy(), 1, 2.4, 2.0), Req()
+        for _ in range(30):
+            p.record_accept(r, accept)
+        chosen = []
+        for _ in range(RETIME_PLAIN_AFTER + 20):
+            spec = p.choose([r])
+            switched = bool(chosen) and chosen[-1] != spec
+            p.record_step(spec, 1, 2.4 if spec else 1.0, steady=not switched, switched=switched)
+            if spec:
+                p.record_accept(r, accept)
+            chosen.append(spec)
+        if not plain_steps:
+            assert all(chosen)
+            continue
+        first = chosen.index(False)
+        assert first >= RETIME_PLAIN_AFTER - 2 * MIN_TIMED
+        assert chosen[first : first + plain_steps] == [False] * plain_steps
+        assert p.costs.own(False, 1) == pytest.approx(1.0)
+        assert chosen[-8:] == [False] * 8  # fresh costs: plain pays

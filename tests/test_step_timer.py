@@ -1,124 +1,77 @@
-"""``DecodeStepTimer``: a decode step costs the longer of its host cycle and its device span, and
-the span is read only once the device has run the step."""
+"""``DecodeStepTimer``: a decode step's time runs to the next decode step's start, so the steps
+and the caller's work between two decode steps count, and steps that switched kinds or waited
+are told apart."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import torch
 
-import pcgspec.engine.step_timer as step_timer
 from pcgspec.engine.step_timer import DecodeStepTimer
 from pcgspec.speculative.policy import SpecPolicy
-
-
-class FakeEvent:
-    """A CUDA event stand-in on a fake device clock (``now``, in ms) that has run once the
-    device clock passed its time."""
-
-    device_ms = 0.0
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        assert enable_timing
-        self.at: float | None = None
-
-    def record(self) -> None:
-        self.at = None
-
-    def run_at(self, ms: float) -> None:
-        self.at = ms
-
-    def query(self) -> bool:
-        return self.at is not None and self.at <= FakeEvent.device_ms
-
-    def synchronize(self) -> None:
-        FakeEvent.device_ms = max(FakeEvent.device_ms, self.at)
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        assert self.query() and end.query()
-        return end.at - self.at
+from pcgspec.speculative.step_cost import CLIP, MEAN_AFTER, StepCosts
 
 
 @pytest.fixture
-def timer(monkeypatch: pytest.MonkeyPatch) -> tuple[DecodeStepTimer, list]:
-    monkeypatch.setattr(step_timer.torch.cuda, "Event", FakeEvent)
-    FakeEvent.device_ms = 0.0
+def timed() -> tuple[DecodeStepTimer, list[tuple]]:
     policy = SpecPolicy("auto", 4, [1, 2, 4, 8, 16])
-    records: list[tuple[bool, int, float, bool, bool]] = []
+    records: list[tuple] = []
     policy.record_step = lambda *a: records.append(a)  # type: ignore[method-assign]
-    t = DecodeStepTimer(policy, torch.device("cpu"))
-    t.cuda = True
-    return t, records
+    return DecodeStepTimer(policy), records
 
 
-def launch(t: DecodeStepTimer, speculative: bool, start: float, gpu: tuple[float, float]):
-    """A decode step started at ``start`` s on the host, whose device work ran over ``gpu``
-    (ms): returns its closing event."""
-    opened = t.mark()
-    t.decode_step(speculative, 16, True, opened, start)
-    opened.run_at(gpu[0])
-    closed = t._open.events[1]
-    closed.run_at(gpu[1])
-    return closed
-
-
-def test_a_device_bound_step_costs_its_span(timer):
-    t, records = timer
-    launch(t, True, start=0.0, gpu=(0.0, 5.0))  # 5 ms on the device
-    t.step_started(0.001)  # the next step starts 1 ms later: the device is still busy
-    assert records == []  # the span is not known yet, and nothing waited for it
-    FakeEvent.device_ms = 5.0
-    t.step_started(0.002)
-    assert records == [(True, 16, pytest.approx(0.005), True, False)]
-    assert t.regimes.share(True) == 1.0 and t.regimes.share(False) is None
-
-
-def test_a_host_bound_step_costs_its_cycle(timer):
-    t, records = timer
-    launch(t, False, start=0.0, gpu=(0.0, 0.5))
-    FakeEvent.device_ms = 1.0
-    t.step_started(0.003)
-    assert records == [(False, 16, pytest.approx(0.003), True, False)]
-    assert t.regimes.share(False) == 0.0
-
-
-def test_finish_waits_for_the_open_spans_and_reuses_events(timer):
-    t, records = timer
-    launch(t, False, start=0.0, gpu=(0.0, 1.0))
-    t.step_started(0.0002)
-    launch(t, True, start=time.perf_counter(), gpu=(1.0, 4.0))
-    t.finish()  # the device finishes 3 ms of work: far longer than the host's cycle
-    assert [(r[0], round(r[2], 6), r[4]) for r in records] == [
-        (False, 0.001, False),
-        (True, 0.003, True),
+def test_a_decode_step_lasts_until_the_next_decode_step(timed):
+    t, records = timed
+    t.decode_step(True, 16, False, False, start=0.0)
+    # a prefill step and the read of its first tokens run from 2 to 5 ms: no decode step
+    t.decode_step(True, 16, False, False, start=0.005)
+    t.finish(now=0.006)
+    assert records == [
+        (True, 16, pytest.approx(0.005), True, False),
+        (True, 16, pytest.approx(0.001), True, False),
     ]
-    pool = list(t._free)
-    assert len(pool) == 4  # both steps' events are back in the pool, and taken from it
-    assert t.mark() in pool and len(t._free) == 3
 
 
-def test_steps_set_aside_are_not_timed(timer):
-    t, records = timer
+def test_switches_and_catch_ups(timed):
+    t, records = timed
+    t.decode_step(True, 4, False, caught_up=True, start=0.0)  # a new prompt: steady
+    t.decode_step(False, 4, waited=True, caught_up=False, start=1.0)  # waited: a switch
+    t.decode_step(False, 4, False, False, start=2.0)
+    t.decode_step(True, 4, False, caught_up=True, start=3.0)  # caught up over plain steps
+    t.decode_step(True, 4, False, caught_up=True, start=4.0)  # a new prompt again
+    t.finish(now=5.0)
+    assert [(kind, steady, switched) for kind, _, _, steady, switched in records] == [
+        (True, True, False),
+        (False, False, True),
+        (False, True, False),
+        (True, False, True),
+        (True, True, False),
+    ]
+
+
+def test_nothing_is_timed_after_the_work_ran_out_or_aside(timed):
+    t, records = timed
+    t.decode_step(False, 1, False, False, start=0.0)
+    t.finish(now=0.002)
+    t.finish(now=9.0)  # idle: no step is open
     with t.policy.aside():
-        launch_opened = t.mark()
-        t.decode_step(True, 16, True, launch_opened, 0.0)
-    t.finish()
-    assert records == [] and t._free == [launch_opened]
+        t.decode_step(False, 1, False, False, start=10.0)
+    t.decode_step(False, 1, False, False, start=20.0)
+    t.finish(now=20.001)
+    assert [round(r[2], 6) for r in records] == [0.002, 0.001]
 
 
-@pytest.mark.gpu
-def test_cuda_steps_are_priced_by_cycle_and_span():
-    """On CUDA every decode step of a speculative engine reaches the policy, priced at least at
-    its device span, with no span left open once the engine is idle."""
-    from oracle import PROMPTS
-
-    from pcgspec import LLM, SamplingParams
-
-    llm = LLM(speculative_algorithm="NGRAM", speculative_num_steps=4, max_total_tokens=1 << 14)
-    llm.generate(PROMPTS[:4], SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
-    timer = llm.engine.step_timer
-    assert timer is not None and timer.cuda and not timer._spans and timer._open is None
-    timed = timer.regimes.timed
-    assert timed[True] + timed[False] > 0
-    assert llm.engine.spec_worker.policy.step_times()
+def test_a_kind_costs_the_clipped_mean_of_its_times():
+    """A prefill every fourth step is a cost of decoding (the mean keeps it; a median would
+    drop it); a compile that took 100 steps' time counts as CLIP steps only; the first few
+    times give their median (one slow first step alone would set the cost)."""
+    costs = StepCosts()
+    for t in (10.0, 1.0, 1.0):
+        costs.record(False, 1, t)
+    assert costs.cost(False, 1) == 1.0
+    costs = StepCosts()
+    times = [1.0, 1.0, 1.0, 3.0] * 4 + [100.0]
+    for t in times:
+        costs.record(True, 8, t)
+    assert len(times) > MEAN_AFTER
+    want = (sum(times[:-1]) + CLIP * 1.0) / len(times)
+    assert costs.cost(True, 8) == pytest.approx(want)

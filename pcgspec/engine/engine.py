@@ -88,9 +88,7 @@ class Engine:
             else None
         )
         self.step_timer = (  # what decode steps cost, for the speculation policy
-            None
-            if self.spec_worker is None
-            else DecodeStepTimer(self.spec_worker.policy, self.runner.device)
+            None if self.spec_worker is None else DecodeStepTimer(self.spec_worker.policy)
         )
         if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
             self.scheduler.draft = self.spec_worker.proposer
@@ -218,7 +216,10 @@ class Engine:
         """Abort the unfinished sequences of ``request_id`` (an ``add_request`` id): they finish
         with "abort" and their KV pages are freed at once. Returns them (none: nothing to abort).
         """
-        return self.scheduler.abort(request_id)
+        aborted = self.scheduler.abort(request_id)
+        if self.step_timer is not None and not self.has_unfinished:
+            self.step_timer.finish()  # NOTE: the idle time that follows is no step's
+        return aborted
 
     def stats(self) -> dict[str, int]:
         """Scheduler and KV-pool occupancy: running / waiting sequences, pages used (held by
@@ -281,18 +282,17 @@ class Engine:
         (step_timer.py). Returns the requests whose tokens were committed.
         """
         start = time.perf_counter()
-        if self.step_timer is not None:
-            self.step_timer.step_started(start)
         if self._first_tokens_in_flight():
-            return self.drain()
+            took = self.drain()
+            if self.step_timer is not None:
+                self._time_step(None, False, False, start)
+            return took
         batch = self.scheduler.schedule()
         speculate = self.spec_worker is not None and self.spec_worker.chooses(batch)
         took: list[Request] = []
         waited = self._waits_for_host(batch, speculate)
         if waited:
             took, batch = self.drain(), _drained(batch, speculate)  # type: ignore[arg-type]
-        timer = self.step_timer if batch is not None and batch.mode.is_decode() else None
-        opened = None if timer is None else timer.mark()
         running, self.in_flight = self.in_flight, []
         try:
             if batch is not None:
@@ -302,12 +302,8 @@ class Engine:
             took += self._read(running)
             if not self.overlap:
                 took += self.drain()
-        if timer is not None:  # NOTE: a step that waited or caught a drafter up is no steady one
-            caught_up = speculate and self.spec_worker.proposer.caught_up  # type: ignore[union-attr]
-            steady = not (waited or caught_up)
-            timer.decode_step(speculate, len(batch.requests), steady, opened, start)  # type: ignore[union-attr]
-            if not self.has_unfinished:
-                timer.finish()
+        if self.step_timer is not None:
+            self._time_step(batch, speculate, waited, start)
         if batch is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s step: %d requests, %d new tokens%s, %.2f ms",
@@ -359,6 +355,17 @@ class Engine:
             self._forward_and_sample(batch)
             self.scheduler.launched(batch)
 
+    def _time_step(
+        self, batch: ScheduledBatch | None, speculated: bool, waited: bool, start: float
+    ) -> None:
+        """Hand a decode step to the step timer; once no work is left, end the last one."""
+        timer, proposer = self.step_timer, self.spec_worker.proposer  # type: ignore[union-attr]
+        if batch is not None and batch.mode.is_decode():
+            caught_up = speculated and proposer.caught_up
+            timer.decode_step(speculated, len(batch.requests), waited, caught_up, start)  # type: ignore[union-attr]
+        if not self.has_unfinished:
+            timer.finish()  # type: ignore[union-attr]
+
     def _forward_and_sample(self, batch: ScheduledBatch) -> None:
         forward_batch = self._build_forward_batch(batch)
         out = self.runner.forward(forward_batch)
@@ -375,7 +382,7 @@ class Engine:
         worker = self.spec_worker
         if worker is None:
             return {}
-        stats, regimes = worker.stats, self.step_timer.regimes  # type: ignore[union-attr]
+        stats = worker.stats
         return {
             "verify_steps": stats.verify_steps,  # request-steps
             "accepted_draft_tokens": stats.accepted_drafts,
@@ -384,13 +391,8 @@ class Engine:
             "fallback_steps": worker.num_fallbacks,
             "speculative_steps": worker.policy.speculative_steps,
             "policy_plain_steps": worker.policy.plain_steps,
-            # what the policy prices each kind of step at, per batch-size bucket (ms), and how
-            # often a timed step cost its device span rather than its host cycle
+            # what the policy prices each kind of step at, per batch-size bucket (ms)
             "step_costs_ms": worker.policy.step_times(),
-            "device_bound_share": {
-                "speculative": regimes.share(True),
-                "plain": regimes.share(False),
-            },
         }
 
     def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:

@@ -34,7 +34,10 @@ speculation look dearer than it is. The switch cost shapes two choices:
   stretch in which steps ran slow could keep it on plain steps for good. A probe after
   ``RETIME_AFTER`` plain steps without a timed speculative one, for requests that would gain
   ``RETIME_GAIN`` if a speculative step cost no more than a plain one, drops the bucket's
-  speculative times and speculates ``MIN_TIMED`` more steps to measure them again.
+  speculative times and speculates ``MIN_TIMED`` more steps to measure them again. The other
+  way round, a bucket that speculated ``RETIME_PLAIN_AFTER`` steps without a timed plain one
+  (its plain cost is old, or only the line's) takes ``MIN_TIMED`` plain steps after a switch
+  when speculation wins by less than ``RETIME_PLAIN_GAIN``: a close call is made on fresh costs.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
@@ -63,6 +66,8 @@ MAX_PROBE_INTERVAL = 512
 PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain steps between probes
 RETIME_AFTER = 64  # plain steps of a bucket before a probe measures speculative steps again
 RETIME_GAIN = 1.1  # ... when its requests would gain this much at a plain step's time
+RETIME_PLAIN_AFTER = 256  # speculative steps of a bucket before plain steps are timed again
+RETIME_PLAIN_GAIN = 1.25  # ... when speculation wins by less than this
 HYSTERESIS_STEPS = 16  # a switch of kind must repay its cost within this many steps
 MAX_MARGIN = 0.05  # ... and needs at most this relative gain
 
@@ -107,6 +112,9 @@ class SpecPolicy:
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: dict[int, int] = {}  # buckets awaiting a probe's verdict: _samples then
         self._retiming: dict[int, int] = {}  # per bucket speculative steps left to re-time
+        self._retiming_plain: dict[int, int] = {}  # per bucket plain steps left to re-time
+        # per bucket: speculative_steps when a plain step was last timed, or re-timed
+        self._plain_timed: dict[int, int] = {}
         # per bucket: plain_steps when a speculative step was last timed, or re-timed
         self._spec_timed: dict[int, int] = {}
         self._speculating = True  # the kind of the last step chosen
@@ -178,6 +186,9 @@ class SpecPolicy:
         if self._retiming.get(bucket):  # NOTE: like a probe, not a choice to speculate
             self._retiming[bucket] -= 1
             return True
+        if self._retiming_plain.get(bucket) or (pays and self._plain_is_old(bucket, gain)):
+            self._retiming_plain[bucket] -= 1
+            return self._chose(False, bucket)
         if self._probed.get(bucket, self._samples) < self._samples:
             # the probe's results are in: probe again after 8 plain steps, or twice as many
             del self._probed[bucket]
@@ -209,6 +220,19 @@ class SpecPolicy:
             self.costs.forget(True, bucket)
             self._retiming[bucket] = MIN_TIMED
             self._spec_timed[bucket] = self.plain_steps
+
+    def _plain_is_old(self, bucket: int, gain: float) -> bool:
+        """Whether speculation's win of ``gain`` is close and the bucket's plain cost old:
+        then forget it, to time plain steps again (the first of them is a switch)."""
+        if (
+            gain >= RETIME_PLAIN_GAIN
+            or self.speculative_steps - self._plain_timed.get(bucket, 0) < RETIME_PLAIN_AFTER
+        ):
+            return False
+        self.costs.forget(False, bucket)
+        self._retiming_plain[bucket] = MIN_TIMED + 1
+        self._plain_timed[bucket] = self.speculative_steps
+        return True
 
     def _chose(self, speculate: bool, bucket: int) -> bool:
         self._speculating = speculate
@@ -265,6 +289,8 @@ class SpecPolicy:
             self.costs.record(speculative, bucket, seconds)
             if speculative:
                 self._spec_timed[bucket] = self.plain_steps
+            else:
+                self._plain_timed[bucket] = self.speculative_steps
         elif switched:
             self.costs.record_switch(speculative, bucket, seconds)
 

@@ -1,17 +1,25 @@
 """What a decode step costs, by kind (speculative or plain) and batch size, learned from the
 steps the engine runs.
 
-A step's cost is its whole cycle: from its start to the start of the next step the caller ran
-right after it, so that what a server does per step beside the engine (publishing each step's
-tokens, taking new requests) counts too; speculation takes fewer steps per token, and the
-per-step cost is what it saves. Every decode step is timed in the bucket of its batch size,
-whatever batch ran before it and whether requests finished in it, except a step that first
-switched kinds or caught a drafter up (its excess over a steady step is the switch cost). Per
-kind and bucket the cost is the median of the last ``WINDOW`` times once ``MIN_TIMED`` are in
-(robust to a compile or a long collection); a bucket without its own median takes the kind's
-least-squares line ``a + b * batch_size`` over the buckets that have one (a single bucket: its
-median), so that the sizes a batch passes through as requests arrive and finish are priced
-before they were ever timed.
+A step's cost is its share of the wall clock: from its start to the start of the next decode
+step (``engine/step_timer.py``). So everything the engine and its caller do between two decode
+steps counts: a server's work per step, the prefill steps of arriving requests and the read of
+their first tokens, a drafter's catch-up over a new prompt, and a step's read-back and its wait
+for the device, wherever they land. Over a run of one kind the costs add up to the wall time,
+and the tokens per second of each kind are what a run of it would deliver: at high concurrency
+a prefill step follows most decode steps, and a step's cost up to the next step alone would
+leave its wait for the device and the read of its tokens to the prefill step.
+
+Every decode step is timed in the bucket of its batch size, whatever batch ran before it and
+whether requests finished in it, except a step that first switched kinds (its excess over a
+steady step is the switch cost). Per kind and bucket the cost is the mean of the last ``WINDOW``
+times, each clipped at ``CLIP`` times their median (a compile or a long garbage collection is
+no cost of the kind), and their median while fewer than ``MEAN_AFTER`` are in: a prefill
+between two decode steps is a cost of decoding, but one that the median of a few would miss
+or, alone, overstate. A bucket without ``MIN_TIMED`` times takes the kind's least-squares line
+``a + b * batch_size`` over the buckets that have them (a single bucket: its cost), so that
+the sizes a batch passes through as requests arrive and finish are priced before they were
+ever timed.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ import math
 import statistics
 from collections import defaultdict, deque
 
-WINDOW = 16  # step times kept per kind and bucket
-MIN_TIMED = 3  # times of a kind and bucket before its median counts
+WINDOW = 64  # step times kept per kind and bucket
+MIN_TIMED = 3  # times of a kind and bucket before its own cost counts
+MEAN_AFTER = 8  # times before the cost is their (clipped) mean, not their median
+CLIP = 3.0  # a time counts at most this many times the median
 
 
 class StepCosts:
@@ -29,7 +39,7 @@ class StepCosts:
         self._times: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
         )
-        self._medians: dict[tuple[bool, int], float] = {}
+        self._costs: dict[tuple[bool, int], float] = {}
         # the excess of a step that switched kinds over a steady one, per kind and bucket
         self._switch: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
@@ -40,7 +50,7 @@ class StepCosts:
         times = self._times[(speculative, bucket)]
         times.append(seconds)
         if len(times) >= MIN_TIMED:
-            self._medians[(speculative, bucket)] = statistics.median(times)
+            self._costs[(speculative, bucket)] = _price(times)
             self._lines.pop(speculative, None)
 
     def record_switch(self, speculative: bool, bucket: int, seconds: float) -> None:
@@ -51,20 +61,20 @@ class StepCosts:
             self._switch[(speculative, bucket)].append(max(0.0, seconds - steady))
 
     def own(self, speculative: bool, bucket: int) -> float | None:
-        """The bucket's own median of this kind; None before ``MIN_TIMED`` times."""
-        return self._medians.get((speculative, bucket))
+        """The bucket's own cost of this kind; None before ``MIN_TIMED`` times."""
+        return self._costs.get((speculative, bucket))
 
     def forget(self, speculative: bool, bucket: int) -> None:
-        """Drop the bucket's times of this kind (its median stays until ``MIN_TIMED`` new)."""
+        """Drop the bucket's times of this kind (its cost stays until ``MIN_TIMED`` new)."""
         self._times[(speculative, bucket)].clear()
 
     def measured(self, speculative: bool) -> bool:
-        return any(kind is speculative for kind, _ in self._medians)
+        return any(kind is speculative for kind, _ in self._costs)
 
     def cost(self, speculative: bool, bucket: int) -> float | None:
-        """Seconds a steady step of this kind and bucket costs: the bucket's median, else the
-        kind's line; None while no bucket of the kind has a median."""
-        own = self._medians.get((speculative, bucket))
+        """Seconds a steady step of this kind and bucket costs: the bucket's own, else the
+        kind's line; None while no bucket of the kind has its own."""
+        own = self._costs.get((speculative, bucket))
         if own is not None:
             return own
         line = self._line(speculative)
@@ -75,7 +85,7 @@ class StepCosts:
 
     def _line(self, speculative: bool) -> tuple[float, float] | None:
         if speculative not in self._lines:
-            points = [(b, t) for (kind, b), t in self._medians.items() if kind is speculative]
+            points = [(b, t) for (kind, b), t in self._costs.items() if kind is speculative]
             self._lines[speculative] = _fit(points) if points else None
         return self._lines[speculative]
 
@@ -93,6 +103,15 @@ class StepCosts:
 
     def buckets(self) -> list[int]:
         return sorted({bucket for _, bucket in self._times})
+
+
+def _price(times: deque[float]) -> float:
+    """The median of ``times`` while fewer than ``MEAN_AFTER``, then their mean, each clipped
+    at ``CLIP`` times the median."""
+    median = statistics.median(times)
+    if len(times) < MEAN_AFTER:
+        return median
+    return statistics.fmean(min(t, CLIP * median) for t in times)
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
