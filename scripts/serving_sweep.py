@@ -187,6 +187,9 @@ async def read_counters(session: aiohttp.ClientSession, base_url: str) -> dict[s
     if spec:  # what the policy prices steps at now (not a counter)
         out["policy"] = spec.get("step_costs_ms")
     out["num_steps"] = state.get("num_steps", 0)
+    for kind, times in (state.get("step_times") or {}).items():  # where the engine's time goes
+        out[f"steps_{kind}"] = times["steps"]
+        out[f"step_s_{kind}"] = times["seconds"]
     for line in (await _get(session, base_url + "/metrics")).splitlines():
         if line.startswith("pcgspec:generation_tokens_total"):
             out["generation_tokens"] = float(line.rpartition(" ")[2])
@@ -283,4 +286,10 @@ def server_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "plain_step_share": delta["policy_plain_steps"] / steps if steps else None,
         "output_tok_s": delta["generation_tokens"] / span if "generation_tokens" in delta else None,
         "policy": after.get("policy"),  # its step prices at the window's end
+        # the share of the window the engine spent in each kind of step
+        "step_time_share": {
+            key.removeprefix("step_s_"): value / span
+            for key, value in delta.items()
+            if key.startswith("step_s_")
+        },
     }

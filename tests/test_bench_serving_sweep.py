@@ -93,8 +93,12 @@ def test_window_arithmetic(bench):
         "policy_plain_steps": 4,
         "generation_tokens": 180.0,
         "accepted_per_position": [20, 10, 2],
+        "steps_speculative": 10,
+        "step_s_speculative": 1.0,
+        "step_s_prefill": 0.5,
     }
     window = server_window(before, after)
+    assert window["step_time_share"] == {"speculative": 0.5, "prefill": 0.25}
     assert window["accept_length"] == (30 + 20) / 20 and window["output_tok_s"] == 40.0
     assert window["plain_step_share"] == 2 / 8
     assert window["accept_rate_per_position"] == [16 / 20, 9 / 20, 2 / 20]

@@ -231,6 +231,8 @@ def test_fuzz_500_bodies_then_a_normal_request(server):
     state = server.wait_idle(timeout=60)
     assert state["kv"]["used_pages"] == 0 and state["num_open_requests"] == 0
     assert state["num_step_errors"] == 0 and state["engine_alive"]
+    steps = state["step_times"]
+    assert steps["prefill"]["steps"] > 0 and steps["decode"]["seconds"] > 0
 
 
 async def _stream_finish(

@@ -209,4 +209,7 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     assert all(steady or switched for _, _, steady, switched, _ in records)
     assert all(seconds >= gap for *_, seconds in records[:-1])  # cycles, not the steps alone
     assert policy.speculative_steps == sum(r[0] for r in records)
+    assert engine.step_counts["speculative"] == policy.speculative_steps
+    assert engine.step_counts["decode"] == len(records) - policy.speculative_steps
+    assert engine.step_counts["first_tokens"] > 0 and engine.step_seconds["prefill"] > 0
     assert policy.step_times()

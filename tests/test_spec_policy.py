@@ -19,6 +19,7 @@ from pcgspec.speculative.policy import (
     RETIME_PLAIN_AFTER,
     SpecPolicy,
 )
+from pcgspec.speculative.step_cost import MEAN_AFTER
 
 K = 4
 
@@ -401,9 +402,9 @@ def test_cost_model_prices_buckets_never_timed_by_a_line():
 def test_a_close_call_times_plain_steps_again():
     """Plain steps timed long ago at 2 ms (a slow start) make speculation at 2.4 ms look 1.1x
     faster: after RETIME_PLAIN_AFTER speculative steps the policy times plain steps again (a
-    switch, then MIN_TIMED steady ones) and, at their 1.0 ms, stays plain. A clear win (1.5x)
+    switch, then MEAN_AFTER steady ones) and, at their 1.0 ms, stays plain. A clear win (1.5x)
     times nothing again."""
-    for accept, plain_steps in ((1.32, MIN_TIMED + 1), (1.8, 0)):
+    for accept, plain_steps in ((1.32, MEAN_AFTER + 1), (1.8, 0)):
         p, r = measured(policy(), 1, 2.4, 2.0), Req()
         for _ in range(30):
             p.record_accept(r, accept)
@@ -419,7 +420,7 @@ def test_a_close_call_times_plain_steps_again():
             assert all(chosen)
             continue
         first = chosen.index(False)
-        assert first >= RETIME_PLAIN_AFTER - 2 * MIN_TIMED
+        assert first >= RETIME_PLAIN_AFTER - 2 * MEAN_AFTER
         assert chosen[first : first + plain_steps] == [False] * plain_steps
         assert p.costs.own(False, 1) == pytest.approx(1.0)
         assert chosen[-8:] == [False] * 8  # fresh costs: plain pays

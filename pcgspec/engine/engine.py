@@ -42,6 +42,7 @@ from pcgspec.speculative.worker import LaunchedSpecStep, SpecWorker
 
 logger = logging.getLogger("pcgspec")
 _SEED_MASK = (1 << 63) - 1
+STEP_KINDS = ("prefill", "decode", "speculative", "first_tokens")
 
 
 class Engine:
@@ -82,6 +83,9 @@ class Engine:
         self.overlap = config.use_overlap_schedule
         self.in_flight: list[LaunchedStep | LaunchedSpecStep] = []  # launched, not read yet
         self._ids = itertools.count()
+        # per kind of step (STEP_KINDS): steps run and seconds spent in ``step()``
+        self.step_counts = {kind: 0 for kind in STEP_KINDS}
+        self.step_seconds = {kind: 0.0 for kind in STEP_KINDS}
         self.spec_worker = (
             SpecWorker(spec, self.runner, self.scheduler, self.slots, self.eos_token_ids, draft)
             if spec is not None
@@ -286,6 +290,7 @@ class Engine:
             took = self.drain()
             if self.step_timer is not None:
                 self._time_step(None, False, False, start)
+            self._count_step("first_tokens", start)
             return took
         batch = self.scheduler.schedule()
         speculate = self.spec_worker is not None and self.spec_worker.chooses(batch)
@@ -304,6 +309,9 @@ class Engine:
                 took += self.drain()
         if self.step_timer is not None:
             self._time_step(batch, speculate, waited, start)
+        if batch is not None:
+            kind = "speculative" if speculate else "decode" if batch.mode.is_decode() else "prefill"
+            self._count_step(kind, start)
         if batch is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s step: %d requests, %d new tokens%s, %.2f ms",
@@ -314,6 +322,20 @@ class Engine:
                 1e3 * (time.perf_counter() - start),
             )
         return took
+
+    def _count_step(self, kind: str, start: float) -> None:
+        self.step_counts[kind] += 1
+        self.step_seconds[kind] += time.perf_counter() - start
+
+    def step_stats(self) -> dict[str, dict[str, float]]:
+        """Per kind of step, how many ran and the seconds spent in ``step()`` (the caller's
+        time between steps is in none): ``prefill`` (also chunks and resumed requests),
+        ``decode`` (plain), ``speculative``, and ``first_tokens``, a step that only read a
+        prefill step's tokens (``_first_tokens_in_flight``)."""
+        return {
+            kind: {"steps": self.step_counts[kind], "seconds": self.step_seconds[kind]}
+            for kind in STEP_KINDS
+        }
 
     def _first_tokens_in_flight(self) -> bool:
         """Whether a prefill step in flight sampled tokens. Reading them before the next

@@ -181,6 +181,7 @@ async def server_info(request: web.Request) -> web.Response:
         "num_open_requests": len(state.engine.streams),
         "num_aborted": snap.num_aborted,
         "num_steps": snap.num_steps,
+        "step_times": snap.steps,  # per kind of step: steps run, seconds in the engine's step
         "num_step_errors": snap.num_step_errors,
         "engine_alive": state.engine.alive,
         "engine_unhealthy": snap.unhealthy,  # None while healthy

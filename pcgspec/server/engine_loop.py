@@ -68,6 +68,7 @@ class EngineSnapshot:
     spec: dict[str, Any] = field(default_factory=dict)  # Engine.spec_stats()
     cache: dict[str, float] = field(default_factory=dict)  # Engine.cache_stats()
     graphs: dict[str, GraphStats] = field(default_factory=dict)  # Engine.graph_stats()
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)  # Engine.step_stats()
     num_steps: int = 0
     num_aborted: int = 0  # requests (groups of n) aborted
     num_step_errors: int = 0
@@ -304,6 +305,7 @@ class EngineLoop:
             spec=engine.spec_stats(),
             cache=engine.cache_stats(),
             graphs=engine.graph_stats(),
+            steps=engine.step_stats(),
             unhealthy=self._unhealthy,
             **self._counts,
         )

@@ -34,10 +34,11 @@ speculation look dearer than it is. The switch cost shapes two choices:
   stretch in which steps ran slow could keep it on plain steps for good. A probe after
   ``RETIME_AFTER`` plain steps without a timed speculative one, for requests that would gain
   ``RETIME_GAIN`` if a speculative step cost no more than a plain one, drops the bucket's
-  speculative times and speculates ``MIN_TIMED`` more steps to measure them again. The other
-  way round, a bucket that speculated ``RETIME_PLAIN_AFTER`` steps without a timed plain one
-  (its plain cost is old, or only the line's) takes ``MIN_TIMED`` plain steps after a switch
-  when speculation wins by less than ``RETIME_PLAIN_GAIN``: a close call is made on fresh costs.
+  speculative times and speculates ``MEAN_AFTER`` more steps to measure them again (enough for
+  a mean, which counts the prefill steps between them). The other way round, a bucket that
+  speculated ``RETIME_PLAIN_AFTER`` steps without a timed plain one (its plain cost is old, or
+  only the line's) takes ``MEAN_AFTER`` plain steps after a switch when speculation wins by
+  less than ``RETIME_PLAIN_GAIN``: a close call is made on fresh costs.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
@@ -56,7 +57,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 from pcgspec.compile.buckets import pad_to_bucket
-from pcgspec.speculative.step_cost import MIN_TIMED, StepCosts
+from pcgspec.speculative.step_cost import MEAN_AFTER, MIN_TIMED, StepCosts
 
 _DECAY = 0.85  # weight of a request's earlier verify steps against its newest, per step
 _PRIOR_WEIGHT = 2.0  # verify steps' worth of weight of the mean over all requests
@@ -218,7 +219,7 @@ class SpecPolicy:
             and self.plain_steps - self._spec_timed.get(bucket, 0) >= RETIME_AFTER
         ):
             self.costs.forget(True, bucket)
-            self._retiming[bucket] = MIN_TIMED
+            self._retiming[bucket] = MEAN_AFTER
             self._spec_timed[bucket] = self.plain_steps
 
     def _plain_is_old(self, bucket: int, gain: float) -> bool:
@@ -230,7 +231,7 @@ class SpecPolicy:
         ):
             return False
         self.costs.forget(False, bucket)
-        self._retiming_plain[bucket] = MIN_TIMED + 1
+        self._retiming_plain[bucket] = MEAN_AFTER + 1
         self._plain_timed[bucket] = self.speculative_steps
         return True
 
