@@ -424,3 +424,17 @@ def test_a_close_call_times_plain_steps_again():
         assert chosen[first : first + plain_steps] == [False] * plain_steps
         assert p.costs.own(False, 1) == pytest.approx(1.0)
         assert chosen[-8:] == [False] * 8  # fresh costs: plain pays
+
+
+def test_a_close_call_is_the_typical_requests_not_one_batchs():
+    """A request in a run of misses makes its own batch a close call, but the mean over
+    requests wins clearly: no plain steps are timed again for it."""
+    p, r, other = measured(policy(), 1, 2.4, 2.0), Req(), Req()
+    chosen = []
+    for _ in range(RETIME_PLAIN_AFTER + 20):
+        spec = p.choose([r])
+        p.record_step(spec, 1, 2.4 if spec else 1.0)
+        p.record_accept(r, 1.32)  # this batch: about 1.1x
+        p.record_accept(other, 2.6)  # the other requests: 1.9 on average with it, 1.6x
+        chosen.append(spec)
+    assert all(chosen)

@@ -61,15 +61,15 @@ def test_nothing_is_timed_after_the_work_ran_out_or_aside(timed):
 
 
 def test_a_kind_costs_the_clipped_mean_of_its_times():
-    """A prefill every fourth step is a cost of decoding (the mean keeps it; a median would
-    drop it); a compile that took 100 steps' time counts as CLIP steps only; the first few
+    """A prefill every fourth step is a cost of decoding (the mean keeps it whole; a median
+    would drop it); a compile that took 100 steps' time counts as CLIP steps only; the first few
     times give their median (one slow first step alone would set the cost)."""
     costs = StepCosts()
     for t in (10.0, 1.0, 1.0):
         costs.record(False, 1, t)
     assert costs.cost(False, 1) == 1.0
     costs = StepCosts()
-    times = [1.0, 1.0, 1.0, 3.0] * 4 + [100.0]
+    times = [1.0, 1.0, 1.0, 4.5] * 4 + [100.0]  # a prefill after every third plain step
     for t in times:
         costs.record(True, 8, t)
     assert len(times) > MEAN_AFTER

@@ -38,7 +38,7 @@ speculation look dearer than it is. The switch cost shapes two choices:
   a mean, which counts the prefill steps between them). The other way round, a bucket that
   speculated ``RETIME_PLAIN_AFTER`` steps without a timed plain one (its plain cost is old, or
   only the line's) takes ``MEAN_AFTER`` plain steps after a switch when speculation wins by
-  less than ``RETIME_PLAIN_GAIN``: a close call is made on fresh costs.
+  less than ``RETIME_PLAIN_GAIN`` for the typical request: a close call is made on fresh costs.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
@@ -187,7 +187,9 @@ class SpecPolicy:
         if self._retiming.get(bucket):  # NOTE: like a probe, not a choice to speculate
             self._retiming[bucket] -= 1
             return True
-        if self._retiming_plain.get(bucket) or (pays and self._plain_is_old(bucket, gain)):
+        if self._retiming_plain.get(bucket) or (
+            pays and self._plain_is_old(bucket, t_spec, t_plain)
+        ):
             self._retiming_plain[bucket] -= 1
             return self._chose(False, bucket)
         if self._probed.get(bucket, self._samples) < self._samples:
@@ -222,11 +224,14 @@ class SpecPolicy:
             self._retiming[bucket] = MEAN_AFTER
             self._spec_timed[bucket] = self.plain_steps
 
-    def _plain_is_old(self, bucket: int, gain: float) -> bool:
-        """Whether speculation's win of ``gain`` is close and the bucket's plain cost old:
-        then forget it, to time plain steps again (the first of them is a switch)."""
+    def _plain_is_old(self, bucket: int, t_spec: float, t_plain: float) -> bool:
+        """Whether the bucket's plain cost is old and speculation's win close for the typical
+        request (the mean over requests: one batch's estimates swing with its requests' runs
+        of hits and misses); then forget it, to time plain steps again (the first of them is
+        a switch)."""
+        typical = 1 + self._match.prior * (self._accept.prior - 1)
         if (
-            gain >= RETIME_PLAIN_GAIN
+            typical * t_plain / t_spec >= RETIME_PLAIN_GAIN
             or self.speculative_steps - self._plain_timed.get(bucket, 0) < RETIME_PLAIN_AFTER
         ):
             return False

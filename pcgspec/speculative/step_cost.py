@@ -12,14 +12,14 @@ leave its wait for the device and the read of its tokens to the prefill step.
 
 Every decode step is timed in the bucket of its batch size, whatever batch ran before it and
 whether requests finished in it, except a step that first switched kinds (its excess over a
-steady step is the switch cost). Per kind and bucket the cost is the mean of the last ``WINDOW``
-times, each clipped at ``CLIP`` times their median (a compile or a long garbage collection is
-no cost of the kind), and their median while fewer than ``MEAN_AFTER`` are in: a prefill
-between two decode steps is a cost of decoding, but one that the median of a few would miss
-or, alone, overstate. A bucket without ``MIN_TIMED`` times takes the kind's least-squares line
-``a + b * batch_size`` over the buckets that have them (a single bucket: its cost), so that
-the sizes a batch passes through as requests arrive and finish are priced before they were
-ever timed.
+steady step is the switch cost). Per kind and bucket the cost is the mean of the last
+``WINDOW`` times, each clipped at ``CLIP`` times their median (a compile or a long garbage
+collection is no cost of the kind, but a prefill step after a short plain step, several times
+as long, counts whole, as it does after a longer speculative step), and their median while
+fewer than ``MEAN_AFTER`` are in (one slow first step alone would set the cost). A bucket
+without ``MIN_TIMED`` times takes the kind's least-squares line ``a + b * batch_size`` over
+the buckets that have them (a single bucket: its cost), so that the sizes a batch passes
+through as requests arrive and finish are priced before they were ever timed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections import defaultdict, deque
 WINDOW = 64  # step times kept per kind and bucket
 MIN_TIMED = 3  # times of a kind and bucket before its own cost counts
 MEAN_AFTER = 8  # times before the cost is their (clipped) mean, not their median
-CLIP = 3.0  # a time counts at most this many times the median
+CLIP = 10.0  # a time counts at most this many times the median
 
 
 class StepCosts:
