@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import re
 import shlex
@@ -137,10 +138,16 @@ def _stop(server: subprocess.Popen | None) -> None:
 
 
 async def _config_run(
-    args: argparse.Namespace, config: Config, plans: list[Plan], clock: Clock
+    args: argparse.Namespace,
+    config: Config,
+    plans: list[Plan],
+    clock: Clock,
+    save: Callable[[list[dict[str, Any]], dict[str, list[str]]], None],
 ) -> tuple[list[dict[str, Any]], dict[str, list[str]], dict[str, Any]]:
-    """One configuration's points and greedy texts against the server at ``--base-url``."""
-    points, texts = [], {}
+    """One configuration's points and greedy texts against the server at ``--base-url``,
+    handed to ``save`` after each."""
+    points: list[dict[str, Any]] = []
+    texts: dict[str, list[str]] = {}
     async with open_session(args.api_key) as session:
         info = await _server_info(session, args.base_url)
         model = args.model or await _first_model(session, args.base_url)
@@ -155,6 +162,7 @@ async def _config_run(
             )
             if args.text_check:
                 texts[plan.dataset] = await text_check(session, work, args.text_check)
+                save(points, texts)
                 clock.log(
                     f"{config.name}: {plan.dataset} text check of "
                     f"{len(texts[plan.dataset])} requests"
@@ -173,6 +181,7 @@ async def _config_run(
                             **row,
                         }
                     )
+                    save(points, texts)
                     accept = row["server"]["accept_length"]
                     clock.log(
                         f"{config.name}: {plan.dataset} T={temperature:g} "
@@ -216,8 +225,9 @@ def run_configs(
         up = time.perf_counter() - began
         if args.launch:
             clock.log(f"{config.name}: server up in {up:.1f} s")
+        save = functools.partial(_save_partial, args.out, results, configs, config.name)
         try:
-            points, texts, info = asyncio.run(_config_run(args, config, args.plans, clock))
+            points, texts, info = asyncio.run(_config_run(args, config, args.plans, clock, save))
         finally:
             _stop(server)
         configs.append(
@@ -231,13 +241,30 @@ def run_configs(
         )
         results["points"] += points
         results["text_check"][config.name] = texts
-        if args.out:  # NOTE: what ran so far survives a run cut short
-            partial = Path(f"{args.out}.partial")
-            partial.write_text(json.dumps({**results, "configs": configs}, default=str) + "\n")
+        save([], texts)
     clock.log("done")
     results["configs"] = configs
     results["elapsed_s"] = time.perf_counter() - clock.start
     return results
+
+
+def _save_partial(
+    out: str | None,
+    results: dict[str, Any],
+    configs: list[dict[str, Any]],
+    name: str,
+    points: list[dict[str, Any]],
+    texts: dict[str, list[str]],
+) -> None:
+    """Write what ran so far, with configuration ``name``'s ``points`` and ``texts`` yet to
+    join ``results``, to ``<out>.partial``: a run cut short keeps every point it finished."""
+    if out:
+        partial = {
+            "points": results["points"] + points,
+            "text_check": {**results["text_check"], name: texts},
+            "configs": configs,
+        }
+        Path(f"{out}.partial").write_text(json.dumps(partial, default=str) + "\n")
 
 
 def add_ratios(points: list[dict[str, Any]], first: str) -> None:

@@ -193,6 +193,10 @@ def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
     )
     written = json.loads(out.read_text())
     assert written["points"] == json.loads(json.dumps(record["points"]))
+    partial = json.loads(Path(f"{out}.partial").read_text())  # what a run cut short keeps
+    assert [p["output_tok_s"] for p in partial["points"]] == [
+        p["output_tok_s"] for p in written["points"]
+    ]
     for key in (
         "date",
         "device",
@@ -267,3 +271,17 @@ def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
         assert "matplotlib is not installed" in capsys.readouterr().out
     else:
         assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_run_cut_short_keeps_every_finished_point(bench, tmp_path):
+    """The partial file holds the finished configurations and the running one's points so far."""
+    from serving_compare import _save_partial
+
+    out = tmp_path / "sweep.json"
+    results = {"points": [{"config": "plain", "concurrency": 1}], "text_check": {"plain": {}}}
+    configs = [{"name": "plain"}]
+    _save_partial(str(out), results, configs, "ngram", [{"config": "ngram"}], {"chat": ["a"]})
+    partial = json.loads(Path(f"{out}.partial").read_text())
+    assert [p["config"] for p in partial["points"]] == ["plain", "ngram"]
+    assert partial["text_check"] == {"plain": {}, "ngram": {"chat": ["a"]}}
+    assert partial["configs"] == configs and len(results["points"]) == 1
