@@ -68,7 +68,7 @@ PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain st
 RETIME_AFTER = 64  # plain steps of a bucket before a probe measures speculative steps again
 RETIME_GAIN = 1.1  # ... when its requests would gain this much at a plain step's time
 RETIME_PLAIN_AFTER = 256  # speculative steps of a bucket before plain steps are timed again
-RETIME_PLAIN_GAIN = 1.25  # ... when speculation wins by less than this
+RETIME_PLAIN_GAIN = 1.25  # ... when speculation wins by less than this for the typical request
 HYSTERESIS_STEPS = 16  # a switch of kind must repay its cost within this many steps
 MAX_MARGIN = 0.05  # ... and needs at most this relative gain
 
