@@ -54,7 +54,9 @@ def test_missing_weights(tiny_dir: Path, tmp_path: Path) -> None:
 def test_unsupported_architecture_lists_supported(tiny_dir: Path, tmp_path: Path) -> None:
     config = json.loads((tiny_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["MyLM"]}))
-    supported = "LlamaForCausalLM, MiMoForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    supported = (
+        "Gemma3ForCausalLM, LlamaForCausalLM, MiMoForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    )
     with pytest.raises(ValueError, match=f"'MyLM'; supported: {supported}"):
         load_model(tmp_path, torch.float32, CPU)
 

@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 against Hugging Face transformers, through the paged KV cache.
+"""Llama / Qwen2 / Qwen3 / Gemma 3 against Hugging Face transformers, through the paged KV cache.
 
 Tiny random models (weights re-drawn so logits are O(1) and every parameter matters) are
 saved with ``save_pretrained``, loaded with ``load_model`` and driven like the engine does:
@@ -31,12 +31,21 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # small, so the test positions hit all three bands
 }
+# a sliding window shorter than most test sequences, a local RoPE base, a query scale of its own
+GEMMA3 = {
+    "head_dim": 16,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "query_pre_attn_scalar": 24,
+    "tie_word_embeddings": True,
+}
 # name -> (config class, extra config kwargs, save_pretrained max_shard_size)
 CASES = {
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}, None),
     "llama3-rope-untied": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE}, None),
     "qwen2-sharded": ("Qwen2Config", {"tie_word_embeddings": False}, "100KB"),
     "qwen3-tied": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}, None),
+    "gemma3-window-8": ("Gemma3TextConfig", GEMMA3, None),
 }
 
 
@@ -80,7 +89,7 @@ class Driver:
         self.model = model
         self.kv_cache = KVCache(spec, num_pages, PAGE_SIZE, torch.device("cpu"))
         self.backend = TorchAttentionBackend(
-            self.kv_cache, model.num_heads, model.head_dim, model.attn_scale
+            self.kv_cache, model.num_heads, model.head_dim, model.attn_scale, model.sliding_windows
         )
         self.free_pages = list(range(num_pages))
 
@@ -177,10 +186,11 @@ def test_model_interface(models) -> None:
     assert (ours.num_layers, ours.num_heads, ours.num_kv_heads) == (3, 4, 2)
     assert ours.head_dim == (getattr(config, "head_dim", None) or 64 // 4)
     assert (ours.hidden_size, ours.vocab_size, ours.dtype) == (64, 256, torch.float32)
-    assert ours.attn_scale == ours.head_dim**-0.5
+    assert ours.attn_scale == getattr(config, "query_pre_attn_scalar", ours.head_dim) ** -0.5
     tied = config.tie_word_embeddings
     assert (ours.lm_head is ours.model.embed_tokens) == tied
-    assert ours.model.rotary_emb.inv_freq.dtype == torch.float32
+    inv_freqs = [b for n, b in ours.model.rotary_emb.named_buffers() if n.endswith("inv_freq")]
+    assert inv_freqs and all(f.dtype == torch.float32 for f in inv_freqs)
     with pytest.raises(ValueError, match="outside 0..3"):
         ours.set_aux_hidden_layers([4])
 

@@ -5,6 +5,7 @@ pinned sums against the real wheels when those are downloaded already.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 import zipfile
@@ -16,6 +17,7 @@ from pcgspec.cli import main
 from pcgspec.models import fetch
 from pcgspec.models.catalog import (
     DEFAULT_MODEL,
+    GEMMA3_270M,
     MODELS,
     ModelPart,
     ModelSource,
@@ -217,10 +219,14 @@ def test_a_name_resolves_through_the_table(cache: Path, monkeypatch) -> None:
     monkeypatch.setattr(fetch, "named_model_path", lambda s: fetched.append(s) or Path("/x"))
     assert resolve_model_dir("qwen2.5-coder-0.5b-instruct") == Path("/x")
     assert resolve_model_dir("SmolLM2-135M-Instruct") == Path("/x")
-    assert [s.name for s in fetched] == ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM, which pcgspec does not run"):
-        resolve_model_dir("gemma-3-270m")
-    assert len(fetched) == 2  # refused before fetching anything
+    assert resolve_model_dir("gemma-3-270m") == Path("/x")
+    names = ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"]
+    assert [s.name for s in fetched] == names
+    unrun = dataclasses.replace(GEMMA3_270M, name="unrun", architecture="UnrunForCausalLM")
+    monkeypatch.setattr("pcgspec.models.catalog.MODELS", (*MODELS, unrun))
+    with pytest.raises(ValueError, match="UnrunForCausalLM, which pcgspec does not run"):
+        resolve_model_dir("unrun")
+    assert len(fetched) == 3  # refused before fetching anything
 
 
 def test_unknown_names_and_hub_ids_say_what_exists(cache: Path) -> None:
@@ -261,7 +267,7 @@ def test_models_command_lists_names_sizes_and_cache(cache: Path, capsys) -> None
     assert "491 MB" in rows["qwen2.5-coder-0.5b-instruct"]
     assert "1,117 MB" in rows["qwen2.5-coder-1.5b-instruct"]
     assert rows["smollm2-135m-instruct"].endswith(" no")
-    assert rows["gemma-3-270m"].split()[-3:] == ["Gemma3ForCausalLM", "no", "no"]
+    assert rows["gemma-3-270m"].split()[-3:] == ["Gemma3ForCausalLM", "yes", "no"]
     for m in MODELS:
         runs = "yes" if m.architecture in MODEL_REGISTRY else "no"
         assert rows[m.name].split()[-3:-1] == [m.architecture, runs]

@@ -1,7 +1,8 @@
-"""The real Qwen2.5-Coder checkpoints of the catalog: converted weights equal the ``gguf``
-library's dequantization of the published file, and greedy chat output equals transformers'
-own GGUF loading. Each runs only where the model is converted in the cache already (hundreds of
-MB to download: `pcgspec models` says which are; `LLM(NAME)` fetches one); a skip names it.
+"""The real checkpoints of the catalog: Qwen2.5-Coder's converted weights equal the ``gguf``
+library's dequantization of the published file; greedy output (Qwen: chat, Gemma 3: text)
+equals transformers' own GGUF loading. Each runs only where the model is converted in the
+cache already (hundreds of MB to download: `pcgspec models` says which are; `LLM(NAME)` fetches
+one); a skip names it.
 bench/results/greedy_equal_*.json hold longer runs of the same greedy check.
 """
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pcgspec.models.catalog import QWEN25_CODER_05B, QWEN25_CODER_15B, ModelSource
+from pcgspec.models.catalog import GEMMA3_270M, QWEN25_CODER_05B, QWEN25_CODER_15B, ModelSource
 from pcgspec.models.fetch import converted_dir, has_parts, is_cached, join_parts
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -69,6 +70,18 @@ def test_greedy_chat_equals_transformers_gguf_loading() -> None:
     prompts = ("Write a Python function that reverses a string.", "What is a Python decorator?")
     result = check.compare(source.name, prompts, max_tokens=24)
     assert set(result["stop_tokens"].values()) == {"<|im_end|>", "<|endoftext|>"}
+    for row in result["prompts"]:
+        assert row["prompt_ids_equal_gguf_tokenizer"], row["prompt"]
+        assert row["equal"], row
+
+
+def test_gemma3_greedy_text_equals_transformers_gguf_loading() -> None:
+    """A base model: text prompts, one longer than its 512-token sliding window."""
+    needs_cached(GEMMA3_270M)
+    check = load_script("check_greedy_equal")
+    prompts = (check.PLAIN_PROMPTS[0], check.PLAIN_PROMPTS[-1])
+    result = check.compare(GEMMA3_270M.name, prompts, max_tokens=16, plain=True)
+    assert result["prompts"][-1]["prompt_tokens"] > 512
     for row in result["prompts"]:
         assert row["prompt_ids_equal_gguf_tokenizer"], row["prompt"]
         assert row["equal"], row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,12 +18,38 @@ class AttentionBackend(ABC):
     before the model; ``forward`` runs once per layer inside ``pcgspec::attention``.
     """
 
-    def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int, scale: float) -> None:
+    name: str  # as in ATTENTION_BACKENDS
+    supports_sliding_window: bool = False
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_windows: Sequence[int | None] = (),
+    ) -> None:
+        """``sliding_windows[layer]``: how many keys a query of that layer sees, itself
+        included (None, or a layer past the sequence: all of them).
+        """
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = kv_cache.spec.num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_windows = tuple(sliding_windows)
+        bad = [w for w in self.sliding_windows if w is not None and w < 1]
+        if bad:
+            raise ValueError(f"sliding_windows must be None or positive, got {bad}")
+        if not self.supports_sliding_window and any(w is not None for w in self.sliding_windows):
+            raise ValueError(
+                f"attention backend {self.name!r} does not support sliding-window layers "
+                "(the model has some): use attention_backend='torch'"
+            )
+
+    def sliding_window(self, layer_id: int) -> int | None:
+        windows = self.sliding_windows
+        return windows[layer_id] if layer_id < len(windows) else None
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -50,5 +77,6 @@ class AttentionBackend(ABC):
         layer_id: int,
     ) -> None:
         """Write ``k``/``v`` to the slots ``batch.out_cache_loc`` (skipping -1), then attend:
-        token ``t`` of request ``b`` sees the first ``prefix_len[b] + i_t + 1`` cache entries.
+        token ``t`` of request ``b`` sees the first ``prefix_len[b] + i_t + 1`` cache entries,
+        the last ``sliding_window(layer_id)`` of them on a sliding-window layer.
         """

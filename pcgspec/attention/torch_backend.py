@@ -19,13 +19,16 @@ from pcgspec.runners.forward_batch import ForwardBatch
 class _Metadata:
     q_rows: torch.Tensor  # [B, L] flat row of each padded query; T_real for padding
     kv_slots: torch.Tensor  # [B, S] cache slot of each key; the scratch slot for padding
-    mask: torch.Tensor  # [B, 1, L, S] bool, True = may attend
+    masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, L, S] bool, True = may attend
     out_rows: torch.Tensor  # [T_real] index into the flattened [B * L] result
     store_loc: torch.Tensor  # [T] slot to write each token's K/V (padding -> scratch)
     num_real: int
 
 
 class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    supports_sliding_window = True
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         ext_cpu = batch.extend_lens_cpu
         self.metadata = self._metadata(batch, sum(ext_cpu), max(ext_cpu), max(batch.seq_lens_cpu))
@@ -55,19 +58,23 @@ class TorchAttentionBackend(AttentionBackend):
         kv_valid = j < seq[:, None]
         kv_slots = torch.where(kv_valid, pages * page + j % page, self.kv_cache.scratch_slot)
 
-        prefix = seq - ext
-        causal = j[:, None, :] <= (prefix[:, None] + i)[:, :, None]  # [B, L, S]
-        mask = causal & kv_valid[:, None, :]
-        # NOTE: rows that see no key (padded queries, empty requests) see key 0, so SDPA never
-        # softmaxes an all-masked row.
-        mask[:, :, 0] |= ~mask.any(-1)
+        q_pos = ((seq - ext)[:, None] + i)[:, :, None]  # [B, L, 1]
+        mask = (j[:, None, :] <= q_pos) & kv_valid[:, None, :]  # [B, L, S]
+        masks = {None: mask}
+        for window in set(self.sliding_windows) - {None}:
+            masks[window] = mask & (j[:, None, :] > q_pos - window)
+        for m in masks.values():
+            # NOTE: rows that see no key (padded queries, empty requests) see key 0, so SDPA
+            # never softmaxes an all-masked row.
+            m[:, :, 0] |= ~m.any(-1)
         b_of_t = torch.repeat_interleave(
             torch.arange(len(seq), device=device), ext, output_size=num_real
         )
         out_rows = b_of_t * max_new + torch.arange(num_real, device=device) - starts[b_of_t]
         loc = batch.out_cache_loc
         store_loc = torch.where(loc < 0, self.kv_cache.scratch_slot, loc)
-        return _Metadata(q_rows, kv_slots, mask[:, None], out_rows, store_loc, num_real)
+        masks = {w: m[:, None] for w, m in masks.items()}
+        return _Metadata(q_rows, kv_slots, masks, out_rows, store_loc, num_real)
 
     def forward(
         self,
@@ -87,7 +94,12 @@ class TorchAttentionBackend(AttentionBackend):
         kb = k_cache[md.kv_slots].transpose(1, 2).to(q.dtype)  # [B, KV, S, D]
         vb = v_cache[md.kv_slots].transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=md.mask, scale=self.scale, enable_gqa=True
+            qb,
+            kb,
+            vb,
+            attn_mask=md.masks[self.sliding_window(layer_id)],
+            scale=self.scale,
+            enable_gqa=True,
         )  # [B, H, L, D]
         o = o.transpose(1, 2).reshape(-1, *q.shape[1:])  # [B * L, H, D]
         out[: md.num_real] = o[md.out_rows]

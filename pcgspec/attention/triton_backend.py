@@ -46,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
     the GPU at small batch.
     """
 
+    name = "triton"
     max_kv_splits: int = 32
     min_kv_split_len: int = 256  # keys; shorter splits cost more in the reduce than they save
 

@@ -187,10 +187,10 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        check_config(config)
+        self.check_config(config)
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, self.attention_flags(config), tp)
+        self.model = self.build_model(config, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: VocabParallelEmbedding = (
             self.model.embed_tokens
@@ -205,6 +205,15 @@ class LlamaForCausalLM(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
         self.attn_scale: float = self.head_dim**-0.5
+        # per layer: the keys a query sees (itself included), None = all
+        self.sliding_windows: tuple[int | None, ...] = (None,) * self.num_layers
+
+    @staticmethod
+    def check_config(config: PretrainedConfig) -> None:
+        check_config(config)
+
+    def build_model(self, config: PretrainedConfig, tp: TPGroup) -> nn.Module:
+        return LlamaModel(config, self.attention_flags(config), tp)
 
     @staticmethod
     def attention_flags(config: PretrainedConfig) -> AttentionFlags:

@@ -17,6 +17,7 @@ MODEL_REGISTRY.register("LlamaForCausalLM", "pcgspec.models.llama:LlamaForCausal
 MODEL_REGISTRY.register("Qwen2ForCausalLM", "pcgspec.models.qwen2:Qwen2ForCausalLM")
 MODEL_REGISTRY.register("Qwen3ForCausalLM", "pcgspec.models.qwen3:Qwen3ForCausalLM")
 MODEL_REGISTRY.register("MiMoForCausalLM", "pcgspec.models.qwen2:MiMoForCausalLM")
+MODEL_REGISTRY.register("Gemma3ForCausalLM", "pcgspec.models.gemma3:Gemma3ForCausalLM")
 
 # config.json model_type transformers does not know (its class lives in remote code) -> the
 # model_type whose config class reads it

@@ -110,9 +110,9 @@ class ModelRunner:
 
     def _attention_backend(self, kv_cache: KVCache) -> AttentionBackend:
         backend_cls = ATTENTION_BACKENDS.get(self.config.resolved_attention_backend)
-        return backend_cls(
-            kv_cache, self.model.num_heads, self.model.head_dim, self.model.attn_scale
-        )
+        model = self.model
+        windows = getattr(model, "sliding_windows", ())
+        return backend_cls(kv_cache, model.num_heads, model.head_dim, model.attn_scale, windows)
 
     def _configure_aux_hidden_layers(self) -> CaptureHiddenMode:
         """Set the configured aux layers before any graph runner traces the decoder (the trace

@@ -53,6 +53,7 @@ class StandaloneDraft(nn.Module):
             "num_kv_heads",
             "head_dim",
             "attn_scale",
+            "sliding_windows",
             "hidden_size",
             "vocab_size",
         ):
@@ -108,7 +109,11 @@ class DraftRunner:
         self.page_size = page_size
         self.kv_cache = KVCache(kv_spec(draft), num_pages, page_size, self.device)
         self.attn_backend = ATTENTION_BACKENDS.get(config.resolved_attention_backend)(
-            self.kv_cache, draft.num_heads, draft.head_dim, draft.attn_scale
+            self.kv_cache,
+            draft.num_heads,
+            draft.head_dim,
+            draft.attn_scale,
+            getattr(draft, "sliding_windows", ()),
         )
         self.piecewise: PiecewiseRunner | None = None
         if isinstance(draft, StandaloneDraft) and config.use_piecewise:

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 like Hugging Face's ``LlamaRMSNorm``."""
+"""RMSNorm, computed in float32 like Hugging Face's ``LlamaRMSNorm`` and ``Gemma3RMSNorm``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * _normalized(x, self.eps).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores ``scale - 1``, applied in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
+        return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:  # float32
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -20,7 +20,15 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return checked_rope_parameters(params, getattr(config, "rope_theta", 10000.0))
+
+
+def checked_rope_parameters(params: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """A copy of ``params`` with ``rope_type`` and ``rope_theta`` set; ``ValueError`` for what
+    ``compute_inv_freq`` does not implement.
+    """
+    params = dict(params)
+    params.setdefault("rope_theta", default_theta)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
