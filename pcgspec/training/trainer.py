@@ -166,7 +166,9 @@ class Trainer:
                     self.save()
                 if self.step - first == STEADY_AFTER and steady is None:
                     steady = (time.perf_counter(), self.step)
-                if opts.max_train_seconds and (self.step - first) % REFIT_EVERY == 0:
+                ran = self.step - first
+                if opts.max_train_seconds and (ran == 1 or ran % REFIT_EVERY == 0):
+                    # NOTE: from the first step on: a slow machine may reach the limit early
                     self._fit_to_time((start, first), steady, bar)
                 if opts.max_train_seconds and time.perf_counter() - start > opts.max_train_seconds:
                     stopped = "max_train_seconds"
