@@ -7,7 +7,9 @@ reports the mean accept length (accepted drafts + 1 bonus token, per verify step
 position j, how often draft j was accepted per verify step and given draft j-1 was. Then the
 first ``--lossless-requests`` of each dataset run again on the target alone (same dtype, same
 engine), and each output must equal the speculative one token for token; a difference is given
-with its position and both tokens (in bfloat16 a near-tie between two logits may flip a token).
+with its position and both tokens, and the plain target's log probabilities of the two tokens
+there, in ``--dtype`` and in float32 (in bfloat16 a near-tie between two logits may flip a
+token). ``--explain FILE`` adds only those log probabilities to an earlier result.
 
     OMP_NUM_THREADS=2 python scripts/measure_accept.py --datasets code,chat --num-requests 16 \\
         --out bench/results/accept_standalone_qwen2.5-coder-0.5b-1.5b_cpu_2026-11-28.json
@@ -78,6 +80,38 @@ def first_difference(spec: list[int], plain: list[int]) -> dict[str, Any] | None
     }
 
 
+def next_token_logprobs(llm: Any, ids: list[int], tokens: list[int]) -> dict[str, float | None]:
+    """The target's log probability of each of ``tokens`` right after ``ids`` (None: outside
+    its top 20)."""
+    from pcgspec import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    top = out.logprobs[0]
+    return {str(t): round(top[t].logprob, 4) if t in top else None for t in tokens}
+
+
+def explain_differences(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Adds to each difference the plain target's log probabilities of both tokens where the
+    outputs part, in ``--dtype`` and in float32: a near-tie shows as two close values."""
+    from pcgspec.llm import chat_prompt
+
+    differences = result["lossless"]["differences"]
+    if not differences:
+        return
+    for dtype in dict.fromkeys([args.dtype, "float32"]):
+        llm = build(argparse.Namespace(**vars(args) | {"dtype": dtype}), None, max_running=1)
+        for row in differences:
+            message = [{"role": "user", "content": load(row["dataset"])[row["request"]]}]
+            diff = row["difference"]
+            spec = result["datasets"][row["dataset"]]["token_ids"][row["request"]]
+            ids = chat_prompt(llm.engine.tokenizer, message)[1] + spec[: diff["position"]]
+            tokens = [diff["speculative_token"], diff["plain_token"]]
+            row.setdefault("logprobs", {})[dtype] = next_token_logprobs(llm, ids, tokens)
+        del llm
+        gc.collect()
+
+
 def build(args: argparse.Namespace, draft_dir: str | None, max_running: int) -> Any:
     """The target on the CPU; speculating with the model in ``draft_dir`` unless it is None."""
     from pcgspec import LLM
@@ -122,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         {"dataset": d, "request": i, "difference": first_difference(runs[d]["token_ids"][i], ids)}
         for (d, i), ids in zip(checked, (list(o.outputs[0].token_ids) for o in outs))
     ]
-    return {
+    result = {
         "draft_model_dir": draft_dir,
         "datasets": runs,
         "lossless": {
@@ -132,6 +166,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "differences": [r for r in rows if r["difference"] is not None],
         },
     }
+    del plain
+    gc.collect()
+    explain_differences(args, result)
+    return result
+
+
+def command(argv: list[str] | None) -> str:
+    """How this script was called: its path and ``argv`` (else the process's arguments)."""
+    return "python " + " ".join(sys.argv[:1] + (sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -146,11 +189,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--cpu-threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    parser.add_argument(
+        "--explain",
+        type=Path,
+        default=None,
+        help="only add the log probabilities at each difference to this result file",
+    )
     args = parser.parse_args(argv)
+    if args.explain is not None:
+        result = json.loads(args.explain.read_text())
+        explain_differences(args, result)
+        result["explain_command"] = command(argv)
+        args.explain.write_text(json.dumps(result, indent=2) + "\n")
+        return result
     start = time.perf_counter()
     result = measure(args)
     header = {
-        "command": "python " + " ".join(sys.argv[:1] + (sys.argv[1:] if argv is None else argv)),
+        "command": command(argv),
         "date": time.strftime("%Y-%m-%d"),
         "device": f"CPU, {args.cpu_threads} threads",
         "torch": torch.__version__,

@@ -35,7 +35,8 @@ def test_a_model_drafting_for_itself_accepts_every_draft(tmp_path, smollm2_path,
     args = ["--target", str(smollm2_path), "--draft", str(smollm2_path), "--dtype", "float32"]
     args += ["--datasets", "code,chat", "--num-requests", "2", "--lossless-requests", "1"]
     args += ["--max-tokens", "9", "--k", "3", "--cpu-threads", "1", "--out", str(out)]
-    result = _script().main(args)
+    script = _script()
+    result = script.main(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     for key in ("date", "device", "torch", "dtype", "command", "k", "max_tokens"):
         assert key in result, key
@@ -50,3 +51,18 @@ def test_a_model_drafting_for_itself_accepts_every_draft(tmp_path, smollm2_path,
         "tokens_compared": 18,
         "differences": [],
     }
+
+    # --explain: the greedy token at position 3 of the first code request against another
+    first = result["datasets"]["code"]["token_ids"][0]
+    difference = {"position": 3, "speculative_token": first[3], "plain_token": first[3] + 1}
+    result["lossless"]["differences"] = [
+        {"dataset": "code", "request": 0, "difference": difference}
+    ]
+    out.write_text(json.dumps(result))
+    args = ["--target", str(smollm2_path), "--dtype", "float32", "--cpu-threads", "1"]
+    explained = script.main([*args, "--explain", str(out)])
+    logprobs = explained["lossless"]["differences"][0]["logprobs"]
+    assert list(logprobs) == ["float32"]
+    greedy, other = (logprobs["float32"][str(t)] for t in (first[3], first[3] + 1))
+    assert greedy is not None and (other is None or greedy > other)
+    assert json.loads(out.read_text()) == explained
