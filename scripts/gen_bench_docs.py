@@ -41,6 +41,7 @@ KINDS = {  # file-name prefix -> section title, in page order
     "eagle3": "EAGLE3 accept-length estimates",
     "gpu_tests": "GPU test runs (`pytest -m gpu`)",
     "greedy_equal": "Greedy output against transformers (`scripts/check_greedy_equal.py`)",
+    "accept": "Accept length of a draft model, greedy, on the CPU (`scripts/measure_accept.py`)",
 }
 HEADLINE = [  # key paths (dotted) matched in this order
     r"\w+_comparison\.[^.]+\.ratio",
@@ -49,6 +50,8 @@ HEADLINE = [  # key paths (dotted) matched in this order
     r"ttft\.p50_ms",
     r"tpot\.p50_ms",
     r"avg_spec_accept_length",
+    r"datasets\.[^.]+\.accept_length",
+    r"lossless\.(requests|equal)",
     r"ratios\.[^.]+",
     r".*speedup.*",
     r".*GBps.*",

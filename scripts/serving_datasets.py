@@ -4,12 +4,14 @@
 small coding questions, recipes, travel, general health knowledge, emails, a short paragraph to
 summarize), 5-60 words each. ``repetition``: requests whose answer quotes or edits a given text
 or code (fix spelling, rename a variable, reformat a list, add type hints): the workload where
-prompt lookup shines, shown beside ``chat``, never instead of it. ``builtin``: six short
-prompts for a quick smoke run.
+prompt lookup shines, shown beside ``chat``, never instead of it. ``code``: everyday coding
+requests (write a function, fix or explain a given snippet, SQL, shell, regex, a small class),
+for a code model and its drafter. ``builtin``: six short prompts for a quick smoke run.
 """
 
 from __future__ import annotations
 
+from serving_code import CODE
 from serving_repetition import REPETITION
 
 BUILTIN = (
@@ -107,6 +109,7 @@ CHAT = (
 DATASETS: dict[str, tuple[str, ...]] = {
     "chat": CHAT,
     "repetition": REPETITION,
+    "code": CODE,
     "builtin": BUILTIN,
 }
 

@@ -30,15 +30,20 @@ def bench():
 
 
 def test_datasets_are_large_distinct_and_chat_sized(bench):
-    from serving_datasets import CHAT, DATASETS, REPETITION, load
+    from serving_datasets import CHAT, CODE, DATASETS, REPETITION, load
 
-    assert len(CHAT) >= 64 and len(REPETITION) >= 32
+    assert len(CHAT) >= 64 and len(REPETITION) >= 32 and len(CODE) >= 32
     everything = [m for messages in DATASETS.values() for m in messages]
     assert len(set(everything)) == len(everything)
     assert all(5 <= len(m.split()) <= 60 for m in CHAT)
     assert all(":" in m and len(m) > 120 for m in REPETITION)  # each carries its text or code
     assert load("repetition") == list(REPETITION)
-    with pytest.raises(ValueError, match="dataset: unknown 'poems'; known: chat, repetition"):
+    assert load("code") == list(CODE)
+    requests = [m.split("\n")[0] for m in CODE]  # a snippet follows on its own lines
+    assert len(set(requests)) == len(requests)
+    assert all(5 <= len(r.split()) <= 60 for r in requests)
+    assert sum("\n" in m for m in CODE) >= 8  # fix or explain a given snippet
+    with pytest.raises(ValueError, match="dataset: unknown 'poems'; known: chat, repetition, code"):
         load("poems")
 
 
