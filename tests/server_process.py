@@ -38,6 +38,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bench_launch_flags(log_dir: Path) -> list[str]:
+    """``bench_serving.py`` flags that launch a CPU server of the default arguments on a free
+    port with the test key, logging to ``log_dir``."""
+    return [
+        "--launch",
+        "--base-url",
+        f"http://127.0.0.1:{free_port()}",
+        "--api-key",
+        API_KEY,
+        "--server-args",
+        " ".join(DEFAULT_ARGS),
+        "--server-log",
+        str(log_dir / "server.log"),
+    ]
+
+
 class ServerProcess:
     """``api_key``: passed as ``--api-key``, or through ``PCGSPEC_API_KEY`` with ``key_in_env``."""
 

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from script_modules import SCRIPTS, load_script
 
 from pcgspec.models.layers.norm import RMSNorm
 from pcgspec.models.random_weights import SHAPES, random_model, shape_config
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # NOTE: dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_random_model_unknown_shape_lists_known():
@@ -66,7 +54,7 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
     # NOTE: --compile-cache-dir sets these for the process; monkeypatch restores them after.
     monkeypatch.setenv("PCGSPEC_CACHE_DIR", str(tmp_path / "unused"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "unused"))
-    bench = _load_script("bench_ttft")
+    bench = load_script("bench_ttft")
     out = tmp_path / "ttft.json"
     result = bench.main(
         [
@@ -137,7 +125,7 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
 def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
     # NOTE: the rows, not the piecewise path (traced twice, one per engine): prefill eager
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
-    bench = _load_script("bench_spec")
+    bench = load_script("bench_spec")
     out = tmp_path / "spec.json"
     result = bench.main(
         [
@@ -181,7 +169,7 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
 
 
 def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
-    profile = _load_script("profile_spec_step")
+    profile = load_script("profile_spec_step")
     out = tmp_path / "profile.json"
     result = profile.main(
         [
@@ -232,7 +220,7 @@ def test_bench_tp_writes_json(tmp_path, monkeypatch):
     """TP=1 and TP=2 engines, then the SPMD part (whole vs piecewise, decode without the
     broadcast), each in fresh processes over gloo; ratios and diagnostics from their medians."""
     monkeypatch.syspath_prepend(str(SCRIPTS))  # its imports, here and in the spawned ranks
-    bench = _load_script("bench_tp")
+    bench = load_script("bench_tp")
     out = tmp_path / "tp.json"
     result = bench.main(
         [
@@ -277,7 +265,7 @@ def test_random_weights_folder_serves_with_the_tokenizer(tmp_path, smollm2_path)
 
     from pcgspec import LLM
 
-    bench = _load_script("bench_serving")
+    bench = load_script("bench_serving")
     with pytest.raises(SystemExit):
         bench.parse_args(["--random-weights", "tiny"])  # needs --launch
     args = bench.parse_args(
@@ -318,7 +306,7 @@ def test_model_runner_rejects_a_model_of_another_dtype():
 
 
 def test_bench_engine_writes_json(tmp_path):
-    bench = _load_script("bench_engine")
+    bench = load_script("bench_engine")
     out = tmp_path / "engine.json"
     result = bench.main(
         [
@@ -358,7 +346,7 @@ def test_bench_engine_writes_json(tmp_path):
 
 def test_bench_extend_prefix_writes_json(tmp_path):
     """Every variant of each case is timed and computes whole's output (float32, interpreter)."""
-    bench = _load_script("bench_extend_prefix")
+    bench = load_script("bench_extend_prefix")
     out = tmp_path / "extend.json"
     bench.main(
         [

@@ -3,27 +3,17 @@ against a real CPU server; its option checks and its percentiles."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from server_process import API_KEY, DEFAULT_ARGS, MODEL, free_port
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from script_modules import script_module
+from server_process import MODEL, bench_launch_flags
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # NOTE: dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with script_module("bench_serving") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_serving", None)
 
 
 @pytest.mark.parametrize(
@@ -65,15 +55,7 @@ def test_mixed_against_a_cpu_server(bench, tmp_path, capsys, monkeypatch):
     out = tmp_path / "mixed.json"
     bench.main(
         [
-            "--launch",
-            "--base-url",
-            f"http://127.0.0.1:{free_port()}",
-            "--api-key",
-            API_KEY,
-            "--server-args",
-            " ".join(DEFAULT_ARGS),
-            "--server-log",
-            str(tmp_path / "server.log"),
+            *bench_launch_flags(tmp_path),
             "--dataset",
             "mixed",
             "--max-concurrency",

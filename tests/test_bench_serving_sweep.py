@@ -6,27 +6,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
-from server_process import API_KEY, DEFAULT_ARGS, MODEL, free_port
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from script_modules import SCRIPTS, script_module
+from server_process import MODEL, bench_launch_flags
 
 
 @pytest.fixture(scope="module")
 def bench():
     """The script as a module; it puts its folder on sys.path for its siblings (imported
     below by name)."""
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # NOTE: dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with script_module("bench_serving") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_serving", None)
 
 
 def test_datasets_are_large_distinct_and_chat_sized(bench):
@@ -168,15 +160,7 @@ def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep.json"
     record = bench.main(
         [
-            "--launch",
-            "--base-url",
-            f"http://127.0.0.1:{free_port()}",
-            "--api-key",
-            API_KEY,
-            "--server-args",
-            " ".join(DEFAULT_ARGS),
-            "--server-log",
-            str(tmp_path / "server.log"),
+            *bench_launch_flags(tmp_path),
             "--compare",
             "plain=",
             "ngram=--speculative-algorithm NGRAM --speculative-num-steps 4 "

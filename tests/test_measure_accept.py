@@ -3,20 +3,13 @@ speculative output equals its plain output."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from script_modules import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("measure_accept", SCRIPTS / "measure_accept.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["measure_accept"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("measure_accept")
 
 
 def test_first_difference_and_per_position():

@@ -8,19 +8,17 @@ bench/results/greedy_equal_*.json hold longer runs of the same greedy check.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
 from safetensors import safe_open
+from script_modules import load_script
 
 from pcgspec.models.catalog import GEMMA3_270M, QWEN25_CODER_05B, QWEN25_CODER_15B, ModelSource
 from pcgspec.models.fetch import converted_dir, has_parts, is_cached, join_parts
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 QWEN2 = [QWEN25_CODER_05B, QWEN25_CODER_15B]
 
 
@@ -52,14 +50,6 @@ def test_converted_weights_equal_gguf_dequantize(source: ModelSource, tmp_path: 
             matched.add(name)
     assert matched == set(tensors)
     assert {"Q4_K", "Q6_K"} <= kinds
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_greedy_chat_equals_transformers_gguf_loading() -> None:
