@@ -117,7 +117,7 @@ def test_debug_log_lists_each_step(engines, caplog):
             ["A prompt of its own for the step log: one two three four"], greedy(4), use_tqdm=False
         )
     steps = [r.getMessage() for r in caplog.records if " step: " in r.getMessage()]
-    assert re.fullmatch(r"extend step: 1 requests, 8 new tokens, [\d.]+ ms", steps[0]), steps
+    assert re.fullmatch(r"prefill step: 1 requests, 8 new tokens, [\d.]+ ms", steps[0]), steps
     assert sum(m.startswith("decode step: 1 requests, 1 new tokens, ") for m in steps) >= 2
 
 

@@ -244,8 +244,8 @@ def test_hit_leaves_one_token_to_prefill_and_continues_chunked():
     batch = _step(sched)
     assert b.num_cached_tokens == 16 and batch.num_new_tokens == [4]
     c = _req("c", list(range(16)) + list(range(100, 110)))  # a hit, then a chunked prefill
-    sched.add(c)
-    assert [_step(sched).num_new_tokens[-1] for _ in range(2)] == [6, 4]
+    sched.add(c)  # b decodes beside it: one token of the budget
+    assert [_step(sched).num_new_tokens[-1] for _ in range(2)] == [5, 5]
     assert c.num_cached_tokens == 16 and c.num_output_tokens == 1
     _drain(sched)
     stats = sched.prefix_cache.stats
@@ -275,8 +275,8 @@ def test_n_sequences_prefill_the_prompt_once():
         sched.add(r)
     first = _step(sched)
     assert first.requests == reqs[:1] and first.num_new_tokens == [18]
-    second = _step(sched)
-    assert second.requests == reqs[1:] and second.num_new_tokens == [2, 2]
+    second = _step(sched)  # beside the first one's decode
+    assert second.requests == reqs and second.num_new_tokens == [1, 2, 2]
     assert reqs[1].pages[:4] == reqs[0].pages[:4] == reqs[2].pages[:4]
     _drain(sched)
     assert sched.pages.num_free + sched.prefix_cache.num_pages == 64

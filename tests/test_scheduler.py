@@ -111,7 +111,7 @@ def test_overlap_schedules_one_step_ahead_of_the_tokens():
     while sched.has_work or pending:
         batch = sched.schedule()
         if batch is not None:
-            batches.append((batch.mode, [r.request_id for r in batch.requests]))
+            batches.append((batch.mode, [r.request_id for r in batch.requests], batch.num_decode))
             for req, n in zip(batch.requests, batch.num_new_tokens):
                 end = req.num_computed_tokens + n
                 assert end <= min(req.num_tokens, len(req.pages) * 4)
@@ -127,11 +127,11 @@ def test_overlap_schedules_one_step_ahead_of_the_tokens():
     assert [r.num_output_tokens for r in reqs] == [4, 2] and all(r.finished for r in reqs)
     extend, decode = ForwardMode.EXTEND, ForwardMode.DECODE
     assert batches == [
-        (extend, ["a"]),
-        (extend, ["a", "b"]),
-        (decode, ["a", "b"]),
-        (decode, ["a"]),
-        (decode, ["a"]),
+        (extend, ["b", "a"], 0),  # b's whole prompt fits the budget: it goes first
+        (extend, ["b", "a"], 1),  # b decodes beside a's last chunk
+        (decode, ["a"], 1),
+        (decode, ["a"], 1),
+        (decode, ["a"], 1),
     ]
     assert sched.pages.num_free == 64
 
@@ -150,8 +150,8 @@ def test_a_queue_is_admitted_in_groups():
     assert _step(sched).mode is ForwardMode.EXTEND and len(sched.running) == 32
     # r0 finishes with the first decode step; one slot free is not enough
     assert [_step(sched).mode for _ in range(2)] == [ForwardMode.DECODE] * 2
-    admitted = _step(sched)  # r1 finished with the second: two free
-    assert admitted.mode is ForwardMode.EXTEND and len(admitted.requests) == 2
+    admitted = _step(sched)  # r1 finished with the second: two free, taken beside the decodes
+    assert admitted.is_mixed and len(admitted.requests) - admitted.num_decode == 2
     sched = Scheduler(
         PagePool(512), page_size=4, max_running_requests=32, prefill_token_budget=10_000
     )
@@ -162,4 +162,4 @@ def test_a_queue_is_admitted_in_groups():
     victim.finish("abort")
     sched.release(victim)
     last = _step(sched)  # the one request waiting takes the one free slot at once
-    assert last.mode is ForwardMode.EXTEND and [r.request_id for r in last.requests] == ["s32"]
+    assert [r.request_id for r in last.requests[last.num_decode :]] == ["s32"]

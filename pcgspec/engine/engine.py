@@ -28,7 +28,7 @@ from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
-from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner
 from pcgspec.runners.refusals import GraphStats
 from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
@@ -42,7 +42,7 @@ from pcgspec.speculative.worker import LaunchedSpecStep, SpecWorker
 
 logger = logging.getLogger("pcgspec")
 _SEED_MASK = (1 << 63) - 1
-STEP_KINDS = ("prefill", "decode", "speculative", "first_tokens")
+STEP_KINDS = ("prefill", "mixed", "decode", "speculative", "first_tokens")
 
 
 class Engine:
@@ -310,12 +310,12 @@ class Engine:
         if self.step_timer is not None:
             self._time_step(batch, speculate, waited, start)
         if batch is not None:
-            kind = "speculative" if speculate else "decode" if batch.mode.is_decode() else "prefill"
+            kind = _step_kind(batch, speculate)
             self._count_step(kind, start)
         if batch is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s step: %d requests, %d new tokens%s, %.2f ms",
-                batch.mode.name.lower(),
+                kind,
                 len(batch.requests),
                 sum(batch.num_new_tokens),
                 ", speculative" if speculate else "",
@@ -330,7 +330,8 @@ class Engine:
     def step_stats(self) -> dict[str, dict[str, float]]:
         """Per kind of step, how many ran and the seconds spent in ``step()`` (the caller's
         time between steps is in none): ``prefill`` (also chunks and resumed requests),
-        ``decode`` (plain), ``speculative``, and ``first_tokens``, a step that only read a
+        ``mixed`` (running requests' next tokens beside prefill chunks), ``decode`` (plain),
+        ``speculative``, and ``first_tokens``, a step that only read a
         prefill step's tokens (``_first_tokens_in_flight``)."""
         return {
             kind: {"steps": self.step_counts[kind], "seconds": self.step_seconds[kind]}
@@ -338,19 +339,20 @@ class Engine:
         }
 
     def _first_tokens_in_flight(self) -> bool:
-        """Whether a prefill step in flight sampled tokens. Reading them before the next
-        launch costs the overlap of one step per prefill step (the device idles while the next
-        step is built) and takes that step's host work off those requests' TTFT.
+        """Whether a step in flight sampled prefilling requests' tokens. Reading them before the
+        next launch costs the overlap of one step per such step (the device idles while the
+        next step is built) and takes that step's host work off those requests' TTFT.
         """
         return any(isinstance(s, LaunchedStep) and s.prefill and s.requests for s in self.in_flight)
 
     def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
-        """Whether ``batch`` must wait for the host to read the steps in flight: a plain decode
-        step builds its positions from the host's token counts, which a speculative step in
-        flight leaves unknown; a speculative step needs the host's tokens only where its
-        drafter reads them after plain steps (``Proposer.reads_host_tokens``).
+        """Whether ``batch`` must wait for the host to read the steps in flight: a plain step's
+        decode rows (a decode or mixed step) take their positions from the host's token counts,
+        which a speculative step in flight leaves unknown; a speculative step needs the host's
+        tokens only where its drafter reads them after plain steps
+        (``Proposer.reads_host_tokens``).
         """
-        if batch is None or not self.in_flight or not batch.mode.is_decode():
+        if batch is None or not self.in_flight or not batch.num_decode:
             return False
         if speculate:
             return self.spec_worker.proposer.reads_host_tokens and any(  # type: ignore[union-attr]
@@ -394,8 +396,7 @@ class Engine:
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         rows = batch.sampled_requests
         self.slots.commit(rows, sampled.tokens[:, None], torch.ones_like(sampled.tokens))
-        prefill = batch.mode is ForwardMode.EXTEND
-        self.in_flight.append(LaunchedStep.start(rows, sampled, prefill))
+        self.in_flight.append(LaunchedStep.start(rows, sampled, batch.prefill_samples))
         if self.spec_worker is not None:  # NOTE: after the commit: a failed run observed nothing
             self.spec_worker.observe(batch, out)
 
@@ -418,14 +419,14 @@ class Engine:
         }
 
     def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Input tokens from the host, but for a pending token (overlap.py): the device takes
-        it from the sampling slots.
+        """Input tokens from the host, but for a pending token (overlap.py), which only a
+        decode row can have: the device takes it from the sampling slots.
         """
         chunks = []
         for req, n, sample in zip(batch.requests, batch.num_new_tokens, batch.samples):
             start = req.num_computed_tokens
             ids = req.token_ids[start : start + n]
-            ids += [PENDING_TOKEN] * (n - len(ids))  # NOTE: decode only: pending is the last
+            ids += [PENDING_TOKEN] * (n - len(ids))  # NOTE: decode rows only: one token
             chunks.append(SeqChunk(ids, start, req.pages, sample))
         built = build_forward_batch(
             batch.mode,
@@ -435,9 +436,12 @@ class Engine:
             capture_hidden_mode=self.runner.capture_hidden_mode(batch.mode),
             sampling=self.slots.rows(batch.sampled_requests),
         )
-        if not any(r.num_pending_tokens for r in batch.requests):
+        decoding = batch.requests[: batch.num_decode]  # NOTE: one token each, the first rows
+        if not any(r.num_pending_tokens for r in decoding):
             return built
-        ids = resolve_pending(built.input_ids, self.slots.last_tokens(batch.requests))
+        ids = resolve_pending(built.input_ids[: len(decoding)], self.slots.last_tokens(decoding))
+        if len(decoding) < len(built.input_ids):
+            ids = torch.cat([ids, built.input_ids[len(decoding) :]])
         return dataclasses.replace(built, input_ids=ids)
 
 
@@ -448,7 +452,15 @@ def _drained(batch: ScheduledBatch, speculate: bool) -> ScheduledBatch | None:
     batch = batch.unfinished()
     if batch is None or speculate:
         return batch
-    return ScheduledBatch.of(batch.mode, batch.requests, batch.num_new_tokens)
+    return ScheduledBatch.of(batch.mode, batch.requests, batch.num_new_tokens, batch.num_decode)
+
+
+def _step_kind(batch: ScheduledBatch, speculate: bool) -> str:
+    if speculate:
+        return "speculative"
+    if batch.mode.is_decode():
+        return "decode"
+    return "mixed" if batch.is_mixed else "prefill"
 
 
 def _eos_token_ids(tokenizer: object, hf_config: object) -> frozenset[int]:

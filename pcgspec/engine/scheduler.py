@@ -1,8 +1,15 @@
-"""SGLang-style scheduling: a step is either a prefill (EXTEND) batch or a decode batch.
+"""Scheduling: each step runs every running request's next token first and fills the rest of
+a token budget with prefill chunks (a mixed step), as vLLM does; a step is a decode batch when
+nothing waits to prefill and an extend batch when nothing runs.
 
-Prefill has priority and is chunked to a token budget; decode runs every running request.
-Under a queue, new requests are admitted in groups (a sixteenth of the running limit), not one
-extend step per few finished requests.
+The budget is the prefill budget (``--max-prefill-tokens``, capped by ``--chunked-prefill-size``):
+the decode rows take one token each, the prefill chunks what they leave, and at least half of it,
+so a prompt keeps going however many requests decode. Within the prefill share, waiting
+requests whose whole remaining prompt fits go first, in arrival order, then chunks of the others:
+a long prompt does not hold a short one behind its whole prefill, and no decode waits for it.
+Under a queue, new requests are admitted in groups (a sixteenth of the running limit), so a full
+batch does not pay a mixed step (through the piecewise graphs, not the decode graph) every time
+a few requests finish.
 When the KV pool runs dry, unreferenced cached prefixes are evicted first (``RadixCache``),
 then the newest running request is preempted: its pages are freed and it is queued again to be
 recomputed from its tokens so far (a prefix-cache hit where its pages are still cached).
@@ -44,11 +51,36 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # per request: tokens to compute this step
     samples: list[bool]  # per request: reaches its last token, so a new one is sampled
+    # NOTE: the leading rows that decode a running request's next token: all of a DECODE
+    # batch's, the first ones of a mixed EXTEND batch's (the rest prefill)
+    num_decode: int = 0
 
     @classmethod
-    def of(cls, mode: ForwardMode, requests: list[Request], sizes: list[int]) -> ScheduledBatch:
+    def of(
+        cls, mode: ForwardMode, requests: list[Request], sizes: list[int], num_decode: int = 0
+    ) -> ScheduledBatch:
         samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(requests, sizes)]
-        return cls(mode, requests, sizes, samples)
+        return cls(mode, requests, sizes, samples, num_decode)
+
+    @classmethod
+    def mixed(cls, decode: ScheduledBatch, prefill: ScheduledBatch) -> ScheduledBatch:
+        """One EXTEND batch of ``decode``'s rows (one token each), then ``prefill``'s."""
+        return cls(
+            ForwardMode.EXTEND,
+            decode.requests + prefill.requests,
+            decode.num_new_tokens + prefill.num_new_tokens,
+            decode.samples + prefill.samples,
+            decode.num_decode,
+        )
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.mode is ForwardMode.EXTEND and self.num_decode > 0
+
+    @property
+    def prefill_samples(self) -> bool:
+        """Whether a prefilling row samples (mostly a request's first token)."""
+        return any(self.samples[self.num_decode :]) and not self.mode.is_decode()
 
     @property
     def sampled_requests(self) -> list[Request]:
@@ -62,12 +94,13 @@ class ScheduledBatch:
         return self.subset(keep) if keep else None
 
     def subset(self, rows: list[int]) -> ScheduledBatch:
-        """The requests ``rows`` as a batch of their own (their pages are reserved)."""
+        """The requests ``rows`` (ascending) as a batch of their own (their pages are reserved)."""
         return ScheduledBatch(
             self.mode,
             [self.requests[i] for i in rows],
             [self.num_new_tokens[i] for i in rows],
             [self.samples[i] for i in rows],
+            sum(1 for i in rows if i < self.num_decode),
         )
 
 
@@ -121,45 +154,67 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        """The next step's batch: the running requests' next tokens, then prefill chunks."""
+        decode = self._schedule_decode()
+        if self._admits_later():
+            return decode
+        budget = self.prefill_token_budget
+        num_decode = 0 if decode is None else decode.num_decode
+        prefill = self._schedule_prefill(max(budget - num_decode, budget // 2))
+        if prefill is None or decode is None:
+            return prefill or decode
+        return ScheduledBatch.mixed(decode, prefill)
 
     def _pages_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(req.pages))
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        if self._admits_later():
-            return None
-        budget = self.prefill_token_budget
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
+        """Prefill chunks within ``budget`` tokens: first the waiting requests whose whole
+        remaining prompt fits, then chunks of the others, each pass in arrival order.
+        """
         picked: list[Request] = []
         sizes: list[int] = []
         groups: set[str] = set()  # n > 1 groups whose prompt pages this step computes
-        for req in self.waiting:
-            if budget == 0 or len(self.running) + len(picked) >= self.max_running_requests:
-                break
-            if self._defer_sibling(req, groups) or req.num_pending_tokens:
-                continue  # NOTE: a preempted request waits for its pending tokens to be read
-            hit = self._take_prefix(req) if not req.pages else None
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            need = self._pages_needed(req, req.num_computed_tokens + n)
-            if not self._ensure_free(need):
-                if hit is not None:
-                    self._drop_prefix(req)
-                break
-            if hit is not None:
-                self._record_hit(req, hit)
-            req.pages += self.pages.alloc(need)
-            if self._computes_shared_pages(req):
-                groups.add(req.group_id)
-            if req.scheduled_time is None:
-                req.scheduled_time = time.perf_counter()
-            picked.append(req)
-            sizes.append(n)
-            budget -= n
+        for whole in (True, False):
+            for req in self.waiting:
+                if budget == 0 or len(self.running) + len(picked) >= self.max_running_requests:
+                    break
+                left = len(req.token_ids) - req.num_computed_tokens
+                if req in picked or (whole and left > budget):
+                    continue
+                if self._defer_sibling(req, groups) or req.num_pending_tokens:
+                    continue  # NOTE: a preempted request waits for its pending tokens to be read
+                n = self._take(req, budget)
+                if n == 0:
+                    break
+                if self._computes_shared_pages(req):
+                    groups.add(req.group_id)
+                picked.append(req)
+                sizes.append(n)
+                budget -= n
         if not picked:
             return None
         if self.slots is not None:
             self.slots.admit(*picked)
         return ScheduledBatch.of(ForwardMode.EXTEND, picked, sizes)
+
+    def _take(self, req: Request, budget: int) -> int:
+        """Reserve the pages of the next chunk of ``req`` within ``budget`` tokens (after its
+        cached prefix, for a request starting from nothing); its size, 0 if the pool is full.
+        """
+        hit = self._take_prefix(req) if not req.pages else None
+        n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+        need = self._pages_needed(req, req.num_computed_tokens + n)
+        if not self._ensure_free(need):
+            if hit is not None:
+                self._drop_prefix(req)
+            return 0
+        if hit is not None:
+            self._record_hit(req, hit)
+        req.pages += self.pages.alloc(need)
+        if req.scheduled_time is None:
+            req.scheduled_time = time.perf_counter()
+        return n
 
     def _admits_later(self) -> bool:
         """Whether new requests wait for more running ones to finish: under a queue they are
@@ -235,7 +290,7 @@ class Scheduler:
         decoding = [r for r in self.running if not r.length_reached]
         if not decoding:
             return None
-        return ScheduledBatch.of(ForwardMode.DECODE, decoding, [1] * len(decoding))
+        return ScheduledBatch.of(ForwardMode.DECODE, decoding, [1] * len(decoding), len(decoding))
 
     def _make_room(self, need: int, req: Request) -> None:
         """Preempt, newest first, until ``need`` pages are free or ``req`` itself is preempted.
@@ -264,11 +319,11 @@ class Scheduler:
         """Once the step is launched (its sampled tokens appended or pending): advance
         progress, cache written prefill pages, promote requests whose prefill completed.
         """
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        for row, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             req.num_computed_tokens += n
             if req.finished:
                 continue
-            if batch.mode is ForwardMode.EXTEND:
+            if batch.mode is ForwardMode.EXTEND and row >= batch.num_decode:
                 self._cache(req)
             if req.status is RequestStatus.WAITING and (
                 req.num_computed_tokens == req.num_tokens - 1
