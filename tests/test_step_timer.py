@@ -1,6 +1,6 @@
-"""``DecodeStepTimer``: a decode step's time runs to the next decode step's start, so the steps
-and the caller's work between two decode steps count, and steps that switched kinds or waited
-are told apart."""
+"""``DecodeStepTimer``: a decode step's time runs to the next decode step's start or to the
+moment a step with prefill work is ready to launch, so the caller's work and the waits count,
+and steps that switched kinds or waited are told apart."""
 
 from __future__ import annotations
 
@@ -19,15 +19,22 @@ def timed() -> tuple[DecodeStepTimer, list[tuple]]:
     return DecodeStepTimer(policy), records
 
 
-def test_a_decode_step_lasts_until_the_next_decode_step(timed):
+def test_a_decode_step_lasts_until_the_next_decode_or_prefill_step(timed):
     t, records = timed
     t.decode_step(True, 16, False, False, start=0.0)
-    # a prefill step and the read of its first tokens run from 2 to 5 ms: no decode step
     t.decode_step(True, 16, False, False, start=0.005)
-    t.finish(now=0.006)
+    # a mixed step waits 1 ms for the speculative step in flight from 7 ms, then runs to 10 ms
+    # with the read of its first tokens: neither kind's time
+    t.prefill_step(ready=0.008)
+    t.decode_step(True, 16, waited=True, caught_up=False, start=0.010)  # its wait is its own
+    t.decode_step(False, 16, False, False, start=0.013)
+    t.prefill_step(ready=0.014)
+    t.finish(now=0.020)
     assert records == [
         (True, 16, pytest.approx(0.005), True, False),
-        (True, 16, pytest.approx(0.001), True, False),
+        (True, 16, pytest.approx(0.003), True, False),
+        (True, 16, pytest.approx(0.003), True, False),
+        (False, 16, pytest.approx(0.001), True, True),
     ]
 
 

@@ -289,7 +289,7 @@ class Engine:
         if self._first_tokens_in_flight():
             took = self.drain()
             if self.step_timer is not None:
-                self._time_step(None, False, False, start)
+                self._time_step(None, False, False, start, start)
             self._count_step("first_tokens", start)
             return took
         batch = self.scheduler.schedule()
@@ -298,6 +298,7 @@ class Engine:
         waited = self._waits_for_host(batch, speculate)
         if waited:
             took, batch = self.drain(), _drained(batch, speculate)  # type: ignore[arg-type]
+        ready = time.perf_counter()
         running, self.in_flight = self.in_flight, []
         try:
             if batch is not None:
@@ -308,7 +309,7 @@ class Engine:
             if not self.overlap:
                 took += self.drain()
         if self.step_timer is not None:
-            self._time_step(batch, speculate, waited, start)
+            self._time_step(batch, speculate, waited, start, ready)
         if batch is not None:
             kind = _step_kind(batch, speculate)
             self._count_step(kind, start)
@@ -380,13 +381,21 @@ class Engine:
             self.scheduler.launched(batch)
 
     def _time_step(
-        self, batch: ScheduledBatch | None, speculated: bool, waited: bool, start: float
+        self,
+        batch: ScheduledBatch | None,
+        speculated: bool,
+        waited: bool,
+        start: float,
+        ready: float,
     ) -> None:
-        """Hand a decode step to the step timer; once no work is left, end the last one."""
+        """Hand a step to the step timer (``ready``: when it was ready to launch, after any
+        wait for the steps in flight); once no work is left, end the last one."""
         timer, proposer = self.step_timer, self.spec_worker.proposer  # type: ignore[union-attr]
         if batch is not None and batch.mode.is_decode():
             caught_up = speculated and proposer.caught_up
             timer.decode_step(speculated, len(batch.requests), waited, caught_up, start)  # type: ignore[union-attr]
+        elif batch is not None:
+            timer.prefill_step(ready)  # type: ignore[union-attr]
         if not self.has_unfinished:
             timer.finish()  # type: ignore[union-attr]
 

@@ -1,16 +1,18 @@
 """What each decode step cost, for the speculation policy: its share of the wall clock.
 
-A decode step's time runs from its start to the start of the next decode step, or to the moment
-the engine runs out of work. The steps between two decode steps (a prefill step, the read of
-first tokens) and the caller's work between steps (a server publishing tokens) are costs of
-the decoding that goes on around them, and under the overlap schedule they are also where a
-decode step's wait for the device and the read of its results land (``StepCosts``). So over a
-run of either kind the times add up to the wall clock, and a kind is priced at what a run of it
-delivers, not at its launches alone.
+A decode step's time runs from its start to the start of the next decode step, to the moment
+a step with prefill work (a mixed or prefill step) is ready to launch, after any wait for the
+steps in flight, or to the moment the engine runs out of work. The caller's work between steps
+(a server publishing tokens) and, under the overlap schedule, a decode step's wait for the
+device and the read of its results land there (``StepCosts``), so a kind is priced at what a
+run of it delivers, not at its launches alone. A step with prefill work runs whichever kind the
+policy chooses, so its own time is neither kind's.
 
-A step is not steady, and its excess is a switch's, when it waited for the steps in flight (a
-plain step after a speculative one), or when it speculated after a plain step and its drafter
-first caught up over the positions of the plain steps.
+A step is not steady, and its excess is a switch's, when it waited for the steps in flight of
+the other kind (a plain step after a speculative one), or when it speculated after a plain step
+and its drafter first caught up over the positions of the plain steps. A speculative step that
+waited for a step with prefill work (its drafter reads that step's tokens on the host) pays
+that wait as a speculative step: plain steps do not wait there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DecodeStepTimer:
         self.policy = policy
         self._open: _Step | None = None  # its time ends at the next decode step's start
         self._last_kind: bool | None = None  # whether the last decode step speculated
+        self._after_prefill = False  # a step with prefill work ran since the last decode step
 
     def decode_step(
         self, speculative: bool, batch_size: int, waited: bool, caught_up: bool, start: float
@@ -42,12 +45,19 @@ class DecodeStepTimer:
         """A decode step that started at ``start`` (host clock) ran: the open step's time ends
         there, and this one's runs until the next decode step starts."""
         self._close(start)
+        after_prefill, self._after_prefill = self._after_prefill, False
         if not self.policy.recording:
             return
         last, self._last_kind = self._last_kind, speculative
         switched = last is not None and last is not speculative
-        steady = not (waited or (caught_up and switched))
+        steady = not ((waited and not after_prefill) or (caught_up and switched))
         self._open = _Step(speculative, batch_size, steady, switched, start)
+
+    def prefill_step(self, ready: float) -> None:
+        """A step with prefill work was ready to launch at ``ready`` (host clock, after its
+        wait for the steps in flight): the open step's time ends there."""
+        self._close(ready)
+        self._after_prefill = True
 
     def finish(self, now: float | None = None) -> None:
         """The engine ran out of work at ``now`` (default: the present): the open step's time
