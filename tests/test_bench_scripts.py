@@ -122,6 +122,44 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
     assert not any(stats["fallbacks"].values())
 
 
+def test_bench_ttft_sliding_windows(tmp_path, monkeypatch):
+    """Gemma 3's layout (a 4-token window, shorter than the prompts): piecewise and the
+    whole-graph bound compute eager's logits, windows included."""
+    monkeypatch.setenv("PCGSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    bench = load_script("bench_ttft")
+    out = tmp_path / "ttft.json"
+    result = bench.main(
+        [
+            "--random-weights",
+            "--shape",
+            "tiny-gemma3",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--lengths",
+            "8,16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--bound-backend",
+            "eager",
+            "--bound-lengths",
+            "8,16",
+            "--piecewise-cuda-graph-max-tokens",
+            "16",
+            "--out",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text())["model"] == "tiny-gemma3"
+    for row in result["rows"]:
+        for mode in ("piecewise", "bound"):
+            assert row[mode]["rel_err_vs_eager"] < 1e-4, (row["length"], mode)
+        assert row["ratios"]["piecewise/bound"] > 0
+
+
 def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
     # NOTE: the rows, not the piecewise path (traced twice, one per engine): prefill eager
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
