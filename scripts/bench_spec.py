@@ -24,6 +24,14 @@ goes through the model's chat template.
 
     python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,EAGLE3:untrained \\
         --batch-sizes 1,4,16,32
+
+With ``--random-weights`` and ``--standalone-draft-shape`` the STANDALONE pair runs with random
+weights of real shapes; ``--accept-lengths`` adds the speedup estimate of ``spec_estimate.py``:
+
+    python scripts/bench_spec.py --random-weights qwen2.5-coder-1.5b \\
+        --standalone-draft-shape qwen2.5-coder-0.5b --methods STANDALONE --policy always \\
+        --batch-sizes 1 --prompts general --cuda-graph-max-bs 4 --accept-lengths \\
+        bench/results/accept_standalone_qwen2.5-coder-0.5b-1.5b_cpu_2026-11-28.json
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_estimate import print_estimate, speed_estimate  # noqa: E402
 
 UNTRAINED = "untrained"
 _PASSAGES = [
@@ -92,6 +103,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _recorded_event() -> torch.cuda.Event | None:
+    """A timing event recorded on the current CUDA stream now (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class StepTimes:
     """While open: the wall time of every decode and prefill step of ``engine``; with
     ``phases``, also of each speculative phase, synchronized before and after (which slows the
@@ -105,6 +125,7 @@ class StepTimes:
         self.engine, self.phases, self.parts = engine, phases, parts
         self.times: dict[str, list[float]] = defaultdict(list)
         self._saved: tuple[Callable, Callable] | None = None
+        self._starts: list[tuple[torch.cuda.Event, str] | None] = []  # per step, CUDA only
 
     def __enter__(self) -> StepTimes:
         from pcgspec.runners.forward_batch import ForwardMode
@@ -127,13 +148,16 @@ class StepTimes:
 
         def timed_step():
             mode["speculated"] = False
+            event = _recorded_event()
             start = time.perf_counter()
             out = step()
+            kind = "spec_step" if mode["speculated"] else "plain_step"
+            self._starts.append(event and (event, kind) if mode["decode"] else None)
             if mode["decode"]:
                 seconds = time.perf_counter() - start
                 self.times["step"].append(seconds)
                 speculated = mode["speculated"]
-                self.times["spec_step" if speculated else "plain_step"].append(seconds)
+                self.times[kind].append(seconds)
                 if mode.get("last") is (not speculated):  # the first step after a switch
                     self.times["switch_to_spec" if speculated else "switch_to_plain"].append(
                         seconds
@@ -183,6 +207,7 @@ class StepTimes:
         LaunchedSpecStep.wait, LaunchedSpecStep.read = timed("wait", wait), timed_read
 
     def __exit__(self, *exc: object) -> None:
+        self._periods()
         del self.engine.scheduler.schedule, self.engine.step  # the class's methods again
         if self.engine.spec_worker is not None:
             del self.engine.spec_worker.chooses
@@ -195,6 +220,20 @@ class StepTimes:
             del self.engine.spec_worker.launch
             LaunchedSpecStep.wait, LaunchedSpecStep.read = self._saved
             self._saved = None
+
+    def _periods(self) -> None:
+        """On CUDA: the device time from the start of each decode step to the start of the
+        next (events recorded as each step begins, so launch gaps count), by the first's kind,
+        as ``<kind>_period`` and ``step_period``."""
+        starts, self._starts = self._starts, []
+        if not any(starts):
+            return
+        _sync()
+        for a, b in zip(starts, starts[1:]):
+            if a is not None and b is not None:
+                seconds = a[0].elapsed_time(b[0]) / 1e3
+                self.times[f"{a[1]}_period"].append(seconds)
+                self.times["step_period"].append(seconds)
 
     def _timed(self, name: str, fn: Callable) -> Callable:
         def run(*args):
@@ -308,6 +347,7 @@ def _spec_step(llm, batches: list[list[str]], params) -> dict[str, float | None]
     host = None if None in (synced, draft, verify) else synced - draft - verify
     return {
         "spec_step_ms": overlapped.median_ms("spec_step"),
+        "spec_step_gpu_ms": overlapped.median_ms("spec_step_period"),
         "synced_step_ms": synced,
         "draft_ms": draft,
         "verify_ms": verify,
@@ -338,6 +378,7 @@ def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace
             "gc_ms_repeats": pauses,
             "prefill_ms": sum(times.times["prefill"]) * 1e3 / len(rates),  # per generation
             "decode_step_ms": times.median_ms("step"),
+            "decode_step_gpu_ms": times.median_ms("step_period"),
             "policy_spec_step_ms": times.median_ms("spec_step"),
             "policy_plain_step_ms": times.median_ms("plain_step"),
             "switch_to_spec_ms": times.median_ms("switch_to_spec"),
@@ -409,8 +450,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--tokenizer", default=None, help="with --random-weights (default: the default model's)"
     )
+    p.add_argument(
+        "--standalone-draft-shape",
+        default=None,
+        help="with --random-weights: STANDALONE drafts with random weights of this shape",
+    )
+    p.add_argument(
+        "--accept-lengths",
+        default=None,
+        help="a measure_accept.py JSON: estimate each dataset's speedup from its accept length "
+        "and this run's plain and speculative step times",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest captured batch",
+    )
     p.add_argument("--out", default="bench/results/spec.json")
     args = p.parse_args(argv)
+    if args.standalone_draft_shape and not args.random_weights:
+        p.error("--standalone-draft-shape needs --random-weights")
 
     methods = [m for m in args.methods.split(",") if m]
     engines = _engines(args, methods)
@@ -445,6 +505,11 @@ def main(argv: list[str] | None = None) -> dict:
         "temperature": args.temperature,
         "rows": rows,
     }
+    if args.standalone_draft_shape:
+        result["standalone_draft"] = f"{args.standalone_draft_shape} (random weights)"
+    if args.accept_lengths:
+        result["estimate"] = speed_estimate(rows, args.accept_lengths)
+        print_estimate(result["estimate"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     return result
@@ -488,16 +553,16 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     from pcgspec.engine.collector import freeze_start_up
 
     base = {"dtype": args.dtype, "log_level": "warning", "max_total_tokens": 1 << 16}
+    if args.cuda_graph_max_bs is not None:  # NOTE: fewer graphs to capture: a faster start
+        base["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     if args.random_weights:
-        import tempfile
-
         from pcgspec.models.default_model import default_model_path
-        from pcgspec.models.draft_checkpoint import write_random_checkpoint
 
-        # NOTE: the shape's own vocabulary (a tokenizer passed beside it), as measured before
-        out = tempfile.mkdtemp(prefix=f"pcgspec-{args.random_weights}-")
-        args.model = str(write_random_checkpoint(args.random_weights, out))
         base["tokenizer"] = args.tokenizer or str(default_model_path())
+        args.model = _random_checkpoint(args.random_weights, base["tokenizer"], seed=0)
+        if args.standalone_draft_shape:
+            draft = _random_checkpoint(args.standalone_draft_shape, base["tokenizer"], seed=1)
+            args.standalone_draft = draft
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
@@ -513,6 +578,22 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     return engines
 
 
+def _random_checkpoint(shape: str, tokenizer: str, seed: int) -> str:
+    """A folder of random weights of ``shape`` in its own vocabulary (as measured before),
+    unless that is too small for ``tokenizer``'s ids (the tiny test shapes): then the
+    tokenizer's.
+    """
+    import tempfile
+
+    from pcgspec.models.draft_checkpoint import write_random_checkpoint
+    from pcgspec.models.loader import load_tokenizer
+    from pcgspec.models.random_weights import shape_config
+
+    small = shape_config(shape).vocab_size < len(load_tokenizer(tokenizer))
+    out = tempfile.mkdtemp(prefix=f"pcgspec-{shape}-")
+    return str(write_random_checkpoint(shape, out, tokenizer if small else None, seed=seed))
+
+
 def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str]) -> dict:
     """Draft folder per model-based method; untrained heads are written to a temp folder."""
     import tempfile
@@ -523,18 +604,19 @@ def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str])
 
     config, root = load_config(target_dir), Path(tempfile.mkdtemp(prefix="pcgspec-drafts-"))
     paths = {"STANDALONE": args.standalone_draft or str(target_dir)}
-    untrained_eagle3 = str(
-        write_eagle3_checkpoint(
-            root / "eagle3", config, seed=0, draft_vocab_size=args.eagle3_draft_vocab
+    if any(m.startswith("EAGLE3") for m in methods):
+        untrained_eagle3 = str(
+            write_eagle3_checkpoint(
+                root / "eagle3", config, seed=0, draft_vocab_size=args.eagle3_draft_vocab
+            )
         )
-    )
-    paths["EAGLE3:untrained"] = untrained_eagle3
-    if args.eagle3_draft != UNTRAINED:
-        paths["EAGLE3"] = args.eagle3_draft
-    elif args.model is None:  # the default model: its shipped head
-        paths["EAGLE3"] = None
-    else:
-        paths["EAGLE3"] = untrained_eagle3
+        paths["EAGLE3:untrained"] = untrained_eagle3
+        if args.eagle3_draft != UNTRAINED:
+            paths["EAGLE3"] = args.eagle3_draft
+        elif args.model is None:  # the default model: its shipped head
+            paths["EAGLE3"] = None
+        else:
+            paths["EAGLE3"] = untrained_eagle3
     if "NEXTN" in methods:
         paths["NEXTN"] = (
             args.nextn_draft

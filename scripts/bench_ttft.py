@@ -17,6 +17,8 @@ first so it pays every kernel compile. ``--cold-start`` adds a second constructi
 process (warm caches); ``--compile-cache-dir`` with an empty folder makes the first truly cold.
 
     python scripts/bench_ttft.py --random-weights --shape llama-3.2-1b --peer hf
+    python scripts/bench_ttft.py --random-weights --shape gemma-3-270m \\
+        --lengths 16,32,64,128,256,512,1024,2048 --bound-lengths 16,128,512,2048
 """
 
 from __future__ import annotations
@@ -247,7 +249,7 @@ def time_bound(runner: ModelRunner, tokens: torch.Tensor, args: argparse.Namespa
     """
     model, device = runner.model, runner.device
     backend = ATTENTION_BACKENDS.get(runner.config.resolved_attention_backend)(
-        runner.kv_cache, model.num_heads, model.head_dim, model.attn_scale
+        runner.kv_cache, model.num_heads, model.head_dim, model.attn_scale, model.sliding_windows
     )
     batch = prefill_batch(tokens, runner.page_size, device)
     backend.init_forward_metadata(batch)

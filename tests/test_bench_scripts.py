@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +123,44 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
     assert not any(stats["fallbacks"].values())
 
 
+def test_bench_ttft_sliding_windows(tmp_path, monkeypatch):
+    """Gemma 3's layout (a 4-token window, shorter than the prompts): piecewise and the
+    whole-graph bound compute eager's logits, windows included."""
+    monkeypatch.setenv("PCGSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    bench = load_script("bench_ttft")
+    out = tmp_path / "ttft.json"
+    result = bench.main(
+        [
+            "--random-weights",
+            "--shape",
+            "tiny-gemma3",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--lengths",
+            "8,16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--bound-backend",
+            "eager",
+            "--bound-lengths",
+            "8,16",
+            "--piecewise-cuda-graph-max-tokens",
+            "16",
+            "--out",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text())["model"] == "tiny-gemma3"
+    for row in result["rows"]:
+        for mode in ("piecewise", "bound"):
+            assert row[mode]["rel_err_vs_eager"] < 1e-4, (row["length"], mode)
+        assert row["ratios"]["piecewise/bound"] > 0
+
+
 def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
     # NOTE: the rows, not the piecewise path (traced twice, one per engine): prefill eager
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
@@ -166,6 +205,59 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
     from pcgspec.speculative.worker import LaunchedSpecStep  # the patches are gone
 
     assert LaunchedSpecStep.read.__qualname__ == "LaunchedSpecStep.read"
+
+
+ACCEPT_FILE = "bench/results/accept_standalone_qwen2.5-coder-0.5b-1.5b_cpu_2026-11-28.json"
+
+
+def test_bench_spec_standalone_random_pair_estimate(tmp_path, smollm2_path, monkeypatch):
+    """A random-weight target and a random-weight STANDALONE draft of another shape (Gemma 3's
+    layout, sliding windows included): the step times and the speedup estimate at the accept
+    lengths of a measure_accept.py file."""
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
+    bench = load_script("bench_spec")
+    out = tmp_path / "pair.json"
+    accept = Path(__file__).resolve().parent.parent / ACCEPT_FILE
+    result = bench.main(
+        [
+            "--random-weights",
+            "tiny",
+            "--standalone-draft-shape",
+            "tiny-gemma3",
+            "--methods",
+            "STANDALONE",
+            "--policy",
+            "always",
+            "--batch-sizes",
+            "1",
+            "--prompts",
+            "general",
+            "--max-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--cuda-graph-max-bs",
+            "4",
+            "--accept-lengths",
+            str(accept),
+            "--out",
+            str(out),
+        ]
+    )
+    written = json.loads(out.read_text())
+    assert written["standalone_draft"] == "tiny-gemma3 (random weights)"
+    estimate = written["estimate"]
+    assert estimate["accept_lengths"] == {"code": 4.2449, "chat": 3.0301}
+    assert "accept_length * t_plain / t_spec_step" in estimate["how"]
+    (row,) = estimate["rows"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert row["plain_step_ms"] == rows["none"]["decode_step_ms"] > 0
+    assert row["spec_step_ms"] == rows["STANDALONE"]["spec_step_ms"] > 0
+    for name, length in estimate["accept_lengths"].items():
+        want = length * row["plain_step_ms"] / row["spec_step_ms"]
+        assert math.isclose(row["speedup"][name], want)
+    with pytest.raises(ValueError, match="measure_accept.py output"):
+        bench.speed_estimate(result["rows"], out)
 
 
 def test_profile_spec_step_writes_json(tmp_path, smollm2_path):

@@ -13,8 +13,6 @@ from oracle import assert_all_pages_free, assert_greedy_match, greedy, hf_greedy
 from test_models import ATOL, GEMMA3, RTOL, Driver, hf_logits, random_ids, tiny_hf_model
 
 from pcgspec import LLM
-from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
-from pcgspec.attention.triton_backend import TritonAttentionBackend
 from pcgspec.models.gemma3 import check_gemma3_config
 from pcgspec.models.loader import load_model
 from pcgspec.runners.batch_builder import SeqChunk
@@ -68,13 +66,24 @@ def test_greedy_generate_equals_transformers(gemma, smollm2_path: Path) -> None:
     assert_all_pages_free(llm)
 
 
-def test_triton_backend_refuses_sliding_windows(gemma) -> None:
-    with pytest.raises(ValueError, match="attention backend 'triton' does not support sliding"):
-        LLM(str(gemma[1]), attention_backend="triton", dtype="float32", device="cpu")
-    kv = KVCache(KVCacheSpec(3, 2, 16, torch.float32), 4, 4, torch.device("cpu"))
-    with pytest.raises(ValueError, match="attention backend 'triton' does not support sliding"):
-        TritonAttentionBackend(kv, 4, 16, 0.25, (WINDOW, None, WINDOW))
-    TritonAttentionBackend(kv, 4, 16, 0.25, (None, None, None))
+def test_triton_backend_greedy_equals_transformers(gemma, smollm2_path: Path) -> None:
+    """The Triton kernels (interpreted on CPU) with the per-layer windows: a prefill longer
+    than the window, then decode steps past it."""
+    hf, path = gemma
+    llm = LLM(
+        str(path),
+        tokenizer=str(smollm2_path),
+        attention_backend="triton",
+        dtype="float32",
+        device="cpu",
+    )
+    backend = llm.engine.runner.attn_backend
+    assert backend.name == "triton" and backend.sliding_windows == (WINDOW, None, WINDOW)
+    prompts = [random_ids(3 * WINDOW, seed=16), random_ids(4, seed=17)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_match(hf, prompt, out.outputs[0].token_ids, hf_greedy(hf, prompt, 16))
+    assert_all_pages_free(llm)
 
 
 def test_config_rejects_what_is_not_implemented(gemma) -> None:

@@ -7,6 +7,7 @@ CPU) that a warm-up launch already had. The ``gpu`` test counts real compilation
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
 import random
@@ -140,6 +141,12 @@ def _qkv(rows: int, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
 
 
 def _serve_like(shape: AttentionShape) -> None:
+    for window in shape.windows:
+        _serve_attention_like(shape, window and 6)
+    _serve_sampling_like(shape.page_size)
+
+
+def _serve_attention_like(shape: AttentionShape, window: int | None) -> None:
     """What an engine step launches, over batches whose sizes give every index array every
     alignment: prefill batches (piecewise padding + extend), decode/verify passes, sampling
     rows and commits, verification, prompt lookup (as ``NgramProposer`` calls it on CUDA).
@@ -191,6 +198,7 @@ def _serve_like(shape: AttentionShape) -> None:
             batch.extend_lens,
             start,
             plan,
+            window=window,
             workspace=workspace,
         )
         for n in (1, K + 1):  # decode, verify
@@ -220,10 +228,14 @@ def _serve_like(shape: AttentionShape) -> None:
                 0.25,
                 splits,
                 tokens_per_seq=n,
+                window=window,
                 workspace=decode_workspace(
                     out_rows, shape.num_heads, shape.head_dim, splits, "cpu"
                 ),
             )
+
+
+def _serve_sampling_like(page: int) -> None:
     # NOTE: 3 slots: misaligned table rows; 7 tokens of history: rows of odd stride
     slots = SamplingSlots(3, VOCAB, "cpu", triton=True, history_len=7)
     reqs = [_Req(SamplingParams(temperature=t, seed=7), 7, [1, 2]) for t in (0.0, 0.8, 0.5)]
@@ -269,14 +281,18 @@ def _serve_like(shape: AttentionShape) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
-def test_warmup_covers_every_serving_specialization(record) -> None:
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> None:
+    """A model with sliding-window layers warms each attention kernel's windowed variant too."""
+    shape, kinds = dataclasses.replace(TINY, sliding=sliding), 1 + sliding
     warmed = record()
     warmup = KernelWarmup(
-        attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB), ngram=NGRAM
+        attention=(shape,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB), ngram=NGRAM
     )
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + 3 * 3 + 3 + 3 + 2 * 2 + 3 + 1
+    attention = 3 * 3 * kinds + 2 * (1 + 2 * kinds)
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + attention + 2 * 2 + 3 + 1
     served = record()
-    _serve_like(TINY)
+    _serve_like(shape)
     assert (
         set(served)
         == set(warmed)
@@ -303,9 +319,9 @@ def test_warmup_covers_every_serving_specialization(record) -> None:
         "_pad_batch_kernel": 2,
         "_build_kernel": 1,
         "_advance_kernel": 2,
-        "_extend_kernel": 6,
+        "_extend_kernel": 6 * kinds,
         "_store_kv_kernel": 1,
-        "_split_kv_kernel": 2,
+        "_split_kv_kernel": 2 * kinds,
         "_split_kv_reduce_kernel": 1,
         "_merge_kernel": 1,
         "_verify_rows_kernel": 2,

@@ -59,6 +59,20 @@ def _lens(x: list[int]) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.int32, device=DEVICE)
 
 
+def _poison_left_of_windows(
+    caches: tuple[torch.Tensor, ...], page_table: torch.Tensor, firsts: list[int], page_size: int
+) -> None:
+    """NaN in the keys and values before position ``firsts[b]`` of each request ``b``: the
+    keys left of all its windows, which a kernel that skips them never reads (one NaN value
+    read, even under a mask, makes its row NaN).
+    """
+    for b, first in enumerate(firsts):
+        pos = torch.arange(max(first, 0), device=DEVICE)
+        slots = page_table[b].long()[pos // page_size] * page_size + pos % page_size
+        for cache in caches:
+            cache[slots] = float("nan")
+
+
 def test_store_kv_skips_padding() -> None:
     gen = torch.Generator().manual_seed(0)
     kv, d, num_slots = 3, 24, 40
@@ -117,6 +131,7 @@ def _check_fused(
     tol: float,
     cache_tol: float,
     num_splits: int = 1,
+    window: int | None = None,
 ) -> None:
     """The fused kernel == ``store_kv_ref`` then ``extend_attention_ref``: real rows within
     ``tol``, padded rows zero, written slots within ``cache_tol``, every other slot untouched.
@@ -138,16 +153,20 @@ def _check_fused(
         block_m=block,
         block_n=block,
     )
-    fused, ref = [c.clone() for c in caches], [c.clone() for c in caches]
+    ref = [c.clone() for c in caches]
+    if window is not None:
+        firsts = [prefix - window + 1 for prefix, _ in reqs]
+        _poison_left_of_windows(caches, index[1], firsts, page_size)
+    fused = [c.clone() for c in caches]
     out, expected = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     workspace = None
     if num_splits > 1:  # NaN-filled: a piece the reduce reads but no program wrote shows up
         workspace = tuple(
             w.fill_(float("nan")) for w in decode_workspace(len(q), h, d, num_splits, DEVICE)
         )
-    extend_attention(q, k, v, out, *fused, *index, plan, workspace=workspace)
+    extend_attention(q, k, v, out, *fused, *index, plan, window=window, workspace=workspace)
     store_kv_ref(k, v, *ref, index[0])
-    extend_attention_ref(q, *ref, expected, *index[1:], page_size, scale)
+    extend_attention_ref(q, *ref, expected, *index[1:], page_size, scale, window)
     n = sum(ext)
     torch.testing.assert_close(out[:n], expected[:n], atol=tol, rtol=tol)
     assert (out[n:] == 0).all(), "padded rows must be zero"
@@ -155,7 +174,8 @@ def _check_fused(
     untouched = torch.ones(len(caches[0]), dtype=torch.bool, device=DEVICE)
     untouched[written] = False
     for got, want, before in zip(fused, ref, caches):
-        assert torch.equal(got[untouched], before[untouched]), "only the new tokens' slots change"
+        same = got[untouched].nan_to_num(7.0) == before[untouched].nan_to_num(7.0)
+        assert same.all(), "only the new tokens' slots change"
         torch.testing.assert_close(got[written], want[written], atol=0, rtol=cache_tol)
 
 
@@ -178,6 +198,24 @@ def test_fused_extend_with_prefix_splits(case: str) -> None:
     output and cache as one pass over it."""
     fused_case, num_splits = SPLIT_CASES[case]
     _check_fused(fused_case, torch.float32, torch.float32, ATOL, 0, num_splits)
+
+
+WINDOW_CASES = {  # FUSED_CASES' fields, the sliding window, the prefix splits
+    # prefixes longer than the window (chunked prefill), new tokens longer than it, GQA 1 and 4
+    "prefix_past_window": ((4, 8, 2, 16, [(40, 9), (0, 37), (13, 6), (3, 1)], 3, 16), 7, 1),
+    "window_1": ((1, 2, 2, 16, [(9, 5), (0, 20)], 2, 16), 1, 1),
+    "window_in_tile_gqa3": ((4, 6, 2, 24, [(5, 11), (30, 40)], 2, None), 19, 1),
+    "window_past_sequence": ((16, 4, 2, 16, [(21, 4), (0, 33)], 0, 16), 200, 1),
+    "split_prefix": ((4, 8, 2, 16, [(0, 5), (70, 3), (129, 16), (33, 1)], 3, 16), 50, 3),
+    "split_more_pieces": ((16, 4, 4, 16, [(200, 2), (17, 40)], 0, 16), 33, 16),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_fused_extend_with_sliding_window(case: str) -> None:
+    """Each new token at position ``p`` sees keys ``p - window < j <= p`` only."""
+    fused_case, window, num_splits = WINDOW_CASES[case]
+    _check_fused(fused_case, torch.float32, torch.float32, ATOL, 0, num_splits, window)
 
 
 def test_prefix_splits_fill_the_gpu_only_where_needed() -> None:
@@ -228,21 +266,45 @@ DECODE_CASES = [  # page_size, heads, kv_heads, head_dim, seq_lens, num_kv_split
     (1, 6, 2, 16, [4, 40, 77], 3, 4),
     (16, 2, 2, 64, [130, 9], 4, 4),
 ]
+WINDOWED_DECODE_CASES = [  # DECODE_CASES' fields, then the sliding window
+    (1, 2, 2, 16, [1, 37, 70], 1, 1, 20),
+    (4, 6, 2, 64, [150, 1, 64, 33], 3, 1, 33),
+    (16, 6, 2, 16, [200, 17], 8, 1, 1),
+    (1, 6, 2, 16, [4, 40, 77], 3, 4, 2),
+    (16, 2, 2, 64, [130, 9], 4, 4, 50),
+    (4, 4, 2, 16, [90, 7], 2, 5, 300),
+]
 
 
-@pytest.mark.parametrize(("page_size", "h", "kv", "d", "seq", "splits", "n"), DECODE_CASES)
+@pytest.mark.parametrize(
+    ("page_size", "h", "kv", "d", "seq", "splits", "n", "window"),
+    [(*case, None) for case in DECODE_CASES] + WINDOWED_DECODE_CASES,
+)
 def test_decode_attention_matches_reference(
-    page_size: int, h: int, kv: int, d: int, seq: list[int], splits: int, n: int
+    page_size: int,
+    h: int,
+    kv: int,
+    d: int,
+    seq: list[int],
+    splits: int,
+    n: int,
+    window: int | None,
 ) -> None:
-    gen = torch.Generator().manual_seed(page_size * 100 + h + d + splits + n)
+    """Decode (1 token per request) and verify (``n``) passes, with and without a window."""
+    gen = torch.Generator().manual_seed(page_size * 100 + h + d + splits + n + (window or 0))
     page_table = _page_table(seq, page_size, gen)
     k_cache, v_cache = _cache(page_table.numel() * page_size, kv, d, gen)
     q = torch.randn(len(seq) * n, h, d, generator=gen).to(DEVICE)
     out = torch.full_like(q, float("nan"))
     ref = torch.full_like(q, float("nan"))
     args = (page_table, _lens(seq), page_size, d**-0.5)
-    decode_attention(q, k_cache, v_cache, out, *args, splits, tokens_per_seq=n, block_n=16)
-    decode_attention_ref(q, k_cache, v_cache, ref, *args, tokens_per_seq=n)
+    decode_attention_ref(q, k_cache, v_cache, ref, *args, tokens_per_seq=n, window=window)
+    if window is not None:
+        firsts = [s - n - window + 1 for s in seq]
+        _poison_left_of_windows((k_cache, v_cache), page_table, firsts, page_size)
+    decode_attention(
+        q, k_cache, v_cache, out, *args, splits, tokens_per_seq=n, window=window, block_n=16
+    )
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
 
 
@@ -263,13 +325,15 @@ def test_low_precision_decode_matches_reference(dtype: torch.dtype, tol: float) 
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
-def test_empty_decode_request_gives_zeros() -> None:
+@pytest.mark.parametrize("window", [None, 3])
+def test_empty_decode_request_gives_zeros(window: int | None) -> None:
     """A padded request (seq_len 0, as in a captured decode graph) must come out finite."""
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = _cache(16, 2, 16, gen)
     q = torch.randn(2, 4, 16, generator=gen).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, k_cache, v_cache, out, _lens([[0], [1]]), _lens([0, 0]), 16, 1.0, 4)
+    table, seq = _lens([[0], [1]]), _lens([0, 0])
+    decode_attention(q, k_cache, v_cache, out, table, seq, 16, 1.0, 4, window=window)
     assert not out.any()
 
 
@@ -302,7 +366,9 @@ def test_wrappers_reject_bad_inputs() -> None:
 NUM_LAYERS, H, KV, D, PAGE = 2, 6, 2, 32, 4
 
 
-def _backends(gen: torch.Generator) -> tuple[TorchAttentionBackend, TritonAttentionBackend]:
+def _backends(
+    gen: torch.Generator, windows: tuple[int | None, ...] = ()
+) -> tuple[TorchAttentionBackend, TritonAttentionBackend]:
     spec = KVCacheSpec(num_layers=NUM_LAYERS, num_kv_heads=KV, head_dim=D, dtype=torch.float32)
     caches = [KVCache(spec, num_pages=64, page_size=PAGE, device=DEVICE) for _ in range(2)]
     for layer in range(NUM_LAYERS):  # identical random history in both caches
@@ -310,8 +376,10 @@ def _backends(gen: torch.Generator) -> tuple[TorchAttentionBackend, TritonAttent
             data = torch.randn(getattr(caches[0], name)[layer].shape, generator=gen).to(DEVICE)
             for cache in caches:
                 getattr(cache, name)[layer].copy_(data)
-    oracle = TorchAttentionBackend(caches[0], num_heads=H, head_dim=D, scale=D**-0.5)
-    triton_backend = TritonAttentionBackend(caches[1], num_heads=H, head_dim=D, scale=D**-0.5)
+    oracle, triton_backend = (
+        cls(cache, num_heads=H, head_dim=D, scale=D**-0.5, sliding_windows=windows)
+        for cls, cache in zip((TorchAttentionBackend, TritonAttentionBackend), caches)
+    )
     triton_backend.min_kv_split_len = 32  # a few splits even at these tiny lengths
     return oracle, triton_backend
 
@@ -374,13 +442,17 @@ def triton_launches() -> Iterator[collections.Counter[str]]:
         yield counts
 
 
+WINDOWS = {"full": (), "sliding_5_then_full": (5, None)}  # per layer
+
+
+@pytest.mark.parametrize("windows", list(WINDOWS))
 @pytest.mark.parametrize("case", list(BACKEND_CASES))
 def test_triton_backend_matches_torch_backend(
-    case: str, triton_launches: collections.Counter[str]
+    case: str, windows: str, triton_launches: collections.Counter[str]
 ) -> None:
     mode, reqs, pad = BACKEND_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
-    oracle, triton_backend = _backends(gen)
+    oracle, triton_backend = _backends(gen, WINDOWS[windows])
     batch = _batch(mode, reqs, pad, gen)
     t, num_real = batch.num_tokens, sum(batch.extend_lens_cpu)
     qkv = [
@@ -404,8 +476,9 @@ def test_triton_backend_matches_torch_backend(
         assert triton_backend.metadata.num_kv_splits > 1
 
 
+@pytest.mark.parametrize("windows", list(WINDOWS))
 def test_triton_backend_splits_a_long_prefix(
-    monkeypatch: pytest.MonkeyPatch, triton_launches: collections.Counter[str]
+    windows: str, monkeypatch: pytest.MonkeyPatch, triton_launches: collections.Counter[str]
 ) -> None:
     """A few new tokens over a long prefix: the backend plans prefix splits (the minimum piece
     lowered to these sizes, a GPU's SM count) and matches the torch oracle, with one merge
@@ -413,7 +486,7 @@ def test_triton_backend_splits_a_long_prefix(
     monkeypatch.setattr(extend_module, "MIN_PREFIX_SPLIT", 32)
     monkeypatch.setattr(triton_backend_module, "_num_sms", lambda device: 64)
     gen = torch.Generator().manual_seed(11)
-    oracle, triton_backend = _backends(gen)
+    oracle, triton_backend = _backends(gen, WINDOWS[windows])
     batch = _batch(ForwardMode.EXTEND, [(100, 3), (0, 5), (57, 1)], 2, gen)
     t, num_real = batch.num_tokens, sum(batch.extend_lens_cpu)
     qkv = [

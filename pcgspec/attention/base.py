@@ -19,7 +19,6 @@ class AttentionBackend(ABC):
     """
 
     name: str  # as in ATTENTION_BACKENDS
-    supports_sliding_window: bool = False
 
     def __init__(
         self,
@@ -41,11 +40,6 @@ class AttentionBackend(ABC):
         bad = [w for w in self.sliding_windows if w is not None and w < 1]
         if bad:
             raise ValueError(f"sliding_windows must be None or positive, got {bad}")
-        if not self.supports_sliding_window and any(w is not None for w in self.sliding_windows):
-            raise ValueError(
-                f"attention backend {self.name!r} does not support sliding-window layers "
-                "(the model has some): use attention_backend='torch'"
-            )
 
     def sliding_window(self, layer_id: int) -> int | None:
         windows = self.sliding_windows

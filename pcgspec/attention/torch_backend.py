@@ -27,7 +27,6 @@ class _Metadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    supports_sliding_window = True
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         ext_cpu = batch.extend_lens_cpu

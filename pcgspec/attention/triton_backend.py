@@ -43,7 +43,8 @@ class TritonAttentionBackend(AttentionBackend):
     cache, new keys from ``k``/``v``) and zeroes the padded rows; a few new tokens over a long
     prefix split it, with a second launch to merge the pieces. DECODE and TARGET_VERIFY (k+1
     tokens per request) store K/V first, then run flash-decoding over KV splits, which fills
-    the GPU at small batch.
+    the GPU at small batch. A sliding-window layer's launches skip the key blocks left of
+    its window.
     """
 
     name = "triton"
@@ -124,6 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         md = self.metadata
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
+        window = self.sliding_window(layer_id)
         # NOTE: every layer of a pass has the same shapes and dtypes: check the first only.
         if md.extend_plan is not None:
             extend_attention(
@@ -139,6 +141,7 @@ class TritonAttentionBackend(AttentionBackend):
                 md.extend_lens,
                 md.extend_start,
                 md.extend_plan,
+                window=window,
                 workspace=md.workspace,
                 check=layer_id == 0,
             )
@@ -157,6 +160,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale,
             md.num_kv_splits,
             tokens_per_seq=md.tokens_per_seq,
+            window=window,
             workspace=md.workspace,
             check=check,
         )

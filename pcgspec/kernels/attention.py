@@ -84,6 +84,7 @@ def _attend_tile(
     n0,
     kv_end,
     causal_lim,
+    win_lo,
     kv_head,
     qk_scale,
     stride_cs,
@@ -93,9 +94,12 @@ def _attend_tile(
     BLOCK_D: tl.constexpr,
     MASK_KV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One online-softmax step over keys ``n0 .. n0 + BLOCK_N`` read through the page table."""
+    """One online-softmax step over keys ``n0 .. n0 + BLOCK_N`` read through the page table;
+    with ``WINDOW``, each row sees no key below its ``win_lo``.
+    """
     j = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     j_ok = j < kv_end
@@ -113,11 +117,15 @@ def _attend_tile(
     keep = j_ok[None, :]
     if CAUSAL:
         keep = keep & (j[None, :] <= causal_lim[:, None])
-    return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, MASK_KV or CAUSAL, DOT_PREC)
+    if WINDOW:
+        keep = keep & (j[None, :] >= win_lo[:, None])
+    return _online_softmax(
+        acc, m_i, l_i, q, k, v, keep, qk_scale, MASK_KV or CAUSAL or WINDOW, DOT_PREC
+    )
 
 
 @triton.jit(  # vary per batch, as in extend
-    do_not_specialize=["num_splits", "stride_pt"],
+    do_not_specialize=["num_splits", "window", "stride_pt"],
     do_not_specialize_on_alignment=["PageTable", "SeqLens"],
 )
 def _split_kv_kernel(
@@ -129,6 +137,7 @@ def _split_kv_kernel(
     PageTable,
     SeqLens,
     qk_scale,
+    window,
     num_heads,
     num_splits,
     stride_qt,
@@ -142,16 +151,21 @@ def _split_kv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     # One program: the TOKENS last positions x GROUP query heads of one kv head of one
-    # request, over one split of its keys. Rows are (token, head-in-group) pairs.
+    # request, over one split of its keys (with WINDOW, of those the first token's window
+    # holds). Rows are (token, head-in-group) pairs.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    first = seq_len * 0
+    if WINDOW:
+        first = tl.maximum(seq_len - TOKENS - window + 1, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     rows = tl.arange(0, BLOCK_M)
     t = b.to(tl.int64) * TOKENS + rows // GROUP  # [BLOCK_M] flat token row
@@ -166,6 +180,7 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     page_row = PageTable + b.to(tl.int64) * stride_pt
     causal_lim = seq_len - TOKENS + rows // GROUP
+    win_lo = causal_lim - window + 1
     for n0 in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc,
@@ -178,6 +193,7 @@ def _split_kv_kernel(
             n0,
             hi,
             causal_lim,
+            win_lo,
             kv_head,
             qk_scale,
             stride_cs,
@@ -187,6 +203,7 @@ def _split_kv_kernel(
             BLOCK_D,
             True,
             TOKENS > 1,
+            WINDOW,
             DOT_PREC,
         )
     # NOTE: a row that sees no key of this split stores o = 0, lse = -inf: the reduce weighs it 0.
@@ -325,6 +342,11 @@ def _check_decode(
         )
 
 
+def _check_window(window: int | None) -> None:
+    if window is not None and not (type(window) is int and window >= 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # NOTE: fp32 inputs would otherwise run on tf32 tensor cores, ~1e-3 off the reference.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -390,6 +412,7 @@ def decode_attention(
     num_kv_splits: int,
     *,
     tokens_per_seq: int = 1,
+    window: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int = 64,
     check: bool = True,
@@ -397,6 +420,7 @@ def decode_attention(
     """Flash-decoding: each request's keys are cut into ``num_kv_splits`` pieces attended in
     parallel (per kv head, all its query heads at once), then merged by their softmax mass.
     ``tokens_per_seq`` > 1 (TARGET_VERIFY: k+1) attends that many last positions causally.
+    A sliding ``window`` lets position ``p`` see keys ``p - window < j <= p`` only.
     """
     num_rows, num_heads, head_dim = q.shape
     if workspace is None:
@@ -415,6 +439,7 @@ def decode_attention(
             tokens_per_seq,
             workspace,
         )
+        _check_window(window)
     if num_rows == 0:
         return
     num_kv = k_cache.shape[1]
@@ -429,6 +454,7 @@ def decode_attention(
         page_table,
         seq_lens,
         scale * _LOG2E,
+        window or 0,
         num_heads,
         num_kv_splits,
         q.stride(0),
@@ -442,6 +468,7 @@ def decode_attention(
         BLOCK_M=max(16, triton.next_power_of_2(tokens_per_seq * group)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        WINDOW=window is not None,
         DOT_PREC=_dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
@@ -480,8 +507,10 @@ def _attend_ref(
     seq_len: int,
     page_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """The last ``len(q)`` positions of one sequence of ``seq_len`` attending causally."""
+    """The last ``len(q)`` positions of one sequence of ``seq_len`` attending causally (within
+    ``window`` keys, themselves included)."""
     pos = torch.arange(seq_len, device=q.device)
     slots = pages.long()[pos // page_size] * page_size + pos % page_size
     group = q.shape[1] // k_cache.shape[1]
@@ -489,7 +518,10 @@ def _attend_ref(
     v = v_cache[slots].float().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     q_pos = pos[seq_len - len(q) :]
-    scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = pos[None, :] > q_pos[:, None]  # [L, S]
+    if window is not None:
+        hidden |= pos[None, :] <= q_pos[:, None] - window
+    scores.masked_fill_(hidden[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [L, H, D]
 
 
@@ -503,8 +535,11 @@ def decode_attention_ref(
     page_size: int,
     scale: float,
     tokens_per_seq: int = 1,
+    window: int | None = None,
 ) -> None:
     n = tokens_per_seq
     for b, seq in enumerate(seq_lens.tolist()):
         rows = slice(b * n, (b + 1) * n)
-        out[rows] = _attend_ref(q[rows], k_cache, v_cache, page_table[b], seq, page_size, scale)
+        out[rows] = _attend_ref(
+            q[rows], k_cache, v_cache, page_table[b], seq, page_size, scale, window
+        )

@@ -37,6 +37,7 @@ from pcgspec.kernels.attention import (
     _check_attention,
     _check_index,
     _check_rows,
+    _check_window,
     _dot_precision,
     _online_softmax,
     _require,
@@ -84,6 +85,7 @@ def _attend_prefix(
     page_row,
     lo,
     hi,
+    win_lo,
     kv_head,
     qk_scale,
     PAGE_SIZE: tl.constexpr,
@@ -91,11 +93,12 @@ def _attend_prefix(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Stage 1: every row sees the cached keys ``lo .. hi`` (``lo <= hi``; ``lo`` a multiple
-    of ``BLOCK_N`` unless the range is empty), read through the page table (no causal mask, so
-    the tile's ``causal_lim`` argument is unused).
+    """Stage 1: every row sees the cached keys ``lo .. hi`` (``lo <= hi``), read through the
+    page table (no causal mask, so the tile's ``causal_lim`` argument is unused); with
+    ``WINDOW``, none below its ``win_lo``.
     """
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
     for n0 in range(lo, full_end, BLOCK_N):
@@ -110,6 +113,7 @@ def _attend_prefix(
             n0,
             hi,
             hi,
+            win_lo,
             kv_head,
             qk_scale,
             NUM_KV * HEAD_DIM,
@@ -119,6 +123,7 @@ def _attend_prefix(
             BLOCK_D,
             False,
             False,
+            WINDOW,
             DOT_PREC,
         )
     for n0 in range(full_end, hi, BLOCK_N):
@@ -133,6 +138,7 @@ def _attend_prefix(
             n0,
             hi,
             hi,
+            win_lo,
             kv_head,
             qk_scale,
             NUM_KV * HEAD_DIM,
@@ -142,6 +148,7 @@ def _attend_prefix(
             BLOCK_D,
             True,
             False,
+            WINDOW,
             DOT_PREC,
         )
     return acc, m_i, l_i
@@ -160,6 +167,7 @@ def _attend_new_tile(
     n0,
     kv_end,
     tok,
+    win_lo,
     kv_head,
     qk_scale,
     stride_kt,
@@ -170,9 +178,11 @@ def _attend_new_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """New keys ``n0 .. n0 + BLOCK_N`` from the k/v rows; ``MASKED``: causal and ``< kv_end``."""
+    """New keys ``n0 .. n0 + BLOCK_N`` from the k/v rows; ``MASKED``: causal and ``< kv_end``;
+    ``WINDOW``: none below the row's ``win_lo``."""
     j = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     row = start + j
@@ -185,7 +195,9 @@ def _attend_new_tile(
     k = k.to(KCache.dtype.element_ty).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     v = v.to(KCache.dtype.element_ty).to(q.dtype)
     keep = j[None, :] <= tok[:, None]
-    return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, MASKED, DOT_PREC)
+    if WINDOW:
+        keep = keep & (j[None, :] >= win_lo[:, None])
+    return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, MASKED or WINDOW, DOT_PREC)
 
 
 @triton.jit
@@ -201,6 +213,7 @@ def _attend_new(
     tok,
     r0,
     ext_len,
+    window,
     kv_head,
     qk_scale,
     stride_kt,
@@ -212,15 +225,21 @@ def _attend_new(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Stage 2: the new keys up to the tile's last token, causally.
+    """Stage 2: the new keys up to the tile's last token, causally; with ``WINDOW``, from the
+    tile of the first token's window on.
 
     NOTE: keys up to the tile's first token ``r0 // GROUP`` are visible to every row.
     """
     full_end = (r0 // GROUP + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum((r0 + BLOCK_M - 1) // GROUP, ext_len - 1) + 1
-    for n0 in range(0, full_end, BLOCK_N):
+    n_lo = r0 * 0
+    if WINDOW:
+        n_lo = tl.maximum(r0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
+    win_lo = tok - window + 1
+    for n0 in range(n_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_new_tile(
             acc,
             m_i,
@@ -233,6 +252,7 @@ def _attend_new(
             n0,
             kv_end,
             tok,
+            win_lo,
             kv_head,
             qk_scale,
             stride_kt,
@@ -243,9 +263,10 @@ def _attend_new(
             BLOCK_N,
             BLOCK_D,
             False,
+            WINDOW,
             DOT_PREC,
         )
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    for n0 in range(tl.maximum(full_end, n_lo), kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_new_tile(
             acc,
             m_i,
@@ -258,6 +279,7 @@ def _attend_new(
             n0,
             kv_end,
             tok,
+            win_lo,
             kv_head,
             qk_scale,
             stride_kt,
@@ -268,6 +290,7 @@ def _attend_new(
             BLOCK_N,
             BLOCK_D,
             True,
+            WINDOW,
             DOT_PREC,
         )
     return acc, m_i, l_i
@@ -287,7 +310,7 @@ def _zero_rows(
 # per value class: == 1, multiple of 16, other), nor is the alignment of the small index arrays
 # (views into one packed upload), so a server's first batches compile nothing.
 @triton.jit(
-    do_not_specialize=["num_real", "num_rows", "num_splits", "stride_pt"],
+    do_not_specialize=["window", "num_real", "num_rows", "num_splits", "stride_pt"],
     do_not_specialize_on_alignment=["Loc", "PageTable", "SeqLens", "ExtendLens", "ExtendStart"],
 )
 def _extend_kernel(
@@ -305,6 +328,7 @@ def _extend_kernel(
     MidO,
     MidLse,
     qk_scale,
+    window,
     num_real,
     num_rows,
     num_splits,
@@ -326,6 +350,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # Rows of a tile are (token, head-in-group) pairs, so one K/V read serves the whole group.
     # With SPLIT, axis 2 is (row tile, prefix piece): the piece's partial output goes to MidO /
@@ -381,12 +406,15 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     prefix = tl.load(SeqLens + b) - ext_len
+    first = prefix * 0
+    if WINDOW:  # the prefix keys the tile's first token's window holds
+        first = tl.minimum(tl.maximum(prefix + r0 // GROUP - window + 1, 0), prefix)
     if SPLIT:  # pieces of whole tiles; those past the prefix are empty
-        split_len = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
-        hi = tl.minimum((split + 1) * split_len, prefix)
-        lo = tl.minimum(split * split_len, hi)
+        split_len = tl.cdiv(tl.cdiv(prefix - first, num_splits), BLOCK_N) * BLOCK_N
+        hi = tl.minimum(first + (split + 1) * split_len, prefix)
+        lo = tl.minimum(first + split * split_len, hi)
     else:
-        lo = prefix * 0
+        lo = first
         hi = prefix
     acc, m_i, l_i = _attend_prefix(
         acc,
@@ -398,6 +426,7 @@ def _extend_kernel(
         PageTable + b.to(tl.int64) * stride_pt,
         lo,
         hi,
+        prefix + tok - window + 1,
         kv_head,
         qk_scale,
         PAGE_SIZE,
@@ -405,6 +434,7 @@ def _extend_kernel(
         HEAD_DIM,
         BLOCK_N,
         BLOCK_D,
+        WINDOW,
         DOT_PREC,
     )
     if split == num_splits - 1:
@@ -420,6 +450,7 @@ def _extend_kernel(
             tok,
             r0,
             ext_len,
+            window,
             kv_head,
             qk_scale,
             stride_kt,
@@ -431,6 +462,7 @@ def _extend_kernel(
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
+            WINDOW,
             DOT_PREC,
         )
     has = l_i > 0
@@ -510,11 +542,10 @@ class ExtendPlan:
     specialization: tuple[tuple[str, Any], ...]  # the constants, hashable
     merge_grid: tuple[int, int, int]  # prefix splits: the merge's grid and constants
     merge_constants: dict[str, Any]
-    # NOTE: the lean launches of this pass by kernel and the strides they were specialized for
-    # (all pointers 16-byte aligned); filled at layer 0, used by the later layers.
-    launches: dict[tuple[object, tuple[int, ...]], Callable[..., None] | None] = field(
-        default_factory=dict
-    )
+    window_constants: dict[str, Any]  # the constants of a sliding-window layer
+    # NOTE: the lean launches of this pass by kernel, window flag and the strides they were
+    # specialized for (all pointers 16-byte aligned); filled at the first layer of each kind.
+    launches: dict[tuple[object, ...], Callable[..., None] | None] = field(default_factory=dict)
 
 
 def _tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
@@ -585,6 +616,7 @@ def plan_extend(
         BLOCK_D=block_d,
         DOT_PREC=_dot_precision(dtype),
         SPLIT=num_splits > 1,
+        WINDOW=False,
         num_warps=_num_warps(dtype, block_m, block_d),
         num_stages=2,
     )
@@ -608,6 +640,7 @@ def plan_extend(
         tuple(sorted(constants.items())),
         (-(-num_real // _MERGE_ROWS), num_heads, 1),
         merge_constants,
+        {**constants, "WINDOW": True},
     )
 
 
@@ -719,14 +752,16 @@ def extend_attention(
     extend_start: torch.Tensor,  # [B] first row of each request (exclusive cumsum)
     plan: ExtendPlan,
     *,
+    window: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,  # split plans: decode_workspace
     check: bool = True,
 ) -> None:
     """Store the new K/V (skipping slot -1) and attend each request's new tokens causally
     over its cached prefix and themselves: one launch, or with prefix splits a second one
     that merges the pieces (``workspace`` holds them: ``decode_workspace(>= plan.num_real,
-    heads, head_dim, plan.num_splits)``, shared by a pass's layers). ``check=False`` skips the
-    argument checks (a caller that already checked this pass).
+    heads, head_dim, plan.num_splits)``, shared by a pass's layers). A sliding ``window`` lets
+    position ``p`` see keys ``p - window < j <= p`` only. ``check=False`` skips the argument
+    checks (a caller that already checked this pass).
     """
     if check:
         _check_extend(
@@ -744,6 +779,7 @@ def extend_attention(
             plan,
             workspace,
         )
+        _check_window(window)
     if plan.empty:
         return
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
@@ -766,13 +802,15 @@ def extend_attention(
     strides = (sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1])
     scalars = (
         plan.qk_scale,
+        window or 0,
         plan.num_real,
         plan.num_rows,
         plan.num_splits,
         *strides,
         page_table.stride(0),
     )
-    _launch(_EXTEND, plan, plan.grid, tensors, scalars, strides, plan.constants)
+    constants = plan.constants if window is None else plan.window_constants
+    _launch(_EXTEND, plan, plan.grid, tensors, scalars, (window is None, *strides), constants)
     if plan.num_splits > 1 and plan.num_real:
         _launch(
             _MERGE,
@@ -791,20 +829,20 @@ def _launch(
     grid: tuple[int, int, int],
     tensors: tuple[torch.Tensor, ...],
     scalars: tuple[object, ...],
-    strides: tuple[int, ...],
+    key: tuple[object, ...],
     constants: dict[str, Any],
 ) -> None:
-    # NOTE: layers after the first reuse its lean launches (every layer of a pass has the same
-    # dtypes): their strides (the specialized ints) and pointer alignment decide whether the
-    # same compiled kernel applies.
+    # NOTE: layers after the first of their kind reuse its lean launches (every layer of a pass
+    # has the same dtypes): ``key`` (the specialized ints: strides, and what selects
+    # ``constants``) and pointer alignment decide whether the same compiled kernel applies.
     ptrs = [t.data_ptr() for t in tensors]
-    launch = plan.launches.get((kernel, strides))
+    launch = plan.launches.get((kernel, *key))
     if launch is not None and kernel.aligned(ptrs):
         launch(grid, *ptrs, *scalars)
         return
     launch = kernel(grid, tensors, scalars, constants)
     if launch is not None:
-        plan.launches[(kernel, strides)] = launch
+        plan.launches[(kernel, *key)] = launch
 
 
 _EXTEND = CompiledLaunches(_extend_kernel)
@@ -822,12 +860,12 @@ def extend_attention_ref(
     extend_start: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int | None = None,
 ) -> None:
     """Attention over a cache that already holds the new tokens (``store_kv_ref`` first)."""
     for b, (seq, n, start) in enumerate(
         zip(seq_lens.tolist(), extend_lens.tolist(), extend_start.tolist())
     ):
-        o = _attend_ref(
-            q[start : start + n], k_cache, v_cache, page_table[b], seq, page_size, scale
-        )
+        rows = slice(start, start + n)
+        o = _attend_ref(q[rows], k_cache, v_cache, page_table[b], seq, page_size, scale, window)
         out[start : start + n] = o.to(out.dtype)

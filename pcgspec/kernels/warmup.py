@@ -20,6 +20,7 @@ padded rows of verify passes, in place for a verify graph or not, and of draft c
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ class AttentionShape:
     head_dim: int
     dtype: torch.dtype  # of the KV cache and of q/k/v
     page_size: int
+    sliding: bool = False  # some layers have a sliding window: their kernels are variants too
 
     @classmethod
     def of(cls, backend: AttentionBackend) -> AttentionShape:
@@ -70,7 +72,13 @@ class AttentionShape:
             backend.head_dim,
             cache.spec.dtype,
             cache.page_size,
+            any(w is not None for w in backend.sliding_windows),
         )
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """A window of each kind of layer (the window's value is a runtime argument)."""
+        return (None, 1) if self.sliding else (None,)
 
 
 @dataclass(frozen=True)
@@ -143,12 +151,12 @@ class _Scratch:
 
 
 def warm_extend(shape: AttentionShape, device: torch.device) -> int:
-    """Fused extend launches per ``BLOCK_M`` variant, each with a padded row: one whole, one
-    with its prefix split, and its merge. Returns the launches.
+    """Fused extend launches per ``BLOCK_M`` variant and kind of layer, each with a padded row:
+    one whole, one with its prefix split, and its merge. Returns the launches.
     """
     s = _Scratch(device)
     lengths = extend_lengths(shape)
-    for n in lengths:
+    for n, window in itertools.product(lengths, shape.windows):
         q, k, v, out, k_cache, v_cache = s.attention(shape, n + 1)
         pages = -(-n // shape.page_size)
         for splits in (1, _WARM_SPLITS):
@@ -169,33 +177,37 @@ def warm_extend(shape: AttentionShape, device: torch.device) -> int:
                 s.full(n, 1, dtype=torch.int32),
                 s.zeros(1, dtype=torch.int32),
                 plan,
+                window=window,
                 workspace=workspace,
             )
-    return 3 * len(lengths)
+    return 3 * len(lengths) * len(shape.windows)
 
 
 def warm_split_kv(shape: AttentionShape, tokens_per_seq: int, device: torch.device) -> int:
-    """KV store, split-KV decode and its reduce for one request of ``tokens_per_seq`` tokens."""
+    """KV store, then split-KV decode and its reduce per kind of layer, for one request of
+    ``tokens_per_seq`` tokens."""
     s = _Scratch(device)
     n = tokens_per_seq
     q, k, v, out, k_cache, v_cache = s.attention(shape, n)
     store_kv(k, v, k_cache, v_cache, s.full(-1, n))
     workspace = decode_workspace(n, shape.num_heads, shape.head_dim, _WARM_SPLITS, device)
     pages = -(-n // shape.page_size)
-    decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        out,
-        s.zeros(1, pages, dtype=torch.int32),
-        s.full(n, 1, dtype=torch.int32),
-        shape.page_size,
-        1.0,
-        _WARM_SPLITS,
-        tokens_per_seq=n,
-        workspace=workspace,
-    )
-    return 3
+    for window in shape.windows:
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            s.zeros(1, pages, dtype=torch.int32),
+            s.full(n, 1, dtype=torch.int32),
+            shape.page_size,
+            1.0,
+            _WARM_SPLITS,
+            tokens_per_seq=n,
+            window=window,
+            workspace=workspace,
+        )
+    return 1 + 2 * len(shape.windows)
 
 
 def warm_pad_batch(device: torch.device) -> int:

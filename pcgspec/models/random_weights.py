@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pcgspec.distributed.group import SINGLE, TPGroup
-from pcgspec.models.layers.norm import RMSNorm
+from pcgspec.models.layers.norm import GemmaRMSNorm, RMSNorm
 from pcgspec.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -34,6 +34,21 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+_QWEN25 = dict(  # what Qwen2.5-Coder 0.5B and 1.5B share (the catalog's converted config.json)
+    architectures=["Qwen2ForCausalLM"],
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+_GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+_GEMMA3_LAYERS = (["sliding_attention"] * 5 + ["full_attention"]) * 3
 
 # name -> (model_type, config kwargs); the numbers are those of the public config.json files.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -89,6 +104,46 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen2.5-coder-0.5b": (
+        "qwen2",
+        dict(
+            _QWEN25,
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            intermediate_size=4864,
+        ),
+    ),
+    "qwen2.5-coder-1.5b": (
+        "qwen2",
+        dict(
+            _QWEN25,
+            hidden_size=1536,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            intermediate_size=8960,
+        ),
+    ),
+    "gemma-3-270m": (
+        "gemma3_text",
+        dict(
+            architectures=["Gemma3ForCausalLM"],
+            hidden_size=640,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            intermediate_size=2048,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_parameters=_GEMMA3_ROPE,
+            layer_types=_GEMMA3_LAYERS,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            tie_word_embeddings=True,
+        ),
+    ),
     "tiny": (
         "llama",
         dict(  # for tests: a few MB, runs anywhere in milliseconds
@@ -106,7 +161,28 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "tiny-gemma3": (
+        "gemma3_text",
+        dict(  # for tests: Gemma 3's layout with a 4-token window, a global layer in the middle
+            architectures=["Gemma3ForCausalLM"],
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            rope_parameters=_GEMMA3_ROPE,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=4,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
+_ACTIVATIONS = {"gemma3_text": {}}  # NOTE: Gemma 3's default hidden_activation; the rest SiLU
 
 
 @dataclass(frozen=True)
@@ -126,8 +202,9 @@ def shape_config(shape: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     model_type, kwargs = SHAPES[shape]
+    activation = _ACTIVATIONS.get(model_type, {"hidden_act": "silu"})
     return AutoConfig.for_model(
-        model_type, hidden_act="silu", attention_bias=False, initializer_range=INIT_STD, **kwargs
+        model_type, attention_bias=False, initializer_range=INIT_STD, **activation, **kwargs
     )
 
 
@@ -167,15 +244,20 @@ def random_model(
 
 @torch.no_grad()
 def fill_random_(model: nn.Module, seed: int = 0, std: float = INIT_STD) -> None:
-    """Every RMSNorm weight 1, every other parameter N(0, std^2), in place on its device.
+    """Every RMSNorm a scale of 1 (Gemma's stores ``scale - 1``: 0), every other parameter
+    N(0, std^2), in place on its device.
 
     NOTE: tied parameters appear once in ``named_parameters``, so each is drawn once.
     """
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    norms = {
+        id(m.weight): 0.0 if isinstance(m, GemmaRMSNorm) else 1.0
+        for m in model.modules()
+        if isinstance(m, RMSNorm)
+    }
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         if id(param) in norms:
-            param.fill_(1.0)
+            param.fill_(norms[id(param)])
             continue
         gen = generators.get(param.device)
         if gen is None:
