@@ -19,12 +19,12 @@ from contextlib import contextmanager
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
 
-from pcgspec.distributed.broadcast import BatchChannel
+from pcgspec.distributed.broadcast import StepChannel, StepMessage
 from pcgspec.distributed.group import TPGroup
 from pcgspec.distributed.process_group import (
     Rendezvous,
@@ -88,7 +88,7 @@ class TPDriver:
         except BaseException:
             self._finalizer()
             raise
-        self.channel = BatchChannel(self.groups)
+        self.channel = StepChannel(self.groups)
         threading.Thread(target=self._watch, name="pcgspec-tp-watch", daemon=True).start()
         logger.info(
             "tensor parallel: %d ranks (%s), workers %s",
@@ -102,14 +102,14 @@ class TPDriver:
         return self.groups.tp
 
     @contextmanager
-    def step(self, batch: Any) -> Iterator[None]:
-        """Broadcast ``batch`` (a ``ForwardBatch``), then run rank 0's forward in the block.
+    def step(self, message: StepMessage) -> Iterator[None]:
+        """Broadcast ``message`` (a ``ForwardBatch``'s), then run rank 0's forward in the block.
         Any failure, here or in the block, ends the group: the ranks' collectives can no longer
         be matched.
         """
         self._check()
         try:
-            self.channel.send(batch)
+            self.channel.send(message)
             yield
         except BaseException as error:
             self._fail(f"forward failed on rank 0 or a peer: {type(error).__name__}: {error}")

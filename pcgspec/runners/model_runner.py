@@ -22,6 +22,7 @@ from pcgspec.distributed.process_group import TPProcessGroups
 from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
+from pcgspec.runners.batch_wire import to_message
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner, GraphOutput
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
@@ -234,7 +235,7 @@ class ModelRunner:
         ``logits`` the LM head is left to the caller (a verify graph's tail)."""
         if self.tp_driver is None:
             return self._forward(batch, logits)
-        with self.tp_driver.step(batch):
+        with self.tp_driver.step(to_message(batch)):
             return self._forward(batch, logits)
 
     def shutdown(self) -> None:

@@ -16,10 +16,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pcgspec.distributed.broadcast import BatchChannel
+from pcgspec.distributed.broadcast import StepChannel
 from pcgspec.distributed.launcher import rank_device
 from pcgspec.distributed.process_group import Rendezvous, TPProcessGroups
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
+from pcgspec.runners.batch_wire import from_message
 from pcgspec.runners.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -45,9 +46,9 @@ def run_worker(
     groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
     runner = ModelRunner(config, model_path, tp_groups=groups)
     warm_up_kernels(_attention_warmup(config, runner), runner.device)
-    channel = BatchChannel(groups)
-    while (batch := channel.recv()) is not None:
-        runner.forward(batch)
+    channel = StepChannel(groups)
+    while (message := channel.recv()) is not None:
+        runner.forward(from_message(message))
     runner.release_graphs()
     groups.destroy()
 
