@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tensor parallelism measured in one call on a host of two GPUs:
 #   1. tests/test_tp_gpu.py: TP=2 greedy equal to TP=1 (Llama-3.2-1B shape, float32) through
-#      piecewise, decode and NGRAM verify graphs; bf16 logits within tolerance. A hang (NCCL's
+#      piecewise, decode and NGRAM verify graphs; bf16 logits within tolerance; `torchrun
+#      --nproc-per-node 2 -m pcgspec generate` equal to the spawned TP=2 engine. A hang (NCCL's
 #      teardown waiting on a live CUDA graph was one) dumps every thread's stack after --hang-s
 #      seconds;
 #   2. scripts/bench_tp.py: the Qwen3-8B-shape targets (decode bs1, prefill 2,048, piecewise vs

@@ -7,12 +7,17 @@ near-ties); bf16 logits of TP=2 stay within bf16 tolerance of TP=1.
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from oracle import assert_greedy_match, greedy
 from safetensors.torch import save_file
 from test_tp import runner_logits
+from test_tp_torchrun import ROOT, finish, torchrun_nodes
 
 from pcgspec import LLM
 from pcgspec.config import EngineConfig
@@ -116,3 +121,26 @@ def test_tp2_bf16_logits_within_tolerance_of_tp1(checkpoint):
     torch.cuda.empty_cache()
     for got, ref in zip(logits(2), expected):
         assert ((got - ref).norm() / ref.norm()).item() < 3e-2
+
+
+def test_torchrun_tp2_equals_spawned_tp2(checkpoint, smollm2_path, tmp_path):
+    """``torchrun --nproc-per-node 2`` running ``pcgspec generate`` (NCCL, graphs, NGRAM on):
+    the tokens of the spawned TP=2 engine, which runs the same shards and collectives.
+    """
+    args = [
+        "generate",
+        *("--model-path", str(checkpoint), "--tokenizer", str(smollm2_path)),
+        *("--dtype", "float32", "--tp-size", "2", "--max-new-tokens", "24", "--ignore-eos"),
+        *("--speculative-algorithm", "NGRAM", "--speculative-policy", "always", "--json"),
+        *("--prompt", "The capital of France is", "--prompt", "one two three one two three"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    spawned = subprocess.run(
+        [sys.executable, "-m", "pcgspec", *args], env=env, capture_output=True, text=True
+    )
+    assert spawned.returncode == 0, spawned.stderr[-3000:]
+    want = [json.loads(line)["token_ids"] for line in spawned.stdout.splitlines()]
+    results = finish(torchrun_nodes(args, tmp_path, nodes=1, per_node=2), tmp_path, 600)
+    assert [rc for rc, _, _ in results] == [0], results[0][2][-3000:]
+    got = [json.loads(line)["token_ids"] for line in results[0][1].splitlines()]
+    assert got == want and len(got) == 2

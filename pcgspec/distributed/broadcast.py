@@ -16,6 +16,7 @@ else to do meanwhile) to read the header and the shapes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ import torch.distributed as dist
 from pcgspec.distributed.process_group import TPProcessGroups
 
 CAPACITY = 4096  # words of the fixed first broadcast (32 KiB)
+SPIN_S = 0.05  # a worker waiting for a step spins this long, then polls every IDLE_POLL_S
+IDLE_POLL_S = 0.0002
 DTYPES = (
     torch.int64,
     torch.int32,
@@ -50,7 +53,7 @@ class StepChannel:
     def __init__(self, groups: TPProcessGroups, capacity: int = CAPACITY) -> None:
         if capacity < 64:
             raise ValueError(f"capacity must be at least 64 words, got {capacity}")
-        self.group = groups.device_group
+        self.group = groups.step_group
         self.device = groups.device
         self.capacity = capacity
         self._inbox = torch.empty(capacity, dtype=torch.int64, device=groups.device)
@@ -78,14 +81,18 @@ class StepChannel:
             self._broadcast(t.contiguous())
 
     def stop(self) -> None:
-        """Rank 0: tell the workers to leave their loop."""
+        """Rank 0: tell the workers to leave their loop (returns once the message is out)."""
         self._broadcast(torch.zeros(self.capacity, dtype=torch.int64, device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def recv(self) -> StepMessage | None:
         """Workers: the next message (``ints``: the payload, one int64 device tensor), or None
         when rank 0 stopped.
         """
         first = self._broadcast(self._inbox)
+        if self.device.type == "cuda":
+            _wait_for_stream()
         host = first.cpu()
         total, meta_len = host[:2].tolist()
         if total == 0:
@@ -113,3 +120,15 @@ class StepChannel:
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, src=0, group=self.group)
         return t
+
+
+def _wait_for_stream() -> None:
+    """Wait for the current stream (the step's broadcast): spinning while steps come back to
+    back, then sleeping between polls, so that an idle worker does not hold a core in a sync.
+    """
+    done = torch.cuda.Event()
+    done.record()
+    spin_until = time.monotonic() + SPIN_S
+    while not done.query():
+        if time.monotonic() > spin_until:
+            time.sleep(IDLE_POLL_S)

@@ -1,12 +1,17 @@
-"""Rank 0's side of tensor parallelism: spawn one worker process per extra rank, join the group,
-broadcast each forward's batch, and fail fast and clean when any rank dies.
+"""Rank 0's side of tensor parallelism: start or join the other ranks, send each forward's
+batch, and fail fast and clean when any rank dies.
 
-Workers are ``torch.multiprocessing`` spawn children (no torchrun) running the entry point rank
-0's runner hands in (``runners/tp_worker.py``): each builds its own ``ModelRunner`` on its shard
-and device, then replays rank 0's forwards. They
-leave when rank 0 stops them, when rank 0 dies (they watch its process), or on a signal. When a
-worker dies, rank 0's next forward raises (a dead peer's collective fails on gloo; on CUDA a
-watcher thread aborts the groups so a blocked NCCL call returns) and the group is torn down.
+Two ways to start the workers, one worker loop (``runners/tp_worker.py``):
+- by itself (one host): ``torch.multiprocessing`` spawn children running the entry point rank
+  0's runner hands in; each builds its own ``ModelRunner`` on its shard and device, then
+  replays rank 0's forwards. They leave when rank 0 stops them, when rank 0 dies (they watch
+  its process), or on a signal. When a worker dies, rank 0's next forward raises (a dead
+  peer's collective fails on gloo; on CUDA a watcher thread aborts the groups so a blocked
+  NCCL call returns) and the group is torn down;
+- under ``torchrun`` (one host or several): every process of the job is a rank (``env://``);
+  rank 0 runs the engine and the others the worker loop (``serve_if_torchrun_worker``), and
+  torchrun owns their lives: a rank that dies fails the job's collectives, and torchrun's
+  agents stop the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pcgspec.distributed.process_group import (
     TPProcessGroups,
     disable_nvlink_multicast,
 )
+from pcgspec.envs import torchrun_env
 from pcgspec.models.loader import load_config
 from pcgspec.models.random_weights import RandomWeights, shape_config
 from pcgspec.models.registry import model_class
@@ -48,53 +54,59 @@ class TPGroupFailed(RuntimeError):
     """A rank of the tensor-parallel group died or failed; the engine cannot go on."""
 
 
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """``rank``'s device: on CUDA ``cuda:(first + rank)`` (first: the config's index), else the
-    config's device.
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """A rank's device: on CUDA ``cuda:(first + local_rank)`` (first: the config's index), else
+    the config's device.
     """
     device = config.torch_device
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    return torch.device("cuda", (device.index or 0) + local_rank)
 
 
 class TPDriver:
-    """Rank 0's end of the group: spawns a process per other rank running ``worker``."""
+    """Rank 0's end of the group: joins torchrun's job when started by it, else spawns a
+    process per other rank running ``worker``.
+    """
 
     def __init__(
         self, config: EngineConfig, model_path: Path | RandomWeights | None, worker: WorkerMain
     ) -> None:
         check_shardable(model_path, config.tp_size)
         disable_nvlink_multicast()  # NOTE: before the spawn: children inherit the environment
-        rendezvous = Rendezvous.local(config.tp_size)
-        ctx = mp.get_context("spawn")
-        self.procs: list[BaseProcess] = []
-        for rank in range(1, config.tp_size):
-            proc = ctx.Process(
-                target=worker,
-                name=f"pcgspec-tp{rank}",
-                daemon=True,
-                args=(config, model_path, rendezvous, rank),
+        env = torchrun_env()
+        if env is not None and env.rank != 0:
+            raise RuntimeError(
+                f"torchrun rank {env.rank} builds an engine: ranks other than 0 run the worker "
+                "loop (pcgspec.runners.tp_worker.serve_if_torchrun_worker)"
             )
-            proc.start()
-            self.procs.append(proc)
+        if env is None:
+            rendezvous = Rendezvous.local(config.tp_size)
+            self.procs = _spawn(worker, config, model_path, rendezvous)
+        else:
+            rendezvous, self.procs = Rendezvous.from_env(env), []
         # NOTE: at garbage collection or interpreter exit: terminate at once (nothing to flush)
         self._stopping = threading.Event()  # set before any intended exit: the watcher ignores it
         self._finalizer = weakref.finalize(self, _stop, list(self.procs), self._stopping)
         self._lock = threading.Lock()  # NOTE: one thread at a time polls and reaps the workers
         self.failure: str | None = None
         try:
-            self.groups = TPProcessGroups(rendezvous, 0, rank_device(config, 0))
+            local_rank = 0 if env is None else env.local_rank
+            self.groups = TPProcessGroups(rendezvous, 0, rank_device(config, local_rank))
         except BaseException:
             self._finalizer()
             raise
         self.channel = StepChannel(self.groups)
-        threading.Thread(target=self._watch, name="pcgspec-tp-watch", daemon=True).start()
+        if env is not None:  # NOTE: at exit, torchrun's workers are told to leave, not killed
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _tell_stop, self.channel, self._stopping)
+        if self.procs:
+            threading.Thread(target=self._watch, name="pcgspec-tp-watch", daemon=True).start()
         logger.info(
-            "tensor parallel: %d ranks (%s), workers %s",
+            "tensor parallel: %d ranks (%s), %s",
             config.tp_size,
             "nccl" if self.groups.device.type == "cuda" else "gloo",
-            [p.pid for p in self.procs],
+            f"workers {[p.pid for p in self.procs]}" if self.procs else "started by torchrun",
         )
 
     @property
@@ -142,6 +154,7 @@ class TPDriver:
             raise TPGroupFailed(f"tensor-parallel group is down: {self.failure}")
 
     def _fail(self, reason: str) -> None:
+        self._stopping.set()
         with self._lock:
             if self.failure is None:
                 self.failure = reason
@@ -169,6 +182,37 @@ def check_shardable(model_path: Path | RandomWeights | None, tp_size: int) -> No
         hf_config = load_config(model_path)
     with torch.device("meta"):
         model_class(hf_config)(hf_config, TPGroup(0, tp_size, "meta"))
+
+
+def _spawn(
+    worker: WorkerMain,
+    config: EngineConfig,
+    model_path: Path | RandomWeights | None,
+    rendezvous: Rendezvous,
+) -> list[BaseProcess]:
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = []
+    for rank in range(1, config.tp_size):
+        proc = ctx.Process(
+            target=worker,
+            name=f"pcgspec-tp{rank}",
+            daemon=True,
+            args=(config, model_path, rendezvous, rank),
+        )
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def _tell_stop(channel: StepChannel, stopping: threading.Event) -> None:
+    """torchrun: the stop message, unless the group already stopped or failed."""
+    if stopping.is_set():
+        return
+    stopping.set()
+    try:
+        channel.stop()
+    except Exception:  # NOTE: at exit, a peer already gone: torchrun reports it
+        logger.warning("tensor parallel: stop message failed", exc_info=True)
 
 
 def _stop(procs: list[BaseProcess], stopping: threading.Event) -> None:

@@ -1,5 +1,7 @@
 """The process groups of one tensor-parallel rank: device collectives (NCCL on CUDA, gloo on
-CPU) and a gloo group for host messages (each step's batch header, start-up agreements).
+CPU), the step channel's group (on CUDA a second NCCL group without a practical timeout, since
+a worker waits there for the next step however long the engine idles) and a gloo group for
+host agreements at start-up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pcgspec.distributed.group import TPGroup
+from pcgspec.envs import TorchrunEnv
 
 # NOTE: NVLink multicast (NVLS) can take a shared host's GPUs out of service: off in every
 # process pcgspec starts, set before NCCL or symmetric memory initialize.
@@ -21,7 +24,7 @@ NVLINK_MULTICAST_OFF = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
-# Workers wait on the host group for the next step however long the engine idles.
+# Workers wait on the step group for the next step however long the engine idles.
 HOST_GROUP_TIMEOUT = timedelta(days=365)
 DEVICE_GROUP_TIMEOUT = timedelta(minutes=10)
 
@@ -34,8 +37,13 @@ def disable_nvlink_multicast() -> None:
 class Rendezvous:
     """Where the ranks of one group meet (picklable, handed to every worker)."""
 
-    init_method: str  # tcp://host:port of rank 0's store
+    init_method: str  # tcp://host:port of rank 0's store, or env:// (torchrun's variables)
     size: int
+
+    @classmethod
+    def from_env(cls, env: TorchrunEnv) -> Rendezvous:
+        """The group ``torchrun`` started: every process of its job is one rank."""
+        return cls("env://", env.world_size)
 
     @classmethod
     def local(cls, size: int) -> Rendezvous:
@@ -66,13 +74,13 @@ class TPProcessGroups:
         )
         self.device = device
         self.device_group = dist.group.WORLD
-        self.host_group = (
-            dist.new_group(backend="gloo", timeout=HOST_GROUP_TIMEOUT)
-            if cuda
-            else self.device_group
-        )
+        self.host_group = self.step_group = self.device_group
+        if cuda:
+            self.host_group = dist.new_group(backend="gloo", timeout=HOST_GROUP_TIMEOUT)
+            self.step_group = dist.new_group(backend="nccl", timeout=HOST_GROUP_TIMEOUT)
         self.tp = TPGroup(rank, rendezvous.size, self.device_group.group_name)
         dist.all_reduce(torch.ones(1, device=device), group=self.device_group)
+        dist.broadcast(torch.ones(1, device=device), src=0, group=self.step_group)
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank holds (e.g. KV pages: every rank needs the same)."""

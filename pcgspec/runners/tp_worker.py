@@ -1,6 +1,9 @@
-"""A tensor-parallel worker process: its shard of the model, then rank 0's forwards, replayed.
-Rank 0's ``ModelRunner`` hands ``run_worker`` to its ``TPDriver`` (distributed/launcher.py),
-which spawns it: distributed/ runs a runner without importing runners/.
+"""A tensor-parallel worker: its shard of the model, then rank 0's forwards, replayed.
+
+One loop (``serve_steps``), two ways in: ``run_worker``, the entry point rank 0's
+``TPDriver`` spawns (one host), and ``serve_if_torchrun_worker``, which ``LLM`` and
+``pcgspec serve`` call first so that every torchrun rank but 0 becomes a worker (one host or
+several). distributed/ runs a runner without importing runners/.
 
 The worker never samples: rank 0 samples alone and the chosen tokens reach the workers as the
 next step's ``input_ids``, so every rank computes on the same tokens by construction.
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 from pcgspec.distributed.broadcast import StepChannel
 from pcgspec.distributed.launcher import rank_device
 from pcgspec.distributed.process_group import Rendezvous, TPProcessGroups
+from pcgspec.envs import torchrun_env
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.runners.batch_wire import from_message
 from pcgspec.runners.model_runner import ModelRunner
@@ -33,20 +37,44 @@ logger = logging.getLogger("pcgspec")
 def run_worker(
     config: EngineConfig, model_path: Path | RandomWeights | None, rendezvous: Rendezvous, rank: int
 ) -> None:
-    """Join the group, build this rank's runner (the same captures as rank 0, in the same
-    order), warm its attention kernels up, then run every batch rank 0 broadcasts until it says
-    stop.
+    """A spawned worker: leave with rank 0's process, join the group, serve the steps."""
+    _exit_with_parent()
+    groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
+    serve_steps(config, model_path, groups)
+
+
+def serve_if_torchrun_worker(config: EngineConfig) -> bool:
+    """Under torchrun with ``tp_size > 1`` (the job's WORLD_SIZE, ``EngineConfig`` checks) on a
+    rank other than 0: join the job's group, serve rank 0's steps until it stops, then True.
+    Elsewhere: False at once.
+    """
+    env = torchrun_env()
+    if env is None or env.rank == 0 or config.tp_size == 1:
+        return False
+    from pcgspec.models.loader import resolve_model_dir
+
+    groups = TPProcessGroups(
+        Rendezvous.from_env(env), env.rank, rank_device(config, env.local_rank)
+    )
+    serve_steps(config, resolve_model_dir(config.model), groups)
+    return True
+
+
+def serve_steps(
+    config: EngineConfig, model_path: Path | RandomWeights | None, groups: TPProcessGroups
+) -> None:
+    """Build this rank's runner (the same captures as rank 0, in the same order), warm its
+    attention kernels up, then run every batch rank 0 sends until it says stop.
     """
     from pcgspec.engine.cpu_threads import apply_cpu_threads
 
-    _exit_with_parent()
     if config.log_level:
         logging.getLogger("pcgspec").setLevel(config.log_level.upper())
     apply_cpu_threads(config)
-    groups = TPProcessGroups(rendezvous, rank, rank_device(config, rank))
     runner = ModelRunner(config, model_path, tp_groups=groups)
     warm_up_kernels(_attention_warmup(config, runner), runner.device)
     channel = StepChannel(groups)
+    logger.info("tensor parallel: rank %d of %d serving steps", groups.tp.rank, groups.tp.size)
     while (message := channel.recv()) is not None:
         runner.forward(from_message(message))
     runner.release_graphs()
