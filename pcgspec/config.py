@@ -141,11 +141,10 @@ class EngineConfig:
     def _check_tp(self, spec: SpeculativeConfig | None) -> None:
         if self.tp_size == 1:
             return
-        if spec is not None and spec.algorithm != "NGRAM":
+        if spec is not None and spec.algorithm == "NEXTN":
             raise ValueError(
-                f"speculative_algorithm {spec.algorithm} with tp_size "
-                f"{self.tp_size} is not supported yet (its draft model is not "
-                "sharded or placed); NGRAM is"
+                f"speculative_algorithm NEXTN with tp_size {self.tp_size} is not supported "
+                "yet; NGRAM, EAGLE3 and STANDALONE are"
             )
         env = envs.torchrun_env()
         if env is not None and env.world_size != self.tp_size:

@@ -80,10 +80,27 @@ def generate(path, smollm2_path, tp: int, **kw: object) -> tuple[list[list[int]]
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-@pytest.mark.parametrize(
-    "spec", [{}, {"speculative_algorithm": "NGRAM", "speculative_policy": "always"}]
-)
-def test_tp2_greedy_equals_tp1_float32_through_the_graphs(checkpoint, smollm2_path, spec):
+@pytest.fixture(scope="module")
+def eagle3_head(checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    from pcgspec.models.eagle3 import write_eagle3_checkpoint
+    from pcgspec.models.loader import load_config
+
+    return write_eagle3_checkpoint(
+        tmp_path_factory.mktemp("eagle3-1b"), load_config(checkpoint), seed=0
+    )
+
+
+@pytest.mark.parametrize("algorithm", [None, "NGRAM", "EAGLE3"])
+def test_tp2_greedy_equals_tp1_float32_through_the_graphs(
+    checkpoint, smollm2_path, algorithm, request
+):
+    """EAGLE3 (an untrained head: lossless, drafts rarely accepted): the workers capture the
+    auxiliary hidden states in their graphs as rank 0 does."""
+    spec = {} if algorithm is None else {"speculative_algorithm": algorithm}
+    if algorithm is not None:
+        spec["speculative_policy"] = "always"
+    if algorithm == "EAGLE3":
+        spec["speculative_draft_model_path"] = str(request.getfixturevalue("eagle3_head"))
     expected, single = generate(checkpoint, smollm2_path, 1, **spec)
     got, split = generate(checkpoint, smollm2_path, 2, **spec)
     for stats in (single, split):

@@ -70,8 +70,14 @@ class TPDriver:
     """
 
     def __init__(
-        self, config: EngineConfig, model_path: Path | RandomWeights | None, worker: WorkerMain
+        self,
+        config: EngineConfig,
+        model_path: Path | RandomWeights | None,
+        worker: WorkerMain,
+        setup: object,
     ) -> None:
+        """``setup``: what every worker receives first, once the group has formed (how to build
+        its runner)."""
         check_shardable(model_path, config.tp_size)
         disable_nvlink_multicast()  # NOTE: before the spawn: children inherit the environment
         env = torchrun_env()
@@ -96,6 +102,7 @@ class TPDriver:
         except BaseException:
             self._finalizer()
             raise
+        self.groups.from_rank0(setup)
         self.channel = StepChannel(self.groups)
         if env is not None:  # NOTE: at exit, torchrun's workers are told to leave, not killed
             self._finalizer.detach()

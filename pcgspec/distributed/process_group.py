@@ -82,6 +82,12 @@ class TPProcessGroups:
         dist.all_reduce(torch.ones(1, device=device), group=self.device_group)
         dist.broadcast(torch.ones(1, device=device), src=0, group=self.step_group)
 
+    def from_rank0(self, value: object = None) -> object:
+        """Rank 0's ``value`` on every rank (pickled over the host group: start-up only)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank holds (e.g. KV pages: every rank needs the same)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -67,9 +67,10 @@ class ModelRunner:
                     "tp_size > 1 loads a shard in every rank: pass model_path "
                     "(a folder or RandomWeights), not a built model"
                 )
-            from pcgspec.runners.tp_worker import run_worker  # NOTE: it imports this module
+            from pcgspec.runners.tp_worker import WorkerSetup, run_worker  # NOTE: imports us
 
-            self.tp_driver = TPDriver(config, model_path, run_worker)
+            setup = WorkerSetup(config, draft_kv_bytes_per_token, drafter_reads_hidden)
+            self.tp_driver = TPDriver(config, model_path, run_worker, setup)
             tp_groups = self.tp_driver.groups
         self.tp_groups = tp_groups
         self.tp = SINGLE if tp_groups is None else tp_groups.tp

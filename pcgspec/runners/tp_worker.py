@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,18 @@ if TYPE_CHECKING:
     from pcgspec.models.random_weights import RandomWeights
 
 logger = logging.getLogger("pcgspec")
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Rank 0's runner arguments, sent to every worker once the group forms: its config (the
+    auxiliary hidden layers a draft head set included) and what the drafter needs, so that
+    every rank traces and captures the same graphs however it was started.
+    """
+
+    config: EngineConfig
+    draft_kv_bytes_per_token: int
+    drafter_reads_hidden: bool
 
 
 def run_worker(
@@ -63,15 +76,26 @@ def serve_if_torchrun_worker(config: EngineConfig) -> bool:
 def serve_steps(
     config: EngineConfig, model_path: Path | RandomWeights | None, groups: TPProcessGroups
 ) -> None:
-    """Build this rank's runner (the same captures as rank 0, in the same order), warm its
-    attention kernels up, then run every batch rank 0 sends until it says stop.
+    """Build this rank's runner as rank 0's ``WorkerSetup`` says (the same captures as rank 0,
+    in the same order), warm its attention kernels up, then run every batch rank 0 sends until
+    it says stop.
     """
     from pcgspec.engine.cpu_threads import apply_cpu_threads
 
     if config.log_level:
         logging.getLogger("pcgspec").setLevel(config.log_level.upper())
     apply_cpu_threads(config)
-    runner = ModelRunner(config, model_path, tp_groups=groups)
+    setup = groups.from_rank0()
+    if not isinstance(setup, WorkerSetup):
+        raise TypeError(f"rank 0 sent {type(setup).__name__}, not a WorkerSetup")
+    config = setup.config
+    runner = ModelRunner(
+        config,
+        model_path,
+        draft_kv_bytes_per_token=setup.draft_kv_bytes_per_token,
+        drafter_reads_hidden=setup.drafter_reads_hidden,
+        tp_groups=groups,
+    )
     warm_up_kernels(_attention_warmup(config, runner), runner.device)
     channel = StepChannel(groups)
     logger.info("tensor parallel: rank %d of %d serving steps", groups.tp.rank, groups.tp.size)
