@@ -39,6 +39,17 @@ def api_key() -> str | None:
     return os.environ.get("PCGSPEC_API_KEY") or None
 
 
+def tp_symm_mem_max_bytes() -> int:
+    """Tensor-parallel all-reduces of at most this many bytes take the one-shot path over
+    symmetric memory on one host of GPUs (``PCGSPEC_TP_SYMM_MEM_MAX_BYTES``; 0, the default: every
+    all-reduce on NCCL).
+    """
+    raw = os.environ.get("PCGSPEC_TP_SYMM_MEM_MAX_BYTES", "0")
+    if not raw.isdigit():
+        raise ValueError(f"PCGSPEC_TP_SYMM_MEM_MAX_BYTES must be a byte count, got {raw!r}")
+    return int(raw)
+
+
 @dataclass(frozen=True)
 class TorchrunEnv:
     """This process's place in a job ``torchrun`` (or another ``env://`` launcher) started;

@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pcgspec import envs
+from pcgspec.distributed import symm_mem
 from pcgspec.distributed.group import TPGroup
 from pcgspec.envs import TorchrunEnv
 
@@ -81,6 +83,16 @@ class TPProcessGroups:
         self.tp = TPGroup(rank, rendezvous.size, self.device_group.group_name)
         dist.all_reduce(torch.ones(1, device=device), group=self.device_group)
         dist.broadcast(torch.ones(1, device=device), src=0, group=self.step_group)
+        self._enable_symm_mem()
+
+    def _enable_symm_mem(self) -> None:
+        """CUDA, every rank on one host, ``PCGSPEC_TP_SYMM_MEM_MAX_BYTES`` > 0: small all-reduces
+        over peer memory (``symm_mem.py``)."""
+        max_bytes = envs.tp_symm_mem_max_bytes()
+        job = envs.torchrun_env()
+        one_host = job is None or job.local_world_size == job.world_size
+        if self.device.type == "cuda" and max_bytes and one_host:
+            symm_mem.enable(self.tp.group_name, self.device, max_bytes)
 
     def from_rank0(self, value: object = None) -> object:
         """Rank 0's ``value`` on every rank (pickled over the host group: start-up only)."""
@@ -96,6 +108,7 @@ class TPProcessGroups:
 
     def destroy(self) -> None:
         """Leave the groups (after the runner released its graphs: ``release_graphs``)."""
+        symm_mem.disable(self.tp.group_name)
         if dist.is_initialized():
             dist.destroy_process_group()
 
