@@ -12,6 +12,7 @@ takes. Never a multicast (multimem) op: NVLink multicast stays off. Tested on GP
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class SymmBuffer:
 
 
 _BUFFERS: dict[str, SymmBuffer] = {}
+ONE_SHOT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def enable(group_name: str, device: torch.device, max_bytes: int) -> SymmBuffer:
@@ -41,6 +43,9 @@ def enable(group_name: str, device: torch.device, max_bytes: int) -> SymmBuffer:
 
     if max_bytes % 16:
         raise ValueError(f"max_bytes must be a multiple of 16, got {max_bytes}")
+    with warnings.catch_warnings():  # NOTE: older torch needs it, newer ones deprecate it
+        warnings.filterwarnings("ignore", "`enable_symm_mem_for_group`", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group_name)
     buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
     symm_mem.rendezvous(buffer, group_name)
     _BUFFERS[group_name] = SymmBuffer(group_name, buffer)
@@ -53,11 +58,14 @@ def disable(group_name: str) -> None:
 
 
 def buffer_for(x: torch.Tensor, group_name: str) -> SymmBuffer | None:
-    """The group's buffer when ``x`` takes the one-shot path, else None (NCCL)."""
+    """The group's buffer when ``x`` takes the one-shot path, else None (NCCL): a CUDA tensor of
+    a dtype the kernel sums (float32, bfloat16), whole 4-byte words, at most ``max_bytes``.
+    """
     symm = _BUFFERS.get(group_name)
-    if symm is None or not x.is_cuda or x.numel() * x.element_size() > symm.max_bytes:
+    nbytes = x.numel() * x.element_size()
+    if symm is None or not x.is_cuda or x.dtype not in ONE_SHOT_DTYPES:
         return None
-    return symm
+    return symm if nbytes <= symm.max_bytes and nbytes % 4 == 0 else None
 
 
 def one_shot_all_reduce(x: torch.Tensor, symm: SymmBuffer) -> torch.Tensor:
