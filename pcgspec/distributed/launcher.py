@@ -80,31 +80,21 @@ class TPDriver:
         its runner)."""
         check_shardable(model_path, config.tp_size)
         disable_nvlink_multicast()  # NOTE: before the spawn: children inherit the environment
-        env = torchrun_env()
-        if env is not None and env.rank != 0:
-            raise RuntimeError(
-                f"torchrun rank {env.rank} builds an engine: ranks other than 0 run the worker "
-                "loop (pcgspec.runners.tp_worker.serve_if_torchrun_worker)"
-            )
-        if env is None:
-            rendezvous = Rendezvous.local(config.tp_size)
-            self.procs = _spawn(worker, config, model_path, rendezvous)
-        else:
-            rendezvous, self.procs = Rendezvous.from_env(env), []
+        self.torchrun = torchrun_env()
+        rendezvous, local_rank = self._start(config, model_path, worker)
         # NOTE: at garbage collection or interpreter exit: terminate at once (nothing to flush)
         self._stopping = threading.Event()  # set before any intended exit: the watcher ignores it
         self._finalizer = weakref.finalize(self, _stop, list(self.procs), self._stopping)
         self._lock = threading.Lock()  # NOTE: one thread at a time polls and reaps the workers
         self.failure: str | None = None
         try:
-            local_rank = 0 if env is None else env.local_rank
             self.groups = TPProcessGroups(rendezvous, 0, rank_device(config, local_rank))
+            self.groups.from_rank0(setup)
         except BaseException:
             self._finalizer()
             raise
-        self.groups.from_rank0(setup)
         self.channel = StepChannel(self.groups)
-        if env is not None:  # NOTE: at exit, torchrun's workers are told to leave, not killed
+        if self.torchrun is not None:  # NOTE: at exit torchrun's workers are told to leave
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _tell_stop, self.channel, self._stopping)
         if self.procs:
@@ -115,6 +105,25 @@ class TPDriver:
             "nccl" if self.groups.device.type == "cuda" else "gloo",
             f"workers {[p.pid for p in self.procs]}" if self.procs else "started by torchrun",
         )
+
+    def _start(
+        self, config: EngineConfig, model_path: Path | RandomWeights | None, worker: WorkerMain
+    ) -> tuple[Rendezvous, int]:
+        """Spawn the workers (``procs``), or under torchrun find the job's; this rank's
+        rendezvous and local rank.
+        """
+        env = self.torchrun
+        if env is None:
+            rendezvous = Rendezvous.local(config.tp_size)
+            self.procs = _spawn(worker, config, model_path, rendezvous)
+            return rendezvous, 0
+        if env.rank != 0:
+            raise RuntimeError(
+                f"torchrun rank {env.rank} builds an engine: ranks other than 0 run the worker "
+                "loop (pcgspec.runners.tp_worker.serve_if_torchrun_worker)"
+            )
+        self.procs: list[BaseProcess] = []
+        return Rendezvous.from_env(env), env.local_rank
 
     @property
     def tp(self) -> TPGroup:
