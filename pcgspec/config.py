@@ -136,16 +136,11 @@ class EngineConfig:
         spec = self.speculative_config  # validates the speculative_* fields
         if spec is not None:
             spec.draft_model_path(self.model)  # EAGLE3 without a path: the shipped head exists
-        self._check_tp(spec)
+        self._check_tp()
 
-    def _check_tp(self, spec: SpeculativeConfig | None) -> None:
+    def _check_tp(self) -> None:
         if self.tp_size == 1:
             return
-        if spec is not None and spec.algorithm == "NEXTN":
-            raise ValueError(
-                f"speculative_algorithm NEXTN with tp_size {self.tp_size} is not supported "
-                "yet; NGRAM, EAGLE3 and STANDALONE are"
-            )
         env = envs.torchrun_env()
         if env is not None and env.world_size != self.tp_size:
             raise ValueError(

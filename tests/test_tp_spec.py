@@ -1,6 +1,7 @@
-"""Model drafters under tensor parallelism on CPU (gloo): an EAGLE3 head (borrowing the target's
-embedding and LM head, which rank 0 holds whole for it) and a STANDALONE draft model run on
-rank 0 while the target is sharded over two ranks; greedy tokens equal TP=1 plain decoding.
+"""Model drafters under tensor parallelism on CPU (gloo): EAGLE3 and NEXTN heads (borrowing
+the target's embedding and LM head, which rank 0 holds whole for them) and a STANDALONE draft
+model run on rank 0 while the target is sharded over two ranks; greedy tokens equal TP=1 plain
+decoding.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from test_models import tiny_hf_model
 from pcgspec import LLM, SamplingParams
 from pcgspec.models.eagle3 import write_eagle3_checkpoint
 from pcgspec.models.loader import load_config, load_model, load_vocab_modules
+from pcgspec.models.mtp import write_mtp_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +62,14 @@ def test_vocab_modules_are_the_targets(target) -> None:
     assert (vocab.vocab_size, vocab.num_layers) == (full.vocab_size, full.num_layers)
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE"])
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE", "NEXTN"])
 def test_tp2_model_drafters_greedy_equal_tp1_plain(
     algorithm, target, engine_kw, plain_tokens, tmp_path
 ) -> None:
     if algorithm == "EAGLE3":
         draft = write_eagle3_checkpoint(tmp_path / "eagle3", load_config(target), seed=1)
+    elif algorithm == "NEXTN":
+        draft = write_mtp_checkpoint(tmp_path / "mtp", load_config(target), seed=1)
     else:
         small = tiny_hf_model("LlamaConfig")  # the target's first layer only: agrees often
         small.model.layers, small.config.num_hidden_layers = small.model.layers[:1], 1
