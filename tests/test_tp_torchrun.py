@@ -70,19 +70,25 @@ def engine_flags(tiny_path: Path, smollm2_path: Path) -> list[str]:
 
 
 def torchrun_nodes(
-    args: list[str], logs: Path, nodes: int = 2, per_node: int = 1
+    args: list[str], logs: Path, nodes: int = 2, per_node: int = 1, static: bool = False
 ) -> list[subprocess.Popen]:
     """``nodes`` torchrun processes of ``per_node`` processes each, meeting at a c10d
-    rendezvous; node ``i`` writes ``logs/i.out`` and ``logs/i.err``.
+    rendezvous (``static``: torchrun's default one, node 0 holding rank 0); node ``i`` writes
+    ``logs/i.out`` and ``logs/i.err``.
     """
-    endpoint = f"localhost:{free_port()}"
+    port = free_port()
+    meet = (
+        ("--master-addr", "localhost", "--master-port", str(port))
+        if static
+        else ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}")
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return [
         subprocess.Popen(
             [
                 *(sys.executable, "-m", "torch.distributed.run"),
                 *("--nnodes", str(nodes), "--node-rank", str(i), "--nproc-per-node", str(per_node)),
-                *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
+                *meet,
                 *("-m", "pcgspec", *args),
             ],
             env=env,
@@ -143,15 +149,16 @@ def test_torchrun_two_nodes_generate_the_text_of_one_process(
 def test_torchrun_two_nodes_serve_the_text_of_one_process(
     tiny_path, smollm2_path, tmp_path
 ) -> None:
-    """``pcgspec serve`` on both nodes: rank 0 serves HTTP, the other rank is its worker; a
-    SIGTERM to rank 0's server stops the worker too, and both torchruns exit 0.
+    """``pcgspec serve`` on both nodes (static rendezvous): node 0's rank 0 serves HTTP, node
+    1's rank is its worker; a SIGTERM to rank 0's server stops the worker too, and both
+    torchruns exit 0.
     """
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     kw = dict(tokenizer=str(smollm2_path), device="cpu", dtype="float32", max_total_tokens=256)
     want = LLM(str(tiny_path), **kw).generate(PROMPTS[1], params, use_tqdm=False)[0]
     port = free_port()
     args = ["serve", *engine_flags(tiny_path, smollm2_path), "--tp-size", "2", "--port", str(port)]
-    procs = torchrun_nodes(args, tmp_path)
+    procs = torchrun_nodes(args, tmp_path, static=True)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, procs)
@@ -164,7 +171,9 @@ def test_torchrun_two_nodes_serve_the_text_of_one_process(
         with urllib.request.urlopen(request, timeout=60) as response:
             text = json.load(response)["choices"][0]["text"]
         assert text == want.outputs[0].text
-        os.kill(_rank0_pid(procs), signal.SIGTERM)
+        server = _rank0_pid(procs)
+        assert server in [c.pid for c in psutil.Process(procs[0].pid).children()]
+        os.kill(server, signal.SIGTERM)
     finally:
         results = finish(procs, tmp_path, timeout=60)
     assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
