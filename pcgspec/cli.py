@@ -317,10 +317,14 @@ def _print_outputs(prompts: list[str], outputs: list[Any], as_json: bool) -> Non
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from pcgspec.runners.tp_worker import serve_if_torchrun_worker
     from pcgspec.server.app import run_server
     from pcgspec.server.state import ServerSettings
 
     _take_positional_model(args)
+    config = engine_config_from_args(args)
+    if serve_if_torchrun_worker(config):  # torchrun: every rank but 0 serves rank 0's steps
+        return 0
     _check_port_free(args.host, args.port)
 
     settings = ServerSettings(
@@ -339,7 +343,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         engine_in_process=args.engine_in_process,
     )
-    return run_server(engine_config_from_args(args), settings)
+    return run_server(config, settings)
 
 
 def serve_engine_config(argv: Sequence[str]) -> EngineConfig:

@@ -136,26 +136,27 @@ class EngineConfig:
         spec = self.speculative_config  # validates the speculative_* fields
         if spec is not None:
             spec.draft_model_path(self.model)  # EAGLE3 without a path: the shipped head exists
-        self._check_tp(spec)
+        self._check_tp()
 
-    def _check_tp(self, spec: SpeculativeConfig | None) -> None:
+    def _check_tp(self) -> None:
         if self.tp_size == 1:
             return
-        if spec is not None and spec.algorithm != "NGRAM":
+        env = envs.torchrun_env()
+        if env is not None and env.world_size != self.tp_size:
             raise ValueError(
-                f"speculative_algorithm {spec.algorithm} with tp_size "
-                f"{self.tp_size} is not supported yet (its draft model is not "
-                "sharded or placed); NGRAM is"
+                f"tp_size ({self.tp_size}) must equal torchrun's WORLD_SIZE ({env.world_size}): "
+                "every process torchrun starts is one tensor-parallel rank"
             )
         if self.device != "cpu":
             import torch
 
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             first = 0 if self.device == "auto" else (torch.device(self.device).index or 0)
-            if count and first + self.tp_size > count:
+            local = self.tp_size if env is None else env.local_world_size
+            if count and first + local > count:
                 raise ValueError(
                     f"tp_size {self.tp_size} from {self.device} needs "
-                    f"{first + self.tp_size} CUDA devices, there are {count}"
+                    f"{first + local} CUDA devices on this host, there are {count}"
                 )
 
     def _check_device(self) -> None:

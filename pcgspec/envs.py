@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -36,3 +37,47 @@ def api_key() -> str | None:
     """The server's Bearer key when ``--api-key`` is not given (``PCGSPEC_API_KEY``); an
     environment variable keeps the key out of the process list."""
     return os.environ.get("PCGSPEC_API_KEY") or None
+
+
+def tp_symm_mem_max_bytes() -> int:
+    """Tensor-parallel all-reduces of at most this many bytes take the one-shot path over
+    symmetric memory on one host of GPUs (``PCGSPEC_TP_SYMM_MEM_MAX_BYTES``; 0, the default: every
+    all-reduce on NCCL).
+    """
+    raw = os.environ.get("PCGSPEC_TP_SYMM_MEM_MAX_BYTES", "0")
+    if not raw.isdigit():
+        raise ValueError(f"PCGSPEC_TP_SYMM_MEM_MAX_BYTES must be a byte count, got {raw!r}")
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """This process's place in a job ``torchrun`` (or another ``env://`` launcher) started;
+    ``MASTER_ADDR`` and ``MASTER_PORT`` are read by torch's ``env://`` rendezvous itself.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as ``torchrun`` sets
+    them, or None when this process was not started so (no ``RANK``/``WORLD_SIZE``/
+    ``MASTER_ADDR``).
+    """
+    if not all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return None
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        raw = os.environ.get(name, "1" if name == "LOCAL_WORLD_SIZE" else "0")
+        if not raw.isdigit():
+            raise ValueError(
+                f"environment variable {name} must be a non-negative integer, got {raw!r}"
+            )
+        values[name.lower()] = int(raw)
+    env = TorchrunEnv(**values)
+    if not (env.rank < env.world_size and env.local_rank < env.local_world_size):
+        raise ValueError(f"torchrun environment out of range: {env}")
+    return env

@@ -12,6 +12,7 @@ from pcgspec.engine.engine import Engine
 from pcgspec.engine.request import Request
 from pcgspec.outputs import RequestOutput
 from pcgspec.progress import progress
+from pcgspec.runners.tp_worker import serve_if_torchrun_worker
 from pcgspec.sampling_params import SamplingParams
 
 # vLLM's prompt forms: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
@@ -57,12 +58,18 @@ class LLM:
     It leaves the garbage collector of the caller's process as it found it (no ``gc.freeze``);
     a program that owns its process may freeze what start-up built once its engines are up
     (``pcgspec.engine.collector.freeze_start_up``, as the server does).
+
+    Under ``torchrun`` with ``tp_size`` > 1 every process of the job runs the same script: rank
+    0 gets the engine, and on every other rank the constructor serves rank 0's steps until rank
+    0 shuts down, then ends the process (``SystemExit(0)``).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         if config.log_level:
             logging.getLogger("pcgspec").setLevel(config.log_level.upper())
+        if serve_if_torchrun_worker(config):
+            raise SystemExit(0)
         self.config = config
         start = time.perf_counter()
         self.engine = Engine(config)

@@ -17,6 +17,8 @@ per rank at TP>1), Triton's under TRITON_CACHE_DIR; point both at empty folders 
 
     NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --tp-size 2 \\
         --out bench/results/tp_bench_qwen3-8b-shape_h200x2_$(date +%F).json
+    NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --tp-size 2 --symm-mem-max-bytes 524288 \\
+        --out bench/results/tp_bench_qwen3-8b-shape_h200x2_$(date +%F)_one_shot.json
     python scripts/bench_tp.py --device cpu --shape tiny --prefill-tokens 64 \\
         --whole-tokens 16,32 --context 64 --warmup 1 --repeats 2       # CPU smoke
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import sys
 import time
@@ -68,6 +71,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="torch.compile backend of the whole step (default: inductor on CUDA, "
         "aot_eager on CPU)",
+    )
+    p.add_argument(
+        "--symm-mem-max-bytes",
+        type=int,
+        default=0,
+        help="all-reduces up to this many bytes take the one-shot path over symmetric memory "
+        "(CUDA, one host; sets PCGSPEC_TP_SYMM_MEM_MAX_BYTES for every process; 0: NCCL only)",
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
@@ -221,6 +231,7 @@ def collect(procs: list[BaseProcess], results: mp.Queue) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     disable_nvlink_multicast()  # NOTE: before any spawn: the children inherit it
+    os.environ["PCGSPEC_TP_SYMM_MEM_MAX_BYTES"] = str(args.symm_mem_max_bytes)
     if args.bound_backend is None:
         cuda = EngineConfig(device=args.device).torch_device.type == "cuda"
         args.bound_backend = "inductor" if cuda else "aot_eager"
@@ -246,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.shape,
         "dtype": args.dtype,
         "tp_size": args.tp_size,
+        "symm_mem_max_bytes": args.symm_mem_max_bytes,
         "context": args.context,
         "prefill_tokens": args.prefill_tokens,
         "runs": [single, split],

@@ -93,8 +93,6 @@ def test_head_counts_that_do_not_divide_raise(llama_path) -> None:
     assert not multiprocessing.active_children()
     with pytest.raises(ValueError, match="tp_size must be a positive integer"):
         EngineConfig(tp_size=0)
-    with pytest.raises(ValueError, match="EAGLE3 with tp_size 2 is not supported"):
-        EngineConfig(tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path=".")
 
 
 def runner_config(path, tp: int) -> EngineConfig:

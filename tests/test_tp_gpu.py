@@ -7,15 +7,24 @@ near-ties); bf16 logits of TP=2 stay within bf16 tolerance of TP=1.
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from oracle import assert_greedy_match, greedy
 from safetensors.torch import save_file
 from test_tp import runner_logits
+from test_tp_torchrun import ROOT, finish, torchrun_nodes
 
 from pcgspec import LLM
 from pcgspec.config import EngineConfig
+from pcgspec.distributed import symm_mem
+from pcgspec.distributed.process_group import Rendezvous, TPProcessGroups
 from pcgspec.models.layers.weights import unfused_state_dict
 from pcgspec.models.random_weights import random_model, shape_config
 from pcgspec.runners.model_runner import ModelRunner
@@ -67,6 +76,7 @@ def generate(path, smollm2_path, tp: int, **kw: object) -> tuple[list[list[int]]
         "piecewise": runner.piecewise.stats(),
         "decode": runner.decode_graphs.stats(),
         "spec": llm.engine.spec_stats(),
+        "one_shot_calls": sum(b.calls for b in symm_mem._BUFFERS.values()),
     }
     llm.shutdown()
     del llm, runner
@@ -75,10 +85,27 @@ def generate(path, smollm2_path, tp: int, **kw: object) -> tuple[list[list[int]]
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-@pytest.mark.parametrize(
-    "spec", [{}, {"speculative_algorithm": "NGRAM", "speculative_policy": "always"}]
-)
-def test_tp2_greedy_equals_tp1_float32_through_the_graphs(checkpoint, smollm2_path, spec):
+@pytest.fixture(scope="module")
+def eagle3_head(checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    from pcgspec.models.eagle3 import write_eagle3_checkpoint
+    from pcgspec.models.loader import load_config
+
+    return write_eagle3_checkpoint(
+        tmp_path_factory.mktemp("eagle3-1b"), load_config(checkpoint), seed=0
+    )
+
+
+@pytest.mark.parametrize("algorithm", [None, "NGRAM", "EAGLE3"])
+def test_tp2_greedy_equals_tp1_float32_through_the_graphs(
+    checkpoint, smollm2_path, algorithm, request
+):
+    """EAGLE3 (an untrained head: lossless, drafts rarely accepted): the workers capture the
+    auxiliary hidden states in their graphs as rank 0 does."""
+    spec = {} if algorithm is None else {"speculative_algorithm": algorithm}
+    if algorithm is not None:
+        spec["speculative_policy"] = "always"
+    if algorithm == "EAGLE3":
+        spec["speculative_draft_model_path"] = str(request.getfixturevalue("eagle3_head"))
     expected, single = generate(checkpoint, smollm2_path, 1, **spec)
     got, split = generate(checkpoint, smollm2_path, 2, **spec)
     for stats in (single, split):
@@ -116,3 +143,89 @@ def test_tp2_bf16_logits_within_tolerance_of_tp1(checkpoint):
     torch.cuda.empty_cache()
     for got, ref in zip(logits(2), expected):
         assert ((got - ref).norm() / ref.norm()).item() < 3e-2
+
+
+def test_torchrun_tp2_equals_spawned_tp2(checkpoint, smollm2_path, tmp_path):
+    """``torchrun --nproc-per-node 2`` running ``pcgspec generate`` (NCCL, graphs, NGRAM on):
+    the tokens of the spawned TP=2 engine, which runs the same shards and collectives.
+    """
+    args = [
+        "generate",
+        *("--model-path", str(checkpoint), "--tokenizer", str(smollm2_path)),
+        *("--dtype", "float32", "--tp-size", "2", "--max-new-tokens", "24", "--ignore-eos"),
+        *("--max-total-tokens", "16384", "--cuda-graph-max-bs", "8"),
+        *("--piecewise-cuda-graph-max-tokens", "512"),
+        *("--speculative-algorithm", "NGRAM", "--speculative-policy", "always", "--json"),
+        *("--prompt", "The capital of France is", "--prompt", "one two three one two three"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    spawned = subprocess.run(
+        [sys.executable, "-m", "pcgspec", *args], env=env, capture_output=True, text=True
+    )
+    assert spawned.returncode == 0, spawned.stderr[-3000:]
+    want = [json.loads(line)["token_ids"] for line in spawned.stdout.splitlines()]
+    results = finish(torchrun_nodes(args, tmp_path, nodes=1, per_node=2), tmp_path, 600)
+    assert [rc for rc, _, _ in results] == [0], results[0][2][-3000:]
+    got = [json.loads(line)["token_ids"] for line in results[0][1].splitlines()]
+    assert got == want and len(got) == 2
+
+
+SYMM_MAX_BYTES = 1 << 16
+
+
+def _symm_rank(rendezvous: Rendezvous, rank: int, results) -> None:  # noqa: ANN001
+    """One rank: one-shot all-reduces (eager and replayed from a CUDA graph) equal NCCL's, and
+    a message above the limit goes to NCCL."""
+    try:
+        groups = TPProcessGroups(rendezvous, rank, torch.device("cuda", rank))
+        symm = symm_mem.buffer_for(torch.zeros(1, device=groups.device), groups.tp.group_name)
+        assert symm is not None, "the one-shot path is off"
+        gen = torch.Generator(device=groups.device).manual_seed(rank)
+        for shape in ((1, 64), (4, 2048), (64, 2048)):  # the last: 256 KiB, over the limit
+            x = torch.randn(shape, generator=gen, device=groups.device, dtype=torch.bfloat16)
+            want = x.clone()
+            dist.all_reduce(want, group=groups.device_group)
+            calls = symm.calls
+            torch.testing.assert_close(groups.tp.all_reduce(x), want, rtol=0, atol=0)
+            assert (symm.calls > calls) == (x.numel() * 2 <= SYMM_MAX_BYTES), shape
+        static = torch.zeros(8, 256, device=groups.device, dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = groups.tp.all_reduce(static)
+        for step in range(3):
+            static.copy_(torch.full_like(static, rank + step))
+            graph.replay()
+            torch.testing.assert_close(out, torch.full_like(out, 1 + 2 * step), rtol=0, atol=0)
+        torch.cuda.synchronize()
+        del graph
+        groups.destroy()
+        results.put("ok")
+    except BaseException as e:  # noqa: BLE001 (reported to the test)
+        results.put(f"rank {rank}: {type(e).__name__}: {e}")
+
+
+def test_symm_mem_one_shot_all_reduce_equals_nccl(monkeypatch):
+    monkeypatch.setenv("PCGSPEC_TP_SYMM_MEM_MAX_BYTES", str(SYMM_MAX_BYTES))
+    ctx = mp.get_context("spawn")
+    results, rendezvous = ctx.Queue(), Rendezvous.local(2)
+    procs = [ctx.Process(target=_symm_rank, args=(rendezvous, r, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert [results.get(timeout=300) for _ in procs] == ["ok", "ok"]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def test_tp2_greedy_with_the_one_shot_all_reduce_equals_nccl(checkpoint, smollm2_path, monkeypatch):
+    """Through the piecewise, decode and verify graphs (the small buckets one-shot, the large
+    ones NCCL): the tokens of the NCCL-only engine (a sum of two is exact either way)."""
+    want, nccl = generate(checkpoint, smollm2_path, 2)
+    monkeypatch.setenv("PCGSPEC_TP_SYMM_MEM_MAX_BYTES", str(SYMM_MAX_BYTES))
+    got, one_shot = generate(checkpoint, smollm2_path, 2)
+    assert (nccl["one_shot_calls"], one_shot["one_shot_calls"] > 0) == (0, True)
+    assert got == want

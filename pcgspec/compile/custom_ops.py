@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from pcgspec.compile.forward_context import get_forward_context
+from pcgspec.distributed import symm_mem
 
 ATTENTION_OP_NAME = "pcgspec::attention"
 ALL_REDUCE_OP_NAME = "pcgspec::all_reduce"
@@ -48,8 +49,12 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of process group ``group_name``, as a new tensor.
 
     NOTE: opaque to Dynamo and not a split op, so it lands inside a compiled piece; under CUDA
-    graph capture ``dist.all_reduce`` on NCCL records into the graph like any kernel.
+    graph capture ``dist.all_reduce`` on NCCL records into the graph like any kernel. Small CUDA
+    messages take the one-shot path over peer memory when it is on (``distributed/symm_mem.py``).
     """
+    symm = symm_mem.buffer_for(x, group_name)
+    if symm is not None:
+        return symm_mem.one_shot_all_reduce(x, symm)
     out = x.clone()
     dist.all_reduce(out, group=_resolve_process_group(group_name))
     return out

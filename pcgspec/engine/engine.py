@@ -25,7 +25,7 @@ from pcgspec.engine.request import Request
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.engine.step_timer import DecodeStepTimer
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
-from pcgspec.models.loader import load_model, load_tokenizer, resolve_model_dir
+from pcgspec.models.loader import load_model, load_tokenizer, load_vocab_modules, resolve_model_dir
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch
@@ -109,14 +109,17 @@ class Engine:
         spec = config.speculative_config
         if spec is None or spec.algorithm == "NGRAM":
             return ModelRunner(config, self.model_dir), None
-        target = load_model(self.model_dir, config.torch_dtype, config.torch_device)
+        sharded = config.tp_size > 1  # NOTE: then the draft borrows one-rank vocab modules
+        load_target = load_vocab_modules if sharded else load_model
+        target = load_target(self.model_dir, config.torch_dtype, config.torch_device)
         draft = load_draft(spec, config, target)
         aux = draft.target_aux_layers(target.num_layers)
         if aux is not None and config.aux_hidden_state_layers is None:
             config = dataclasses.replace(config, aux_hidden_state_layers=tuple(aux))
         runner = ModelRunner(
             config,
-            model=target,
+            self.model_dir if sharded else None,
+            model=None if sharded else target,
             draft_kv_bytes_per_token=kv_spec(draft).bytes_per_token,
             drafter_reads_hidden=draft.uses_target_hidden,
         )

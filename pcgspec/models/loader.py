@@ -165,6 +165,31 @@ def load_model(
     return model
 
 
+def load_vocab_modules(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> nn.Module:
+    """``path``'s model for one rank with only its embedding and LM head allocated and loaded
+    (every other parameter stays on the meta device): what a draft head borrows from a target
+    that tensor parallelism shards, since the sharded ones need every rank to run them.
+    """
+    folder = resolve_model_dir(path)
+    config = load_config(folder)
+    with torch.device("meta"):
+        model = model_class(config)(config, SINGLE)
+    parts = {"model.embed_tokens.weight": model.model.embed_tokens}
+    if model.lm_head is not model.model.embed_tokens:
+        parts["lm_head.weight"] = model.lm_head
+    for module in parts.values():
+        module.to(dtype=dtype).to_empty(device=device)
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in parts.keys() & set(f.keys()):
+                parts.pop(name).weight.data.copy_(f.get_tensor(name))
+    if parts:
+        raise ValueError(f"model folder {str(folder)!r} lacks {sorted(parts)}")
+    return model.requires_grad_(False).eval()
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of ``path`` (with its chat template)."""
     from transformers import AutoTokenizer

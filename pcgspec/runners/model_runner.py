@@ -22,6 +22,7 @@ from pcgspec.distributed.process_group import TPProcessGroups
 from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
+from pcgspec.runners.batch_wire import to_message
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner, GraphOutput
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.sampling.batch import SamplingBatch
@@ -66,9 +67,10 @@ class ModelRunner:
                     "tp_size > 1 loads a shard in every rank: pass model_path "
                     "(a folder or RandomWeights), not a built model"
                 )
-            from pcgspec.runners.tp_worker import run_worker  # NOTE: it imports this module
+            from pcgspec.runners.tp_worker import WorkerSetup, run_worker  # NOTE: imports us
 
-            self.tp_driver = TPDriver(config, model_path, run_worker)
+            setup = WorkerSetup(config, draft_kv_bytes_per_token, drafter_reads_hidden)
+            self.tp_driver = TPDriver(config, model_path, run_worker, setup)
             tp_groups = self.tp_driver.groups
         self.tp_groups = tp_groups
         self.tp = SINGLE if tp_groups is None else tp_groups.tp
@@ -234,7 +236,7 @@ class ModelRunner:
         ``logits`` the LM head is left to the caller (a verify graph's tail)."""
         if self.tp_driver is None:
             return self._forward(batch, logits)
-        with self.tp_driver.step(batch):
+        with self.tp_driver.step(to_message(batch)):
             return self._forward(batch, logits)
 
     def shutdown(self) -> None:

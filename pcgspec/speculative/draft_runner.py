@@ -94,7 +94,7 @@ class DraftRunner:
     """
 
     extend_capture_hidden_mode = CaptureHiddenMode.NULL  # what a piecewise runner captures
-    tp = SINGLE  # NOTE: drafts run unsharded (model drafters are refused with tp_size > 1)
+    tp = SINGLE  # NOTE: drafts run unsharded, on rank 0 alone under tensor parallelism
 
     def __init__(
         self,
