@@ -4,6 +4,8 @@
 # three configurations, each its own server (started once, reused across both datasets):
 #   plain   no speculation (the reference of every ratio)
 #   eagle3  --speculative-algorithm EAGLE3 (the head shipped for the default model)
+#   eagle3-tree  the same head drafting trees: --tree DEPTH,TOPK,N (default 5,4,16) sets
+#           --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens
 #   ngram   --speculative-algorithm NGRAM --speculative-num-steps 4
 # chat:       everyday requests at concurrency 1, 4, 16, 64, every configuration;
 # repetition: answers that quote or edit a given text, concurrency 1, plain and ngram only;
@@ -14,7 +16,8 @@
 # (compile, graph capture, kernel warm-up; later starts reuse the compile cache), text checks and
 # drains ~20 s: about 8.5-9 minutes; the sweep prints the elapsed time before every phase. Two
 # temperatures in one call take about 16 minutes: pass one per call instead. --configs runs a
-# subset (plain should stay first: the ratios are against the first configuration).
+# subset (plain should stay first: the ratios are against the first configuration), and
+# --concurrencies a subset of the points (default 1,4,16,64).
 # Writes served_spec_smollm2_t<temps>_<label>.json, the servers' log and, with matplotlib,
 # the ratio plot (.png) under --out.
 #
@@ -27,9 +30,12 @@ LABEL=gpu
 TEMPS=0
 CONFIGS=plain,eagle3,ngram
 DURATION=30
+CONCURRENCIES=1,4,16,64
+TREE=5,4,16
 usage() {
   echo "usage: $0 [--out DIR] [--device-label NAME] [--temperatures 0[,0.7]]" \
-       "[--configs plain,eagle3,ngram] [--duration SECONDS]" >&2
+       "[--configs plain,eagle3,eagle3-tree,ngram] [--duration SECONDS]" \
+       "[--concurrencies 1,4,16,64] [--tree DEPTH,TOPK,N]" >&2
   exit 2
 }
 while [[ $# -gt 0 ]]; do
@@ -39,6 +45,8 @@ while [[ $# -gt 0 ]]; do
     --temperatures) TEMPS=$2; shift 2 ;;
     --configs) CONFIGS=$2; shift 2 ;;
     --duration) DURATION=$2; shift 2 ;;
+    --concurrencies) CONCURRENCIES=$2; shift 2 ;;
+    --tree) TREE=$2; shift 2 ;;
     *) usage ;;
   esac
 done
@@ -51,9 +59,13 @@ for config in ${CONFIGS//,/ }; do
   case $config in
     plain) COMPARE+=("plain=") ; REPEAT+=(plain) ;;
     eagle3) COMPARE+=("eagle3=--speculative-algorithm EAGLE3") ;;
+    eagle3-tree) IFS=, read -r depth topk nodes <<<"$TREE"
+           tree="--speculative-num-steps $depth --speculative-eagle-topk $topk"
+           tree+=" --speculative-num-draft-tokens $nodes"
+           COMPARE+=("eagle3-tree=--speculative-algorithm EAGLE3 $tree") ;;
     ngram) COMPARE+=("ngram=--speculative-algorithm NGRAM --speculative-num-steps 4")
            REPEAT+=(ngram) ;;
-    *) echo "unknown configuration $config (plain, eagle3, ngram)" >&2; exit 2 ;;
+    *) echo "unknown configuration $config (plain, eagle3, eagle3-tree, ngram)" >&2; exit 2 ;;
   esac
 done
 DATASETS=(chat)
@@ -63,14 +75,15 @@ if [[ ${#REPEAT[@]} -gt 0 ]]; then
 fi
 name=served_spec_smollm2_t${TEMPS//,/-}_${LABEL}
 ntemps=$(tr ',' '\n' <<<"$TEMPS" | grep -c .)
-windows=$(( (${#COMPARE[@]} * 4 + ${#REPEAT[@]}) * ntemps ))
+npoints=$(tr ',' '\n' <<<"$CONCURRENCIES" | grep -c .)
+windows=$(( (${#COMPARE[@]} * npoints + ${#REPEAT[@]}) * ntemps ))
 echo "=== $name: ${#COMPARE[@]} server starts, $windows windows of ${DURATION} s" \
      "(estimate $(( ${#COMPARE[@]} * 30 + windows * (DURATION + 1) + 20 )) s)"
 
 start=$SECONDS
 python scripts/bench_serving.py --launch --base-url http://127.0.0.1:30023 \
   --server-args "--dtype bfloat16" --compare "${COMPARE[@]}" --datasets "${DATASETS[@]}" \
-  --concurrencies 1,4,16,64 --temperatures "$TEMPS" --duration "$DURATION" \
+  --concurrencies "$CONCURRENCIES" --temperatures "$TEMPS" --duration "$DURATION" \
   --warmup-seconds 1 --text-check 8 --max-tokens 128 --device-label "$LABEL" \
   --server-log "$OUT/$name.server.log" --out "$OUT/$name.json"
 echo "=== sweep done in $((SECONDS - start)) s"
