@@ -64,8 +64,8 @@ class EngineConfig:
     # Speculative decoding (SGLang's names); None = SpeculativeConfig's default.
     speculative_algorithm: str | None = None  # EAGLE3, NEXTN, STANDALONE or NGRAM
     speculative_num_steps: int | None = None  # k drafts per request and step
-    speculative_num_draft_tokens: int | None = None  # k+1
-    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None  # k+1, or the tree nodes with topk > 1
+    speculative_eagle_topk: int | None = None  # > 1: tree drafting (EAGLE3, NEXTN)
     speculative_draft_model_path: str | None = None
     speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int | None = None

@@ -202,7 +202,7 @@ def test_draft_graphs_replay_like_eager_drafting(spec, plain_outputs):
     proposer = spec.engine.spec_worker.proposer
     prompts, params = PROMPTS[:3], _greedy(16)
     eager = spec.generate(prompts, params, use_tqdm=False)
-    proposer.graphs = DraftGraphRunner(proposer.runner, K, max_bs=4, max_seq_len=2048)
+    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, max_bs=4, max_seq_len=2048)
     try:
         proposer.graphs.capture()
         graphed = spec.generate(prompts, params, use_tqdm=False)

@@ -144,7 +144,7 @@ class Engine:
             return
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         proposer.graphs = DraftGraphRunner(
-            proposer.runner, proposer.num_steps, max_bs, self.context_length
+            proposer.runner, proposer.shape, max_bs, self.context_length
         )
         proposer.graphs.capture()
 

@@ -12,6 +12,15 @@ Row ``j`` of request ``b`` is the target's distribution for the token after draf
   first rejection draw from normalize(max(p_j - q_j, 0)) (``STREAM_RESAMPLE``); if all drafts
   pass, the bonus is drawn from p_k (``STREAM_TOKEN``). Lossless when d_j ~ q_j.
 
+Draft trees (``parents``: node i's parent, in depth order; node 0 the root, row i the target's
+distribution after node i): row i's candidate is its argmax (GREEDY) or its seeded draw
+(TARGET_MATCH, at the output position of its depth), and the walk from the root moves to the
+child whose token equals the candidate while there is one; the last node's candidate is the
+next token. So a tree accepts the longest root path the target's own choices follow, and seeded
+output stays the target's seeded output (the same rule as SGLang's target-only tree sampling:
+move to a child with the target's probability of its token, else draw from the rest). The
+accepted nodes come back as ``path`` (node of each output position's input).
+
 Draws are inverse CDFs in vocabulary order, as in ``pcgspec.sampling.sample_from_probs``.
 ``num_draft[b] < k`` (a drafter that proposed fewer) caps the accepted length; the token after
 the last proposed draft then comes from p_{num_draft} as if all had passed. ``is_greedy`` marks
@@ -55,11 +64,17 @@ _TARGET_MATCH = tl.constexpr(int(VerifyStrategy.TARGET_MATCH))
 class VerifyOutput:
     accept_len: torch.Tensor  # [B] int64, accepted drafts in 0..k
     tokens: torch.Tensor  # [B, k+1] int64: accept_len drafts, the next token, then -1
+    # [B, k+1] int64 trees: the accepted nodes (0 the root, then one per accepted draft), then
+    # -1; None: a chain (node j at position j)
+    path: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, b: int, k: int, device: torch.device) -> VerifyOutput:
-        buffer = torch.empty(b * (k + 2), dtype=torch.int64, device=device)  # one allocation
-        return cls(buffer[:b], buffer[b:].view(b, k + 1))
+    def empty(cls, b: int, k: int, device: torch.device, tree: bool = False) -> VerifyOutput:
+        rows = 2 * (k + 1) + 1 if tree else k + 2
+        buffer = torch.empty(b * rows, dtype=torch.int64, device=device)  # one allocation
+        tokens = buffer[b : b * (k + 2)].view(b, k + 1)
+        path = buffer[b * (k + 2) :].view(b, k + 1) if tree else None
+        return cls(buffer[:b], tokens, path)
 
 
 @triton.jit
@@ -202,9 +217,57 @@ def _accept_kernel(Accept, Cand, Draft, AcceptLen, Out, K, BLOCK_K: tl.constexpr
     tl.store(AcceptLen + b, accept_len.to(tl.int64))
 
 
+@triton.jit(
+    do_not_specialize_on_alignment=["Cand", "Draft", "Parents", "NumDraft", "AcceptLen", "Out"]
+)
+def _accept_tree_kernel(
+    Cand,
+    Draft,
+    Parents,
+    NumDraft,
+    AcceptLen,
+    Out,
+    Path,
+    N,
+    DEPTH: tl.constexpr,
+    HAS_NUM_DRAFT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK_N)  # nodes
+    valid = (i >= 1) & (i < N)
+    if HAS_NUM_DRAFT:
+        valid = valid & (i <= tl.load(NumDraft + b).to(tl.int32))
+    par = tl.load(Parents + b * N + i, mask=valid, other=-1).to(tl.int32)
+    tok = tl.load(Draft + b * (N - 1) + i - 1, mask=valid, other=-1)
+    target = tl.load(Cand + b * N + par, mask=valid & (par >= 0), other=-2)
+    ok = valid & (tok == target)  # the target's choice after the parent is this node's token
+    d = tl.arange(0, BLOCK_D)  # output positions
+    out = tl.full([BLOCK_D], -1, tl.int64)
+    path = tl.where(d == 0, 0, -1).to(tl.int64)
+    cur = tl.min(tl.zeros([BLOCK_N], tl.int32), 0)
+    alive = cur == 0
+    accept_len = cur
+    for step in range(DEPTH):
+        child = tl.min(tl.where(ok & (par == cur), i, BLOCK_N), 0)  # NOTE: siblings differ
+        found = alive & (child < BLOCK_N)
+        token = tl.sum(tl.where(i == child, tok, 0), 0)
+        out = tl.where((d == step) & found, token, out)
+        path = tl.where((d == step + 1) & found, child.to(tl.int64), path)
+        cur = tl.where(found, child, cur)
+        accept_len += found.to(tl.int32)
+        alive = found
+    out = tl.where(d == accept_len, tl.load(Cand + b * N + cur), out)
+    tl.store(Out + b * (DEPTH + 1) + d, out, mask=d <= DEPTH)
+    tl.store(Path + b * (DEPTH + 1) + d, path, mask=d <= DEPTH)
+    tl.store(AcceptLen + b, accept_len.to(tl.int64))
+
+
 # NOTE: a verify step is host-bound at small batch: launch without Triton's binder.
 _VERIFY_ROWS = CompiledLaunches(_verify_rows_kernel)
 _ACCEPT_RUNS = CompiledLaunches(_accept_kernel)
+_ACCEPT_TREES = CompiledLaunches(_accept_tree_kernel)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -276,6 +339,8 @@ def verify_draft_tokens(
     position: torch.Tensor | None = None,  # [B, k+1] int64 output index of each row
     num_draft: torch.Tensor | None = None,  # [B] drafts actually proposed (<= k); None = k
     is_greedy: torch.Tensor | None = None,  # [B] bool, requests that use the GREEDY rule
+    parents: torch.Tensor | None = None,  # [B, k+1] int64 draft trees; None: a chain
+    max_depth: int | None = None,  # trees: their depth D; output positions D+1
     block_v: int | None = None,
     out: VerifyOutput | None = None,
 ) -> VerifyOutput:
@@ -285,13 +350,18 @@ def verify_draft_tokens(
         target_probs, draft_tokens, strategy, draft_probs, seed, position, num_draft, is_greedy
     )
     b, k1, v = target_probs.shape
-    out = out if out is not None else VerifyOutput.empty(b, k1 - 1, target_probs.device)
-    _check("out.accept_len", out.accept_len, (b,), (torch.int64,), target_probs.device)
-    _check("out.tokens", out.tokens, (b, k1), (torch.int64,), target_probs.device)
+    depth = _check_tree(parents, max_depth, strategy, b, k1, target_probs.device)
+    device = target_probs.device
+    out = out if out is not None else VerifyOutput.empty(b, depth, device, parents is not None)
+    _check("out.accept_len", out.accept_len, (b,), (torch.int64,), device)
+    _check("out.tokens", out.tokens, (b, depth + 1), (torch.int64,), device)
+    if parents is not None:
+        _require(out.path is not None, "a tree's out needs a path")
+        _check("out.path", out.path, (b, depth + 1), (torch.int64,), device)
     if b == 0:
         return out
-    accept = torch.empty(b, k1, dtype=torch.int32, device=target_probs.device)
-    cand = torch.empty(b, k1, dtype=torch.int64, device=target_probs.device)
+    accept = torch.empty(b, k1, dtype=torch.int32, device=device)
+    cand = torch.empty(b, k1, dtype=torch.int64, device=device)
     q = draft_probs if draft_probs is not None else target_probs
     dummy = draft_tokens  # stands in for absent optional pointers; never read
     tensors = (
@@ -314,11 +384,45 @@ def verify_draft_tokens(
         "num_warps": 8 if v >= 8192 else 4,
     }
     _VERIFY_ROWS((b, k1, 1), tensors, scalars, constants)
+    if parents is not None:
+        tree = (cand, draft_tokens, parents, tensors[5], out.accept_len, out.tokens, out.path)
+        constants = {
+            "DEPTH": depth,
+            "HAS_NUM_DRAFT": num_draft is not None,
+            "BLOCK_N": triton.next_power_of_2(k1),
+            "BLOCK_D": triton.next_power_of_2(depth + 1),
+        }
+        _ACCEPT_TREES((b, 1, 1), tree, (k1,), constants)
+        return out
     constants = {"BLOCK_K": triton.next_power_of_2(k1)}
     _ACCEPT_RUNS(
         (b, 1, 1), (accept, cand, draft_tokens, out.accept_len, out.tokens), (k1 - 1,), constants
     )
     return out
+
+
+def _check_tree(
+    parents: torch.Tensor | None,
+    max_depth: int | None,
+    strategy: VerifyStrategy,
+    b: int,
+    k1: int,
+    device: torch.device,
+) -> int:
+    """The output depth: k for a chain, ``max_depth`` for trees (checked)."""
+    if parents is None:
+        _require(max_depth is None, "max_depth is for draft trees (parents) only")
+        return k1 - 1
+    _check("parents", parents, (b, k1), (torch.int64,), device)
+    _require(
+        strategy != VerifyStrategy.REJECTION,
+        "draft trees are verified by GREEDY or TARGET_MATCH, not REJECTION",
+    )
+    _require(
+        isinstance(max_depth, int) and 1 <= max_depth <= k1 - 1,
+        f"max_depth must be in 1..{k1 - 1} with parents, got {max_depth!r}",
+    )
+    return max_depth
 
 
 def _accept_test(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
@@ -371,6 +475,8 @@ def verify_draft_tokens_ref(
     position: torch.Tensor | None = None,
     num_draft: torch.Tensor | None = None,
     is_greedy: torch.Tensor | None = None,
+    parents: torch.Tensor | None = None,
+    max_depth: int | None = None,
 ) -> VerifyOutput:
     """The same rules in plain torch, vectorized over requests and rows."""
     p = target_probs.float()
@@ -380,6 +486,8 @@ def verify_draft_tokens_ref(
     rows = torch.arange(k1, device=p.device)
     num_draft = torch.full((b,), k, device=p.device) if num_draft is None else num_draft
     num_draft = num_draft.long().clamp(0, k)
+    if parents is not None:
+        _check_tree(parents, max_depth, VerifyStrategy(strategy), b, k1, p.device)
     argmax = p.argmax(dim=-1)  # [B, k+1]
     if strategy == VerifyStrategy.GREEDY:
         ok, cand = draft == argmax[:, :k], argmax
@@ -391,9 +499,41 @@ def verify_draft_tokens_ref(
     if is_greedy is not None:
         ok = torch.where(is_greedy[:, None], draft == argmax[:, :k], ok)
         cand = torch.where(is_greedy[:, None], argmax, cand)
+    if parents is not None:
+        return _walk_trees_ref(cand, draft, parents, num_draft, max_depth)
     ok = ok & (rows[:k] < num_draft[:, None])
     accept_len = ok.long().cumprod(dim=1).sum(dim=1)  # [B] leading accepted drafts
     padded = torch.cat([draft, torch.full_like(draft[:, :1], -1)], dim=1)
     tokens = torch.where(rows < accept_len[:, None], padded, -1)
     tokens = torch.where(rows == accept_len[:, None], cand, tokens)
     return VerifyOutput(accept_len, tokens)
+
+
+def _walk_trees_ref(
+    cand: torch.Tensor,
+    draft: torch.Tensor,
+    parents: torch.Tensor,
+    num_draft: torch.Tensor,
+    depth: int,
+) -> VerifyOutput:
+    """From each root, move to the child whose token is the target's choice (``cand`` [B, N])
+    after its parent, while there is one; then the last node's choice."""
+    b, n = parents.shape
+    nodes = torch.arange(n, device=cand.device)
+    tok = torch.cat([torch.full_like(draft[:, :1], -1), draft], dim=1)  # [B, N]
+    valid = (nodes >= 1) & (nodes <= num_draft[:, None])
+    ok = valid & (tok == cand.gather(1, parents.clamp_min(0)))
+    out = torch.full((b, depth + 1), -1, dtype=torch.int64, device=cand.device)
+    path = out.clone()
+    path[:, 0] = 0
+    cur = torch.zeros(b, dtype=torch.int64, device=cand.device)
+    alive = torch.ones(b, dtype=torch.bool, device=cand.device)
+    for step in range(depth):
+        child = torch.where(ok & (parents == cur[:, None]), nodes, n).min(dim=1).values
+        alive = alive & (child < n)
+        out[:, step] = torch.where(alive, tok.gather(1, child.clamp(max=n - 1)[:, None])[:, 0], -1)
+        path[:, step + 1] = torch.where(alive, child, -1)
+        cur = torch.where(alive, child, cur)
+    accept_len = (path[:, 1:] >= 0).sum(dim=1)
+    out.scatter_(1, accept_len[:, None], cand.gather(1, cur[:, None]))
+    return VerifyOutput(accept_len, out, path)

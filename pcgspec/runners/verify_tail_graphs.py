@@ -59,6 +59,7 @@ class TailBatch(NamedTuple):
     batch_size: int
     flags: dict[str, bool | int | None]
     graph_replays: bool
+    tree: bool = False  # draft trees: accepted eagerly (their walk and KV move)
 
 
 class VerifyTailGraphs(GuardedRunner):
@@ -66,7 +67,7 @@ class VerifyTailGraphs(GuardedRunner):
     into ``slots``; ``compute_logits`` is the target's LM head (hidden [R, H] -> [R, V] f32).
     """
 
-    reasons = ("no_verify_graph", "penalties", "filters", "logprobs")
+    reasons = ("no_verify_graph", "tree", "penalties", "filters", "logprobs")
 
     def __init__(
         self,
@@ -159,6 +160,8 @@ class VerifyTailGraphs(GuardedRunner):
         flags = batch.flags
         if not batch.graph_replays or pad_to_bucket(batch.batch_size, self.batch_sizes) is None:
             return "no_verify_graph"
+        if batch.tree:
+            return "tree"
         if flags["needs_penalties"]:
             return "penalties"
         if flags["needs_filters"]:

@@ -1,0 +1,210 @@
+"""Tree drafting end to end (``speculative_eagle_topk > 1``) on a tiny random Llama with an
+EAGLE3 head (CPU, float32): greedy output equals plain decoding at batch 1, 3 and 16, seeded
+sampling too, with the draft trees as the head builds them and with trees where one branch
+follows the target's own continuation (an oracle planted on the device), so that walks go deep
+and accepted nodes' K/V move into place. The CUDA graph paths have GPU tests at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from oracle import assert_all_pages_free
+from test_models import tiny_hf_model
+
+from pcgspec import LLM, SamplingParams
+from pcgspec.models.default_model import default_model_path
+from pcgspec.models.eagle3 import write_eagle3_checkpoint
+from pcgspec.models.loader import load_config
+from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+from pcgspec.runners.draft_graph_runner import DraftGraphRunner
+from pcgspec.runners.forward_batch import ForwardMode
+
+SHAPES = {"wide": (3, 3, 8), "deep": (5, 2, 7)}  # (num_steps, topk, num_draft_tokens)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tree")
+    tiny_hf_model("LlamaConfig").save_pretrained(root / "llama")  # context 128
+    head = write_eagle3_checkpoint(root / "eagle3", load_config(root / "llama"), seed=1)
+    return {"target": str(root / "llama"), "head": str(head)}
+
+
+def _llm(paths: dict[str, str], shape: str | None, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "tokenizer": str(default_model_path()), **kw}
+    if shape is not None:
+        steps, topk, nodes = SHAPES[shape]
+        kw.update(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=paths["head"],
+            speculative_num_steps=steps,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=nodes,
+            speculative_policy="always",
+        )
+    return LLM(paths["target"], **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(paths) -> LLM:
+    return _llm(paths, None)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def spec(paths, request) -> LLM:
+    return _llm(paths, request.param)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(n)
+    return [
+        torch.randint(1, 256, (int(m),), generator=gen).tolist()
+        for m in torch.randint(2, 50, (n,), generator=gen)
+    ]
+
+
+class PlantedBranch:
+    """Wraps a proposer: after the head drafts, one branch of every tree (the path to a random
+    node) is overwritten with the target's greedy continuation (``want``), up to a random
+    depth, so the verify pass accepts deep paths of nodes that are not consecutive."""
+
+    def __init__(self, proposer, want: dict[tuple[int, ...], list[int]], seed: int = 0) -> None:
+        self.proposer, self.want = proposer, want
+        self.rng = random.Random(seed)
+        self.original = proposer.propose
+
+    def __call__(self, batch):
+        proposal = self.original(batch)
+        tokens = proposal.tokens.clone()
+        parents = proposal.parents.tolist()
+        for b, req in enumerate(batch.requests):
+            ahead = self.want[tuple(req.prompt_token_ids)][len(req.output_token_ids) :]
+            node = self.rng.randrange(1, len(parents[b]))
+            path = []
+            while node > 0:
+                path.append(node)
+                node = parents[b][node]
+            keep = self.rng.randrange(0, len(path) + 1)
+            for depth, node in enumerate(path[::-1][:keep]):
+                if depth < len(ahead):
+                    tokens[b, node - 1] = ahead[depth]
+        return dataclasses.replace(proposal, tokens=tokens)
+
+
+def _greedy(max_tokens: int = 40) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_greedy_equals_plain(plain, spec, batch):
+    prompts = _prompts(batch)
+    want = plain.generate(prompts, _greedy(), use_tqdm=False)
+    got = spec.generate(prompts, _greedy(), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_stats()["verify_steps"] > 0
+    assert_all_pages_free(spec)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_greedy_equals_plain_with_deep_accepted_paths(plain, spec, batch):
+    prompts = _prompts(batch + 100)[:batch]
+    want = plain.generate(prompts, _greedy(), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
+    planted = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}, seed=batch
+    )
+    before = spec.engine.spec_stats()
+    proposer.propose = planted
+    try:
+        got = spec.generate(prompts, _greedy(), use_tqdm=False)
+    finally:
+        del proposer.propose
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    after = spec.engine.spec_stats()
+    per_position = [
+        a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])
+    ]
+    assert per_position[1] > 0  # paths of two drafts and more: their K/V moved
+    assert_all_pages_free(spec)
+
+
+def test_seeded_sampling_equals_plain(plain, spec):
+    """A tree draws each node's target token at its depth's output position: a seeded request
+    emits what it emits without speculation, with planted branches too."""
+    prompts = _prompts(3)
+    params = [SamplingParams(max_tokens=30, temperature=0.9, seed=s) for s in (1, 2, 3)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    proposer = spec.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    try:
+        again = spec.generate(prompts, params, use_tqdm=False)
+    finally:
+        del proposer.propose
+    assert [g.token_ids for g in again] == [w.token_ids for w in want]
+
+
+def test_penalties_and_logprobs_take_plain_steps(plain, spec):
+    prompts = _prompts(2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3)
+    fallbacks = spec.engine.spec_worker.num_fallbacks
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_worker.num_fallbacks > fallbacks
+
+
+def test_graph_runners_replay_trees_like_eager(plain, spec):
+    """Tree drafting and tree verify passes through the graph runners (the eager stand-in on
+    CPU; buckets 1, 2, 4, so batch 3 replays a padded bucket): the same output, every batch
+    replayed, nothing refused."""
+    engine = spec.engine
+    runner, proposer = engine.runner, engine.spec_worker.proposer
+    n = engine.spec_worker.shape.num_nodes
+    prompts = _prompts(3)
+    want = plain.generate(prompts, _greedy(24), use_tqdm=False)
+    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
+    runner.verify_graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, n, tree=True)
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    try:
+        proposer.graphs.capture()
+        runner.verify_graphs.capture()
+        got = spec.generate(prompts, _greedy(24), use_tqdm=False)
+        stats = engine.graph_stats()
+    finally:
+        proposer.graphs = runner.verify_graphs = None
+        del proposer.propose
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for name in ("verify", "draft"):
+        assert stats[name]["runs"] > 0 and stats[name]["padded_rows"] > 0, stats
+        assert not any(stats[name]["fallbacks"].values()), stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_cuda_graphs_greedy_equals_plain(paths, batch):
+    """Captured draft trees and tree verify graphs replay (no refusal counted) and keep greedy
+    output equal to plain decoding."""
+    kw = {"device": "cuda", "disable_piecewise_cuda_graph": True}
+    plain_gpu, spec_gpu = _llm(paths, None, **kw), _llm(paths, "wide", **kw)
+    prompts = _prompts(batch)
+    want = plain_gpu.generate(prompts, _greedy(), use_tqdm=False)
+    proposer = spec_gpu.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    got = spec_gpu.generate(prompts, _greedy(), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = spec_gpu.engine.graph_stats()
+    for name in ("verify", "draft"):
+        assert stats[name]["runs"] > 0 and not any(stats[name]["fallbacks"].values()), stats
