@@ -22,6 +22,8 @@ from pcgspec.models.loader import load_config
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardMode
+from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
+from pcgspec.speculative.worker import SpecWorker
 
 SHAPES = {"wide": (3, 3, 8), "deep": (5, 2, 7)}  # (num_steps, topk, num_draft_tokens)
 
@@ -161,30 +163,86 @@ def test_penalties_and_logprobs_take_plain_steps(plain, spec):
     assert spec.engine.spec_worker.num_fallbacks > fallbacks
 
 
-def test_graph_runners_replay_trees_like_eager(plain, spec):
-    """Tree drafting and tree verify passes through the graph runners (the eager stand-in on
-    CPU; buckets 1, 2, 4, so batch 3 replays a padded bucket): the same output, every batch
-    replayed, nothing refused."""
-    engine = spec.engine
-    runner, proposer = engine.runner, engine.spec_worker.proposer
-    n = engine.spec_worker.shape.num_nodes
-    prompts = _prompts(3)
-    want = plain.generate(prompts, _greedy(24), use_tqdm=False)
-    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
-    runner.verify_graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, n, tree=True)
+def test_overlap_schedule_and_prefix_cache(paths, plain):
+    """Under the overlap schedule (steps read one late, catch-ups from the verify rows on the
+    device) with prefix-cache hits on a shared prompt, tree steps with deep accepted paths keep
+    greedy output plain decoding's, and nothing is left held."""
+    spec = _llm(paths, "deep", disable_overlap_schedule=False)
+    shared = _prompts(1)[0] * 3  # 3 pages of the default page size 16 at least
+    prompts = [shared[:60] + q[:8] for q in _prompts(3)]
+    want = plain.generate(prompts, _greedy(30), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
     proposer.propose = PlantedBranch(
         proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
     )
+    got = spec.generate(prompts[:1], _greedy(30), use_tqdm=False)
+    got += spec.generate(prompts[1:], _greedy(30), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(o.num_cached_tokens > 0 for o in got[1:])
+    assert spec.engine.spec_stats()["accepted_per_position"][1] > 0
+    assert not spec.engine.in_flight
+    assert_all_pages_free(spec)
+
+
+def test_a_failing_request_in_a_tree_step_ends_alone(paths, plain, monkeypatch):
+    """A tree step that fails after the accepted K/V moved (before its commit) is rerun on
+    halves: the failing request ends with an error, the others equal plain decoding."""
+    mark = 4242
+    spec = _llm(paths, "wide")
+    verify = SpecWorker.verify
+
+    def failing(self, reqs, *args):
+        step = verify(self, reqs, *args)
+        if any(r.params.seed == mark and len(r.output_token_ids) >= 2 for r in reqs):
+            raise RuntimeError("injected fault")
+        return step
+
+    monkeypatch.setattr(SpecWorker, "verify", failing)
+    prompts = _prompts(4)
+    params = [_greedy(16)] * 3 + [SamplingParams(max_tokens=16, temperature=0.0, seed=mark)]
+    *want, _ = plain.generate(prompts, _greedy(16), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, [*want, _])}
+    )
+    *got, bad = spec.generate(prompts, params, use_tqdm=False)
+    assert bad.finish_reason == "error" and len(bad.token_ids) >= 2
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert_all_pages_free(spec)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
+    """Tree drafting, tree verify passes and their tail (acceptance, K/V move, commit) through
+    the graph runners (the eager stand-in on CPU; buckets 1, 2, 4, so batch 3 replays a padded
+    bucket): the same output, every batch replayed, nothing refused; greedy, or seeded
+    sampling beside a greedy request (the SAMPLED tail)."""
+    engine = spec.engine
+    runner, worker = engine.runner, engine.spec_worker
+    proposer, n = worker.proposer, worker.shape.num_nodes
+    prompts = _prompts(3)
+    params = [_greedy(24)] * 3
+    if sampled:
+        params[1:] = [SamplingParams(max_tokens=24, temperature=0.8, seed=s) for s in (5, 6)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
+    runner.verify_graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, n, tree=True)
+    planted = PlantedBranch(proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)})
+    proposer.propose = planted
     try:
         proposer.graphs.capture()
         runner.verify_graphs.capture()
-        got = spec.generate(prompts, _greedy(24), use_tqdm=False)
+        worker.tail = VerifyTailGraphs(
+            runner.verify_graphs, engine.slots, runner.model.compute_logits, worker.num_steps
+        )
+        worker.tail.capture()
+        got = spec.generate(prompts, params, use_tqdm=False)
         stats = engine.graph_stats()
     finally:
-        proposer.graphs = runner.verify_graphs = None
+        proposer.graphs = runner.verify_graphs = worker.tail = None
         del proposer.propose
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    for name in ("verify", "draft"):
+    for name in ("verify", "draft", "verify_tail"):
         assert stats[name]["runs"] > 0 and stats[name]["padded_rows"] > 0, stats
         assert not any(stats[name]["fallbacks"].values()), stats
 

@@ -132,7 +132,7 @@ class Engine:
         runner = self.runner
         if worker is not None and runner.verify_graphs is not None and runner.tp_driver is None:
             worker.tail = VerifyTailGraphs(
-                runner.verify_graphs, self.slots, runner.model.compute_logits
+                runner.verify_graphs, self.slots, runner.model.compute_logits, worker.num_steps
             )
             worker.tail.capture()
         proposer = None if worker is None else worker.proposer

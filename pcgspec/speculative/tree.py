@@ -212,9 +212,11 @@ def move_accepted_kv(
     """
     d1 = path.shape[1]
     steps = torch.arange(d1, device=path.device)
-    moved = path > steps  # NOTE: path[j] >= j; equal: already in place
-    src = page_slots(page_table, start[:, None] + path.clamp_min(0), page_size)
-    dst = page_slots(page_table, start[:, None] + steps, page_size)
+    # NOTE: path[j] >= j (equal: already in place); start < 0: a graph's padding request
+    moved = (path > steps) & (start[:, None] >= 0)
+    first = start.clamp_min(0)[:, None]
+    src = page_slots(page_table, first + path.clamp_min(0), page_size)
+    dst = page_slots(page_table, first + steps, page_size)
     src = torch.where(moved, src, scratch_slot).view(-1)
     dst = torch.where(moved, dst, scratch_slot).view(-1)
     for layer_k, layer_v in zip(*caches):

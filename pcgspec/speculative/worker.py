@@ -204,18 +204,17 @@ class SpecWorker:
             if graphs.runs == runs:  # NOTE: rows_for promised a replay
                 raise RuntimeError("the verify graph refused a batch built in its rows")
             results, verified = tail.replay(
-                slot_indices, drafts, proposal.num_tokens, bool(flags["all_greedy"])
+                slot_indices, drafts, proposal.num_tokens, bool(flags["all_greedy"]), tree
             )
-            return VerifiedStep(verified, out.hidden_states, results, committed=True)
+            hidden = _path_hidden(out.hidden_states, verified, drafts.shape[1] + 1)
+            return VerifiedStep(verified, hidden, results, committed=True)
         verified = self._accept(out.logits, sampling, drafts, proposal.num_tokens, tree)
         results = torch.cat(
             [verified.accept_len[:, None], proposal.num_tokens[:, None], verified.tokens], 1
         )
-        hidden = out.hidden_states
         if tree is not None:
             self._keep_accepted(seq_lens, page_table, verified.path)
-            if hidden is not None:
-                hidden = path_rows(hidden, verified.path, drafts.shape[1] + 1)
+        hidden = _path_hidden(out.hidden_states, verified, drafts.shape[1] + 1)
         return VerifiedStep(verified, hidden, results, committed=False)
 
     def _keep_accepted(
@@ -373,3 +372,13 @@ def _target_rows(
 def _has_penalties(request: Request) -> bool:
     p = request.params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _path_hidden(
+    hidden: torch.Tensor | None, verified: VerifyOutput, num_nodes: int
+) -> torch.Tensor | None:
+    """A verify pass's hidden rows (N per request) along the accepted paths, ``[B * (k+1),
+    Hh]``; a chain's as they are."""
+    if hidden is None or verified.path is None:
+        return hidden
+    return path_rows(hidden, verified.path, num_nodes)
