@@ -23,6 +23,8 @@ from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
+from pcgspec.sampling.slots import SamplingSlots
+from pcgspec.speculative.tree import ancestor_mask
 from pcgspec.speculative.worker import SpecWorker
 
 SHAPES = {"wide": (3, 3, 8), "deep": (5, 2, 7)}  # (num_steps, topk, num_draft_tokens)
@@ -153,14 +155,53 @@ def test_seeded_sampling_equals_plain(plain, spec):
     assert [g.token_ids for g in again] == [w.token_ids for w in want]
 
 
-def test_penalties_and_logprobs_take_plain_steps(plain, spec):
-    prompts = _prompts(2)
-    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3)
-    fallbacks = spec.engine.spec_worker.num_fallbacks
+def test_penalty_counts_of_tree_rows_are_their_paths() -> None:
+    """Row j of a request counts the drafts of the nodes from the root to node j (a chain:
+    drafts 0..j-1); an untracked request counts none."""
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 4], [-1, 0, 1, 2, 3, 4]])
+    drafts = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    counts = torch.zeros(12, 32, dtype=torch.int32)
+    SamplingSlots._add_drafts(counts, drafts, torch.tensor([True, True]), ancestor_mask(parents, 4))
+    rows = [sorted(int(t) for t in row.nonzero().view(-1)) for row in counts]
+    assert rows[:6] == [[], [10], [11], [10, 12], [11, 13], [11, 13, 14]]
+    assert rows[6:] == [[], [20], [20, 21], [20, 21, 22], [20, 21, 22, 23], [20, 21, 22, 23, 24]]
+    chain = torch.zeros_like(counts)
+    SamplingSlots._add_drafts(chain, drafts, torch.tensor([True, False]))
+    assert torch.equal(chain[6:], torch.zeros_like(chain[6:]))
+    assert torch.equal(
+        chain[:6],
+        torch.zeros_like(chain[:6]).index_put_(
+            (
+                torch.tensor([1, 2, 2, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5]),
+                torch.tensor([10, 10, 11, 10, 11, 12, 10, 11, 12, 13, 10, 11, 12, 13, 14]),
+            ),
+            torch.tensor(1, dtype=torch.int32),
+        ),
+    )
+
+
+def test_penalties_count_each_nodes_ancestors(plain, spec):
+    """Repetition, presence and frequency penalties of a tree node's row count the drafts on
+    its path only: greedy output with penalties equals plain decoding's, with deep paths."""
+    prompts = _prompts(4)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=0.8),
+        SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=0.6),
+        _greedy(24),
+    ]
     want = plain.generate(prompts, params, use_tqdm=False)
-    got = spec.generate(prompts, params, use_tqdm=False)
+    worker = spec.engine.spec_worker
+    proposer, fallbacks = worker.proposer, worker.num_fallbacks
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    try:
+        got = spec.generate(prompts, params, use_tqdm=False)
+    finally:
+        del proposer.propose
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert spec.engine.spec_worker.num_fallbacks > fallbacks
+    assert worker.num_fallbacks == fallbacks
 
 
 def test_overlap_schedule_and_prefix_cache(paths, plain):

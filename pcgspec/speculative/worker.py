@@ -115,19 +115,12 @@ class SpecWorker:
         speculate on, none of whose requests wants logprobs (not computed for accepted drafts
         yet) or would pass its context length, and whose pages can grow by the slots a step
         writes (``slots_ahead``) past their pending tokens (reserved here, so that a chosen
-        step always launches). Draft trees count no penalties along their branches yet: a
-        tree step skips requests with penalties too.
+        step always launches).
         """
         if batch is None or not batch.mode.is_decode():
             return False
         reqs, ahead = batch.requests, self.slots_ahead
-        tree = not self.shape.is_chain
-        if any(
-            r.params.logprobs is not None
-            or r.num_tokens + ahead > r.max_len
-            or (tree and _has_penalties(r))
-            for r in reqs
-        ):
+        if any(r.params.logprobs is not None or r.num_tokens + ahead > r.max_len for r in reqs):
             self.num_fallbacks += 1
             return False
         if not self.policy.choose(reqs):
@@ -184,7 +177,8 @@ class SpecWorker:
         use_tail = tail is not None and tail.can_run(
             TailBatch(len(reqs), flags, rows is not None, tree is not None)
         )
-        sampling = None if use_tail else self.slots.rows(reqs, drafts)
+        ancestors = None if tree is None else tree.mask
+        sampling = None if use_tail else self.slots.rows(reqs, drafts, ancestors)
         slot_indices = self.slots.slot_indices(reqs)
         batch = build_verify_batch(
             VerifyTokens(self.slots.last_token, slot_indices, drafts),
@@ -367,11 +361,6 @@ def _target_rows(
     probs = probs_from_logits(processed)
     one_hot = F.one_hot(processed.argmax(dim=-1), probs.shape[-1]).to(probs.dtype)
     return torch.where(sampling.is_greedy[:, None], one_hot, probs), VerifyStrategy.TARGET_MATCH
-
-
-def _has_penalties(request: Request) -> bool:
-    p = request.params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _path_hidden(
