@@ -165,6 +165,7 @@ class Engine:
             split_kv_tokens=(1,) if k is None else (1, k + 1),
             verify=None if k is None else (k, self.runner.vocab_size),
             ngram=ngram,
+            tree=None if spec is None or spec.topk == 1 else (k, spec.num_draft_tokens, spec.topk),
         )
 
     @property

@@ -162,7 +162,7 @@ def _attend_tree_tile(
 
 
 @triton.jit(  # vary per batch, as in extend
-    do_not_specialize=["num_splits", "stride_pt", "tree_width"],
+    do_not_specialize=["num_splits", "stride_pt", "stride_mb", "stride_mt", "tree_width"],
     do_not_specialize_on_alignment=["PageTable", "SeqLens", "TreeMask"],
 )
 def _split_kv_kernel(

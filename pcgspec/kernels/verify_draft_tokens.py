@@ -218,7 +218,15 @@ def _accept_kernel(Accept, Cand, Draft, AcceptLen, Out, K, BLOCK_K: tl.constexpr
 
 
 @triton.jit(
-    do_not_specialize_on_alignment=["Cand", "Draft", "Parents", "NumDraft", "AcceptLen", "Out"]
+    do_not_specialize_on_alignment=[
+        "Cand",
+        "Draft",
+        "Parents",
+        "NumDraft",
+        "AcceptLen",
+        "Out",
+        "Path",
+    ]
 )
 def _accept_tree_kernel(
     Cand,
