@@ -305,5 +305,5 @@ def test_cuda_graphs_greedy_equals_plain(paths, batch):
     got = spec_gpu.generate(prompts, _greedy(), use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     stats = spec_gpu.engine.graph_stats()
-    for name in ("verify", "draft"):
+    for name in ("verify", "draft", "verify_tail"):
         assert stats[name]["runs"] > 0 and not any(stats[name]["fallbacks"].values()), stats
