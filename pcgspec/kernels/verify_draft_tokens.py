@@ -41,6 +41,7 @@ import triton.language as tl
 
 from pcgspec.kernels.build_sampling_params import rng_uniform
 from pcgspec.kernels.launches import CompiledLaunches
+from pcgspec.kernels.tree_walk import check_tree, walk_trees, walk_trees_ref
 from pcgspec.sampling.rng import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TOKEN, uniform
 from pcgspec.sampling.sampler import sample_from_probs
 
@@ -217,65 +218,9 @@ def _accept_kernel(Accept, Cand, Draft, AcceptLen, Out, K, BLOCK_K: tl.constexpr
     tl.store(AcceptLen + b, accept_len.to(tl.int64))
 
 
-@triton.jit(
-    do_not_specialize_on_alignment=[
-        "Cand",
-        "Draft",
-        "Parents",
-        "NumDraft",
-        "AcceptLen",
-        "Out",
-        "Path",
-    ]
-)
-def _accept_tree_kernel(
-    Cand,
-    Draft,
-    Parents,
-    NumDraft,
-    AcceptLen,
-    Out,
-    Path,
-    N,
-    DEPTH: tl.constexpr,
-    HAS_NUM_DRAFT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    i = tl.arange(0, BLOCK_N)  # nodes
-    valid = (i >= 1) & (i < N)
-    if HAS_NUM_DRAFT:
-        valid = valid & (i <= tl.load(NumDraft + b).to(tl.int32))
-    par = tl.load(Parents + b * N + i, mask=valid, other=-1).to(tl.int32)
-    tok = tl.load(Draft + b * (N - 1) + i - 1, mask=valid, other=-1)
-    target = tl.load(Cand + b * N + par, mask=valid & (par >= 0), other=-2)
-    ok = valid & (tok == target)  # the target's choice after the parent is this node's token
-    d = tl.arange(0, BLOCK_D)  # output positions
-    out = tl.full([BLOCK_D], -1, tl.int64)
-    path = tl.where(d == 0, 0, -1).to(tl.int64)
-    cur = tl.min(tl.zeros([BLOCK_N], tl.int32), 0)
-    alive = cur == 0
-    accept_len = cur
-    for step in range(DEPTH):
-        child = tl.min(tl.where(ok & (par == cur), i, BLOCK_N), 0)  # NOTE: siblings differ
-        found = alive & (child < BLOCK_N)
-        token = tl.sum(tl.where(i == child, tok, 0), 0)
-        out = tl.where((d == step) & found, token, out)
-        path = tl.where((d == step + 1) & found, child.to(tl.int64), path)
-        cur = tl.where(found, child, cur)
-        accept_len += found.to(tl.int32)
-        alive = found
-    out = tl.where(d == accept_len, tl.load(Cand + b * N + cur), out)
-    tl.store(Out + b * (DEPTH + 1) + d, out, mask=d <= DEPTH)
-    tl.store(Path + b * (DEPTH + 1) + d, path, mask=d <= DEPTH)
-    tl.store(AcceptLen + b, accept_len.to(tl.int64))
-
-
 # NOTE: a verify step is host-bound at small batch: launch without Triton's binder.
 _VERIFY_ROWS = CompiledLaunches(_verify_rows_kernel)
 _ACCEPT_RUNS = CompiledLaunches(_accept_kernel)
-_ACCEPT_TREES = CompiledLaunches(_accept_tree_kernel)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -358,7 +303,10 @@ def verify_draft_tokens(
         target_probs, draft_tokens, strategy, draft_probs, seed, position, num_draft, is_greedy
     )
     b, k1, v = target_probs.shape
-    depth = _check_tree(parents, max_depth, strategy, b, k1, target_probs.device)
+    depth = k1 - 1
+    if parents is not None or max_depth is not None:
+        depth = check_tree(parents, max_depth, strategy != VerifyStrategy.REJECTION, b, k1)
+        _check("parents", parents, (b, k1), (torch.int64,), target_probs.device)
     device = target_probs.device
     out = out if out is not None else VerifyOutput.empty(b, depth, device, parents is not None)
     _check("out.accept_len", out.accept_len, (b,), (torch.int64,), device)
@@ -393,44 +341,13 @@ def verify_draft_tokens(
     }
     _VERIFY_ROWS((b, k1, 1), tensors, scalars, constants)
     if parents is not None:
-        tree = (cand, draft_tokens, parents, tensors[5], out.accept_len, out.tokens, out.path)
-        constants = {
-            "DEPTH": depth,
-            "HAS_NUM_DRAFT": num_draft is not None,
-            "BLOCK_N": triton.next_power_of_2(k1),
-            "BLOCK_D": triton.next_power_of_2(depth + 1),
-        }
-        _ACCEPT_TREES((b, 1, 1), tree, (k1,), constants)
+        walk_trees(cand, draft_tokens, parents, num_draft, (out.accept_len, out.tokens, out.path))
         return out
     constants = {"BLOCK_K": triton.next_power_of_2(k1)}
     _ACCEPT_RUNS(
         (b, 1, 1), (accept, cand, draft_tokens, out.accept_len, out.tokens), (k1 - 1,), constants
     )
     return out
-
-
-def _check_tree(
-    parents: torch.Tensor | None,
-    max_depth: int | None,
-    strategy: VerifyStrategy,
-    b: int,
-    k1: int,
-    device: torch.device,
-) -> int:
-    """The output depth: k for a chain, ``max_depth`` for trees (checked)."""
-    if parents is None:
-        _require(max_depth is None, "max_depth is for draft trees (parents) only")
-        return k1 - 1
-    _check("parents", parents, (b, k1), (torch.int64,), device)
-    _require(
-        strategy != VerifyStrategy.REJECTION,
-        "draft trees are verified by GREEDY or TARGET_MATCH, not REJECTION",
-    )
-    _require(
-        isinstance(max_depth, int) and 1 <= max_depth <= k1 - 1,
-        f"max_depth must be in 1..{k1 - 1} with parents, got {max_depth!r}",
-    )
-    return max_depth
 
 
 def _accept_test(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
@@ -494,8 +411,8 @@ def verify_draft_tokens_ref(
     rows = torch.arange(k1, device=p.device)
     num_draft = torch.full((b,), k, device=p.device) if num_draft is None else num_draft
     num_draft = num_draft.long().clamp(0, k)
-    if parents is not None:
-        _check_tree(parents, max_depth, VerifyStrategy(strategy), b, k1, p.device)
+    if parents is not None or max_depth is not None:
+        check_tree(parents, max_depth, VerifyStrategy(strategy) != VerifyStrategy.REJECTION, b, k1)
     argmax = p.argmax(dim=-1)  # [B, k+1]
     if strategy == VerifyStrategy.GREEDY:
         ok, cand = draft == argmax[:, :k], argmax
@@ -508,40 +425,10 @@ def verify_draft_tokens_ref(
         ok = torch.where(is_greedy[:, None], draft == argmax[:, :k], ok)
         cand = torch.where(is_greedy[:, None], argmax, cand)
     if parents is not None:
-        return _walk_trees_ref(cand, draft, parents, num_draft, max_depth)
+        return VerifyOutput(*walk_trees_ref(cand, draft, parents, num_draft, max_depth))
     ok = ok & (rows[:k] < num_draft[:, None])
     accept_len = ok.long().cumprod(dim=1).sum(dim=1)  # [B] leading accepted drafts
     padded = torch.cat([draft, torch.full_like(draft[:, :1], -1)], dim=1)
     tokens = torch.where(rows < accept_len[:, None], padded, -1)
     tokens = torch.where(rows == accept_len[:, None], cand, tokens)
     return VerifyOutput(accept_len, tokens)
-
-
-def _walk_trees_ref(
-    cand: torch.Tensor,
-    draft: torch.Tensor,
-    parents: torch.Tensor,
-    num_draft: torch.Tensor,
-    depth: int,
-) -> VerifyOutput:
-    """From each root, move to the child whose token is the target's choice (``cand`` [B, N])
-    after its parent, while there is one; then the last node's choice."""
-    b, n = parents.shape
-    nodes = torch.arange(n, device=cand.device)
-    tok = torch.cat([torch.full_like(draft[:, :1], -1), draft], dim=1)  # [B, N]
-    valid = (nodes >= 1) & (nodes <= num_draft[:, None])
-    ok = valid & (tok == cand.gather(1, parents.clamp_min(0)))
-    out = torch.full((b, depth + 1), -1, dtype=torch.int64, device=cand.device)
-    path = out.clone()
-    path[:, 0] = 0
-    cur = torch.zeros(b, dtype=torch.int64, device=cand.device)
-    alive = torch.ones(b, dtype=torch.bool, device=cand.device)
-    for step in range(depth):
-        child = torch.where(ok & (parents == cur[:, None]), nodes, n).min(dim=1).values
-        alive = alive & (child < n)
-        out[:, step] = torch.where(alive, tok.gather(1, child.clamp(max=n - 1)[:, None])[:, 0], -1)
-        path[:, step + 1] = torch.where(alive, child, -1)
-        cur = torch.where(alive, child, cur)
-    accept_len = (path[:, 1:] >= 0).sum(dim=1)
-    out.scatter_(1, accept_len[:, None], cand.gather(1, cur[:, None]))
-    return VerifyOutput(accept_len, out, path)
