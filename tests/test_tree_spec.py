@@ -19,6 +19,8 @@ from pcgspec import LLM, SamplingParams
 from pcgspec.models.default_model import default_model_path
 from pcgspec.models.eagle3 import write_eagle3_checkpoint
 from pcgspec.models.loader import load_config
+from pcgspec.models.mtp import write_mtp_checkpoint
+from pcgspec.models.random_weights import shape_config
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardMode
@@ -133,6 +135,32 @@ def test_greedy_equals_plain_with_deep_accepted_paths(plain, spec, batch):
         a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])
     ]
     assert per_position[1] > 0  # paths of two drafts and more: their K/V moved
+    assert_all_pages_free(spec)
+
+
+def test_nextn_trees_greedy_equal_plain(tmp_path, paths):
+    """A MiMo target whose own MTP layer drafts trees (NEXTN, no draft path)."""
+    target = write_mtp_checkpoint(tmp_path / "mimo", shape_config("tiny"), seed=1, layout="mimo")
+    kw = {"dtype": "float32", "device": "cpu", "tokenizer": str(default_model_path())}
+    plain_mimo = LLM(str(target), **kw)
+    spec = LLM(
+        str(target),
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+        speculative_policy="always",
+        **kw,
+    )
+    prompts = _prompts(3)
+    want = plain_mimo.generate(prompts, _greedy(24), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    got = spec.generate(prompts, _greedy(24), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_stats()["accepted_per_position"][1] > 0
     assert_all_pages_free(spec)
 
 

@@ -6,6 +6,12 @@ The target scores ``[last token, d_0 .. d_{k-1}]`` per request in one ``TARGET_V
 exactly the tokens that plain decoding would: greedy by argmax, seeded sampling by
 ``TARGET_MATCH`` (the target's own seeded draw must equal the deterministic draft).
 
+A draft tree (``speculative_eagle_topk`` > 1, ``speculative/tree.py``) is verified the same way
+over its N nodes: each at the position of its depth, under a tree attention mask, its row
+drawing at its depth's output position; acceptance walks the tree, the accepted nodes' target
+K/V move to the positions after the prefix, and the drafter catches up from the accepted path's
+hidden rows. A chain is the tree of topk 1, with none of that.
+
 The step runs on the device from what the device holds, so it is launched like a plain step
 under the overlap schedule (engine/overlap.py) and its results are read one step late:
 
