@@ -176,3 +176,55 @@ def test_tree_verify_equals_verifying_each_path_on_its_own() -> None:
         chain_out = _run(oracle, chain, [tuple(x[rows] for x in layer) for layer in qkv])
         for t_out, c_out in zip(tree_out, chain_out):
             torch.testing.assert_close(t_out[node], c_out[-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_model_tree_verify_equals_each_path_verified_alone(tmp_path, backend) -> None:
+    """A tiny Llama's TARGET_VERIFY pass over a random tree (nodes at their depths' positions,
+    under the tree mask) gives every node the logits that verifying its root-to-node path as a
+    chain gives its last row."""
+    from test_decode_graphs import tiny_runner
+    from test_models import tiny_hf_model
+
+    from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+
+    tiny_hf_model("LlamaConfig").save_pretrained(tmp_path)
+    runner = tiny_runner(tmp_path, attention_backend=backend, disable_piecewise_cuda_graph=True)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, 256, (13,), generator=gen).tolist()
+    pages, page, n = list(range(8)), runner.page_size, 7
+    start = len(prompt) - 1
+    prefill = build_forward_batch(
+        ForwardMode.EXTEND, [SeqChunk(prompt[:-1], 0, pages)], page, "cpu"
+    )
+    parents = random_parents(1, n, gen)
+    tokens = torch.randint(1, 256, (n - 1,), generator=gen).tolist()
+    depths = depths_of(parents, n - 1)[0]
+
+    def verify(ids: list[int], tree: bool) -> torch.Tensor:
+        chunk = SeqChunk(ids, start, pages)
+        batch = build_forward_batch(
+            ForwardMode.TARGET_VERIFY,
+            [chunk],
+            page,
+            "cpu",
+            logits_rows=range(len(ids)),
+            spec_num_draft_tokens=len(ids),
+        )
+        if tree:
+            batch = dataclasses.replace(
+                batch, positions=start + depths, tree_mask=ancestor_mask(parents, n - 1)
+            )
+        with torch.inference_mode():
+            return runner.forward(batch).logits
+
+    with torch.inference_mode():
+        runner.forward(prefill)
+    tree_logits = verify([prompt[-1], *tokens], tree=True)
+    for node in range(n):
+        path, cur = [], node
+        while cur > 0:
+            path.append(cur)
+            cur = int(parents[0, cur])
+        chain = verify([prompt[-1], *(tokens[i - 1] for i in path[::-1])], tree=False)
+        torch.testing.assert_close(tree_logits[node], chain[-1], atol=1e-4, rtol=1e-4)
