@@ -164,6 +164,24 @@ def test_nextn_trees_greedy_equal_plain(tmp_path, paths):
     assert_all_pages_free(spec)
 
 
+def test_topk_past_the_draft_vocabulary_is_refused(tmp_path, paths):
+    small = write_eagle3_checkpoint(
+        tmp_path / "small", load_config(paths["target"]), seed=1, draft_vocab_size=8
+    )
+    with pytest.raises(ValueError, match="speculative_eagle_topk 9 exceeds the draft vocab"):
+        LLM(
+            paths["target"],
+            dtype="float32",
+            device="cpu",
+            tokenizer=str(default_model_path()),
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=str(small),
+            speculative_num_steps=2,
+            speculative_eagle_topk=9,
+            speculative_num_draft_tokens=10,
+        )
+
+
 def test_seeded_sampling_equals_plain(plain, spec):
     """A tree draws each node's target token at its depth's output position: a seeded request
     emits what it emits without speculation, with planted branches too."""

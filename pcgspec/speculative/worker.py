@@ -93,6 +93,8 @@ class SpecWorker:
         self.scheduler = scheduler
         self.slots = slots
         self.eos_token_ids = eos_token_ids
+        if draft is not None:
+            _check_topk(config.topk, draft)
         self.proposer: Proposer = (
             NgramProposer.from_config(config, slots)
             if draft is None
@@ -377,3 +379,13 @@ def _path_hidden(
     if hidden is None or verified.path is None:
         return hidden
     return path_rows(hidden, verified.path, num_nodes)
+
+
+def _check_topk(topk: int, draft: DraftRunner) -> None:
+    """Each tree level takes the topk best tokens of the draft's vocabulary."""
+    head = draft.draft
+    vocab = getattr(head, "draft_vocab_size", None) or head.vocab_size
+    if topk > vocab:
+        raise ValueError(
+            f"speculative_eagle_topk {topk} exceeds the draft vocabulary of {vocab} tokens"
+        )
