@@ -74,6 +74,8 @@ def test_expansion_keeps_the_best_paths_closed_under_parents(topk, depth, nodes)
             p = int(cand_parents[r, c])
             assert parents[i] == (0 if p < 0 else chosen.index(p) + 1)
     assert torch.equal(out.depths, depths_of(out.parents, depth))
+    if topk > 1:
+        assert torch.equal(out.mask, ancestor_mask(out.parents, depth))
     if topk == 1:
         assert out.parents.tolist() == chain_parents(b, nodes, out.parents.device).tolist()
 

@@ -94,7 +94,8 @@ class DraftGraphRunner(GuardedRunner):
         )
 
     def _propose(self, bs: int) -> tuple[torch.Tensor, ...]:
-        """The captured region: the trees' tokens, parents and depths from the static buffers."""
+        """The captured region: the trees' tokens, parents, depths (and ancestor masks) from
+        the static buffers."""
         batch = self.buffers.batch(
             ForwardMode.DRAFT_EXTEND,
             bs,
@@ -105,7 +106,8 @@ class DraftGraphRunner(GuardedRunner):
         )
         hidden = None if self.hidden is None else self.hidden[: bs * (self.num_steps + 1)]
         tree = self.draft.propose(batch, hidden, self.shape, capture_len=self.max_seq_len)
-        return tree.tokens, tree.parents, tree.depths
+        masks = () if tree.mask is None else (tree.mask,)
+        return tree.tokens, tree.parents, tree.depths, *masks
 
     def _refusal(self, catch_up: ForwardBatch) -> str | None:
         """Why a replay cannot serve ``catch_up`` (k+1 rows per request, bounded lengths)."""

@@ -30,6 +30,7 @@ class DraftProposal:
     probs: torch.Tensor | None = None  # [B, k, V] f32 draft distributions; None: deterministic
     parents: torch.Tensor | None = None  # [B, k+1] int64 node parents (root -1); None: a chain
     depths: torch.Tensor | None = None  # [B, k+1] int64 node depths, with ``parents``
+    tree_mask: torch.Tensor | None = None  # [B, k+1, k+1] bool ancestor masks, if built
 
     def __post_init__(self) -> None:
         tokens, num = self.tokens, self.num_tokens

@@ -257,7 +257,9 @@ class ModelProposer(Proposer):
         num = torch.full((len(reqs),), drafts.shape[1], dtype=torch.int64, device=drafts.device)
         if self.shape.is_chain:
             return DraftProposal(drafts, num)
-        return DraftProposal(drafts, num, parents=tree.parents, depths=tree.depths)
+        return DraftProposal(
+            drafts, num, parents=tree.parents, depths=tree.depths, tree_mask=tree.mask
+        )
 
     def _behind(self, req: object, state: DraftState) -> int:
         """Catch-up rows of ``req``: positions ``computed .. len(tokens) - 1 - lag``."""

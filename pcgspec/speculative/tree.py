@@ -55,11 +55,13 @@ class TreeShape:
 @dataclass(frozen=True)
 class DraftTree:
     """``tokens`` [B, N-1] int64 (the drafts, nodes 1..N-1), ``parents`` and ``depths``
-    [B, N] int64 (node 0 the root)."""
+    [B, N] int64 (node 0 the root); ``mask`` [B, N, N] (``ancestor_mask``) for trees of
+    topk > 1, None for a chain."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
+    mask: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -163,7 +165,12 @@ class TreeExpansion:
         node_parents = torch.where(parent_ids < 0, 0, node)
         root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
         all_parents = torch.cat([root, node_parents], dim=1)
-        return DraftTree(tokens.gather(1, chosen), all_parents, depths_of(all_parents, max_depth))
+        return DraftTree(
+            tokens.gather(1, chosen),
+            all_parents,
+            depths_of(all_parents, max_depth),
+            ancestor_mask(all_parents, max_depth),
+        )
 
 
 def depths_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -184,17 +191,24 @@ class VerifyTree:
     parents: torch.Tensor  # [B, N] int64
     depths: torch.Tensor  # [B, N] int64
     mask: torch.Tensor  # [B, N, N] bool (``ancestor_mask``)
+    # [B, N]: what to add to consecutive per-row positions (``start + i``) to place every
+    # node at its depth instead
+    row_offsets: torch.Tensor
     max_depth: int
 
     @classmethod
-    def of(cls, parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> VerifyTree:
-        return cls(parents, depths, ancestor_mask(parents, max_depth), max_depth)
-
-    def row_offsets(self) -> torch.Tensor:
-        """``[B, N]`` what to add to consecutive per-row positions (``start + i``) to place
-        every node at its depth instead."""
-        n = self.depths.shape[1]
-        return self.depths - torch.arange(n, device=self.depths.device)
+    def of(
+        cls,
+        parents: torch.Tensor,
+        depths: torch.Tensor,
+        max_depth: int,
+        mask: torch.Tensor | None = None,
+    ) -> VerifyTree:
+        """The tree's verify inputs; ``mask``: its ancestor mask where the drafter built it."""
+        if mask is None:
+            mask = ancestor_mask(parents, max_depth)
+        offsets = depths - torch.arange(depths.shape[1], device=depths.device)
+        return cls(parents, depths, mask, offsets, max_depth)
 
 
 def move_accepted_kv(

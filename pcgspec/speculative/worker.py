@@ -175,7 +175,9 @@ class SpecWorker:
         drafts = proposal.tokens.to(device, non_blocking=True)  # [B, N-1]
         tree = None
         if proposal.parents is not None:
-            tree = VerifyTree.of(proposal.parents, proposal.depths, self.num_steps)
+            tree = VerifyTree.of(
+                proposal.parents, proposal.depths, self.num_steps, proposal.tree_mask
+            )
         flags = self.slots.flags(reqs)
         bounds = [r.num_tokens + self.slots_ahead for r in reqs]
         graphs, tail = self.runner.verify_graphs, self.tail
@@ -195,7 +197,7 @@ class SpecWorker:
             self.runner.page_size,
             bounds,
             rows,
-            row_offsets=None if tree is None else tree.row_offsets(),
+            row_offsets=None if tree is None else tree.row_offsets,
             sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
             tree_mask=None if tree is None else tree.mask,
@@ -248,7 +250,7 @@ class SpecWorker:
             position = sampling.position.view(b, n)
             tree_kw = {}
             if tree is not None:
-                position = position + tree.row_offsets()
+                position = position + tree.row_offsets
                 tree_kw = dict(parents=tree.parents, max_depth=tree.max_depth)
             return verify(
                 target.view(b, n, -1),
