@@ -179,15 +179,10 @@ class VerifyTailGraphs(GuardedRunner):
         """The accepted nodes' K/V to the positions after the prefix: the verify graph's rows
         started at ``seq_len - N`` (padding requests: seq_len 0, moved nowhere)."""
         graphs = self.verify_graphs
-        cache, buffers = graphs.attn_backend.kv_cache, graphs.buffers
+        buffers = graphs.buffers
         start = buffers.seq_lens[:bs].to(torch.int64) - self.k1
         move_accepted_kv(
-            (cache.k, cache.v),
-            buffers.page_table[:bs],
-            start,
-            self.path[:bs],
-            cache.page_size,
-            cache.scratch_slot,
+            graphs.attn_backend.kv_cache, buffers.page_table[:bs], start, self.path[:bs]
         )
 
     @property

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pcgspec.attention.kv_cache import KVCache
 from pcgspec.runners.batch_builder import page_slots
 
 # NOTE: float64 scores minus a tiny margin per depth: a child that took a probability-1 token
@@ -212,27 +213,26 @@ class VerifyTree:
 
 
 def move_accepted_kv(
-    caches: tuple[list[torch.Tensor], list[torch.Tensor]],
+    cache: KVCache,
     page_table: torch.Tensor,
     start: torch.Tensor,
     path: torch.Tensor,
-    page_size: int,
-    scratch_slot: int,
 ) -> None:
     """After a tree verify pass whose node i of request b wrote its K/V at position
     ``start[b] + i``: move the accepted nodes' (``path`` [B, D+1], -1 past the end) to the
-    consecutive positions ``start[b] + j``, where the next passes read them. Nodes past the
-    path stay where they are, past the request's length (overwritten later). On the device.
+    consecutive positions ``start[b] + j``, where the next passes read them, in every layer
+    at once (four launches). Nodes past the path stay where they are, past the request's
+    length (overwritten later). On the device.
     """
     d1 = path.shape[1]
     steps = torch.arange(d1, device=path.device)
     # NOTE: path[j] >= j (equal: already in place); start < 0: a graph's padding request
     moved = (path > steps) & (start[:, None] >= 0)
     first = start.clamp_min(0)[:, None]
-    src = page_slots(page_table, first + path.clamp_min(0), page_size)
-    dst = page_slots(page_table, first + steps, page_size)
-    src = torch.where(moved, src, scratch_slot).view(-1)
-    dst = torch.where(moved, dst, scratch_slot).view(-1)
-    for layer_k, layer_v in zip(*caches):
-        layer_k.index_copy_(0, dst, layer_k.index_select(0, src))
-        layer_v.index_copy_(0, dst, layer_v.index_select(0, src))
+    page = cache.page_size
+    src = page_slots(page_table, first + path.clamp_min(0), page).view(-1)
+    dst = page_slots(page_table, first + steps, page).view(-1)
+    src = torch.where(moved.view(-1), src, cache.scratch_slot)
+    dst = torch.where(moved.view(-1), dst, cache.scratch_slot)
+    for layers in (cache.k_all, cache.v_all):  # [L, slots + 1, KV, D]
+        layers.index_copy_(1, dst, layers.index_select(1, src))

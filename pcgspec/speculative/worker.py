@@ -225,11 +225,8 @@ class SpecWorker:
         self, seq_lens: torch.Tensor, page_table: torch.Tensor, path: torch.Tensor
     ) -> None:
         """Move the accepted tree nodes' target K/V to the positions after the prefix."""
-        cache = self.runner.kv_cache
         start = seq_lens.to(torch.int64) - 1  # the root's position (the last token's)
-        move_accepted_kv(
-            (cache.k, cache.v), page_table, start, path, self.runner.page_size, cache.scratch_slot
-        )
+        move_accepted_kv(self.runner.kv_cache, page_table, start, path)
 
     def _accept(
         self,
