@@ -287,7 +287,7 @@ def _sized_to_prompts(
         for p in prompts
     ]
     spec = config.speculative_config
-    extra = config.page_size + (spec.speculative_num_draft_tokens if spec else 0)
+    extra = config.page_size + (spec.slots_ahead + 1 if spec else 0)
     page = config.page_size
     pages = sum(params.n * -(-(n + params.max_tokens + extra) // page) for n in lengths)
     return dataclasses.replace(config, max_total_tokens=pages * page)

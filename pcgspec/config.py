@@ -64,8 +64,8 @@ class EngineConfig:
     # Speculative decoding (SGLang's names); None = SpeculativeConfig's default.
     speculative_algorithm: str | None = None  # EAGLE3, NEXTN, STANDALONE or NGRAM
     speculative_num_steps: int | None = None  # k drafts per request and step
-    speculative_num_draft_tokens: int | None = None  # k+1
-    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None  # k+1, or the tree nodes with topk > 1
+    speculative_eagle_topk: int | None = None  # > 1: tree drafting (EAGLE3, NEXTN)
     speculative_draft_model_path: str | None = None
     speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int | None = None
@@ -136,6 +136,12 @@ class EngineConfig:
         spec = self.speculative_config  # validates the speculative_* fields
         if spec is not None:
             spec.draft_model_path(self.model)  # EAGLE3 without a path: the shipped head exists
+            if self.tp_size > 1 and spec.speculative_eagle_topk > 1:
+                # NOTE: a tree step moves the accepted nodes' K/V on rank 0's cache only
+                raise ValueError(
+                    f"speculative_eagle_topk {spec.speculative_eagle_topk} (tree drafting) "
+                    f"does not work with tp_size {self.tp_size}: use topk 1 (a chain)"
+                )
         self._check_tp()
 
     def _check_tp(self) -> None:

@@ -116,12 +116,17 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("debug", "info", "warning", "error"),
     ),
     "speculative_algorithm": ("speculative decoding (default: none)", SUPPORTED_ALGORITHMS),
-    "speculative_num_steps": ("k: draft tokens per request and step (default: 3)", None),
+    "speculative_num_steps": ("k: the draft depth, drafts per request and step (default: 3)", None),
     "speculative_num_draft_tokens": (
-        "tokens the target verifies per request, k+1 (default: num_steps + 1)",
+        "tokens the target verifies per request: k+1 for a chain, the tree's nodes with "
+        "--speculative-eagle-topk > 1 (default: num_steps + 1)",
         None,
     ),
-    "speculative_eagle_topk": ("draft branches per step; 1 = chain drafting (default: 1)", None),
+    "speculative_eagle_topk": (
+        "draft branches per depth; 1 = chain drafting, > 1 = tree drafting, EAGLE3/NEXTN "
+        "(default: 1)",
+        None,
+    ),
     "speculative_draft_model_path": (
         "draft model folder (STANDALONE, EAGLE3; EAGLE3 default: "
         "the head shipped for the default model; NEXTN default: "

@@ -81,6 +81,8 @@ ratios; ``scripts/gpu_served_spec.sh`` runs plain / EAGLE3 / NGRAM on a GPU in o
         --long-prompt-tokens 8000 --long-rate 1 --mixed-seconds 30 --max-tokens 256
     python scripts/bench_serving.py --launch --server-args "--dtype bfloat16" \\
         --compare "plain=" "eagle3=--speculative-algorithm EAGLE3" \\
+                  "tree=--speculative-algorithm EAGLE3 --speculative-num-steps 3 \\
+                  --speculative-eagle-topk 4 --speculative-num-draft-tokens 8" \\
                   "ngram=--speculative-algorithm NGRAM --speculative-num-steps 4" \\
         --datasets chat "repetition:concurrencies=1:configs=plain,ngram" --temperatures 0
 """

@@ -402,6 +402,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", default="NGRAM", help="comma-separated speculative algorithms")
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
     p.add_argument(
+        "--eagle-topk",
+        type=int,
+        default=1,
+        help="--speculative-eagle-topk of the EAGLE3 / NEXTN engines (> 1: tree drafting)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="--speculative-num-draft-tokens of the EAGLE3 / NEXTN engines (default: k+1)",
+    )
+    p.add_argument(
         "--policy",
         choices=("auto", "always"),
         default="auto",
@@ -491,6 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
     _print(
         rows,
         f"{model}, {config.torch_dtype}, {device}, k={args.num_steps}, "
+        f"topk={args.eagle_topk}, N={args.num_draft_tokens or args.num_steps + 1}, "
         f"policy {args.policy}, temperature {args.temperature}",
     )
     result = {
@@ -501,6 +514,8 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(config.torch_dtype),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "num_steps": args.num_steps,
+        "eagle_topk": args.eagle_topk,
+        "num_draft_tokens": args.num_draft_tokens,
         "policy": args.policy,
         "temperature": args.temperature,
         "rows": rows,
@@ -566,12 +581,20 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
+        algorithm = method.split(":")[0]
+        tree = {}
+        if algorithm in ("EAGLE3", "NEXTN"):
+            tree = {
+                "speculative_eagle_topk": args.eagle_topk,
+                "speculative_num_draft_tokens": args.num_draft_tokens,
+            }
         engines[method] = LLM(
             args.model,
-            speculative_algorithm=method.split(":")[0],
+            speculative_algorithm=algorithm,
             speculative_num_steps=args.num_steps,
             speculative_draft_model_path=drafts.get(method),
             speculative_policy=args.policy,
+            **tree,
             **base,
         )
     freeze_start_up()  # NOTE: this script owns its process, as the server does its own

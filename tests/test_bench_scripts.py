@@ -483,3 +483,18 @@ def test_bench_extend_prefix_writes_json(tmp_path):
             for n in ("auto", "whole", "splits_2", "splits_3")
         )
         assert row["max_abs_diff_vs_whole"] < 1e-5
+
+
+def test_bench_spec_runs_tree_drafting(tmp_path, smollm2_path, monkeypatch):
+    """``--eagle-topk`` / ``--num-draft-tokens``: EAGLE3 drafts trees (an untrained head), the
+    result names them and reports the accept length."""
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
+    bench = load_script("bench_spec")
+    out = tmp_path / "tree.json"
+    args = ["--model", str(smollm2_path), "--methods", "EAGLE3:untrained", "--num-steps", "3"]
+    args += ["--eagle-topk", "2", "--num-draft-tokens", "5", "--batch-sizes", "2"]
+    args += ["--max-tokens", "6", "--repeats", "1", "--prompts", "general", "--out", str(out)]
+    result = bench.main([*args, "--policy", "always", "--eagle3-draft-vocab", "1024"])
+    assert (result["eagle_topk"], result["num_draft_tokens"]) == (2, 5)
+    tree = next(r for r in result["rows"] if r["method"] == "EAGLE3:untrained")
+    assert tree["avg_accept_length"] >= 1.0 and tree["speculative_steps"] > 0

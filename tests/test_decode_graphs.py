@@ -203,6 +203,7 @@ def test_can_run_refusals(tiny_path) -> None:
         "hidden_mode": reqs.decode([0], capture_hidden_mode=CaptureHiddenMode.LAST),
         "input_embeds": dataclasses.replace(batch, input_embeds=torch.zeros(2, 64)),
         "seq_len": build_forward_batch(ForwardMode.DECODE, [too_wide], PAGE_SIZE, "cpu"),
+        "tree": dataclasses.replace(batch, tree_mask=torch.ones(2, 1, 1, dtype=torch.bool)),
     }
     for reason, bad in refused.items():
         assert not graphs.can_run(bad), reason

@@ -239,7 +239,12 @@ def test_eagle3_logits_are_over_target_ids(tmp_path, target) -> None:
     assert torch.equal(logits.isfinite(), tensors["t2d"].expand(6, -1))
     torch.testing.assert_close(logits[:, target_ids], hidden @ tensors["lm_head.weight"].T)
     assert set(logits.argmax(-1).tolist()) <= set(target_ids.tolist())
-    assert torch.equal(head.greedy(hidden), logits.argmax(-1))  # argmax in the draft vocabulary
+    _, best = head.top_tokens(hidden, 1)
+    assert torch.equal(best[:, 0], logits.argmax(-1))  # argmax in the draft vocabulary
+    scores, ids = head.top_tokens(hidden, 3)
+    want = logits.log_softmax(-1).topk(3, dim=-1)
+    assert torch.equal(ids, want.indices)
+    torch.testing.assert_close(scores, want.values)
 
 
 def test_eagle3_aux_layers(tmp_path, target) -> None:

@@ -341,15 +341,19 @@ def test_warmup_is_a_no_op_off_cuda() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("speculative", [None, "NGRAM"], ids=["plain", "ngram"])
+@pytest.mark.parametrize(
+    "speculative", [None, "NGRAM", "EAGLE3-tree"], ids=["plain", "ngram", "eagle3-tree"]
+)
 def test_first_concurrent_wave_compiles_nothing(smollm2_path, speculative, monkeypatch) -> None:
     from pcgspec import LLM
 
     spec = (
         {}
         if speculative is None
-        else {"speculative_algorithm": speculative, "speculative_num_steps": K}
+        else {"speculative_algorithm": speculative.split("-")[0], "speculative_num_steps": K}
     )
+    if speculative == "EAGLE3-tree":  # the shipped head of the default model
+        spec |= {"speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
     llm = LLM(
         str(smollm2_path),
         dtype="bfloat16",
@@ -383,3 +387,52 @@ def test_first_concurrent_wave_compiles_nothing(smollm2_path, speculative, monke
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.token_ids) == 24 for o in outputs)
     assert not counts, f"Triton compiled after start-up: {dict(counts)}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
+def test_warmup_covers_draft_tree_passes(record) -> None:
+    """With draft trees: the masked split-KV passes (N nodes per request in verify, topk beams
+    over growing levels in drafting) and the tree walk, at every batch size."""
+    depth, nodes, topk = 3, 8, 3
+    tree_warmup = KernelWarmup(
+        attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB), tree=(depth, nodes, topk)
+    )
+    warmed = record()
+    run_warmup(tree_warmup, torch.device("cpu"))
+    served = record()
+    page = TINY.page_size
+    cache = [torch.zeros(65 * page + 1, TINY.num_kv_heads, TINY.head_dim) for _ in range(2)]
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
+    for b in (1, 2, 3, 5):
+        table = torch.arange(b * 8, dtype=torch.int32).view(b, 8)
+        seq_lens = torch.arange(b, dtype=torch.int32) * 5 + nodes + 1
+        for n, width in ((nodes, nodes), (topk, topk), (topk, 2 * topk)):
+            q, _, _, out = _qkv(b * n, TINY)
+            splits = 1 + b % 3
+            decode_attention(
+                q,
+                *cache,
+                out,
+                table,
+                seq_lens,
+                page,
+                0.25,
+                splits,
+                tokens_per_seq=n,
+                tree_mask=torch.ones(b, n, width, dtype=torch.bool),
+                workspace=decode_workspace(b * n, TINY.num_heads, TINY.head_dim, splits, "cpu"),
+            )
+        for strategy in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH):
+            verify_draft_tokens(
+                torch.rand(b, nodes, VOCAB),
+                torch.randint(0, VOCAB, (b, nodes - 1)),
+                strategy,
+                seed=torch.zeros(b, nodes, dtype=torch.int64),
+                position=torch.zeros(b, nodes, dtype=torch.int64),
+                num_draft=torch.full((b,), nodes - 1),
+                parents=parents.expand(b, -1).contiguous(),
+                max_depth=depth,
+            )
+    for name in ("_split_kv_kernel", "_split_kv_reduce_kernel", "_accept_tree_kernel"):
+        missing = served[name] - warmed[name]
+        assert served[name] and not missing, f"{name}: {len(missing)} not warmed"

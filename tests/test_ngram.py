@@ -373,7 +373,28 @@ def test_speculative_config_rejects(kwargs: dict[str, object], field: str) -> No
 def test_speculative_config_messages_name_the_value() -> None:
     with pytest.raises(ValueError, match="EAGLE3, NEXTN, STANDALONE, NGRAM, got 'medusa'"):
         SpeculativeConfig("medusa")
-    with pytest.raises(ValueError, match="tree drafting, not supported yet, got 4"):
-        SpeculativeConfig("NEXTN", speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    with pytest.raises(ValueError, match="needs one of EAGLE3, NEXTN, not NGRAM, got 2"):
+        SpeculativeConfig("NGRAM", speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    with pytest.raises(ValueError, match="not STANDALONE, got 2"):
+        SpeculativeConfig("STANDALONE", speculative_draft_model_path="/d", speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match=r"in 2\.\.13 .* got 14"):
+        SpeculativeConfig(
+            "NEXTN",
+            speculative_num_steps=2,
+            speculative_eagle_topk=3,
+            speculative_num_draft_tokens=14,
+        )
+    with pytest.raises(ValueError, match=r"in 2\.\.13 .* got 1"):
+        SpeculativeConfig(
+            "NEXTN",
+            speculative_num_steps=2,
+            speculative_eagle_topk=3,
+            speculative_num_draft_tokens=1,
+        )
+    tree = SpeculativeConfig(
+        "EAGLE3", speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8
+    )
+    assert (tree.topk, tree.num_draft_tokens, tree.slots_ahead) == (4, 8, 8)
+    assert SpeculativeConfig("NGRAM").slots_ahead == 3
     with pytest.raises(ValueError, match="= 3 with speculative_eagle_topk 1, got 5"):
         SpeculativeConfig("NGRAM", speculative_num_steps=2, speculative_num_draft_tokens=5)

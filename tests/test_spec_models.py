@@ -202,7 +202,7 @@ def test_draft_graphs_replay_like_eager_drafting(spec, plain_outputs):
     proposer = spec.engine.spec_worker.proposer
     prompts, params = PROMPTS[:3], _greedy(16)
     eager = spec.generate(prompts, params, use_tqdm=False)
-    proposer.graphs = DraftGraphRunner(proposer.runner, K, max_bs=4, max_seq_len=2048)
+    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, max_bs=4, max_seq_len=2048)
     try:
         proposer.graphs.capture()
         graphed = spec.generate(prompts, params, use_tqdm=False)
@@ -362,18 +362,28 @@ def cuda_plain(smollm2_path) -> LLM:
     return LLM(str(smollm2_path), **GPU_KW)
 
 
+TREE_KW = {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 7}
+
+
+def _algorithm_kw(algorithm: str) -> dict:
+    """``EAGLE3-tree``: EAGLE3 drafting trees (topk 3, 7 nodes)."""
+    name, _, tree = algorithm.partition("-")
+    return {"speculative_algorithm": name, **(TREE_KW if tree else {})}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "STANDALONE"])
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "STANDALONE", "EAGLE3-tree"])
 def test_cuda_graphs_greedy_equals_plain(smollm2_path, drafts, cuda_plain, hf_model, algorithm):
     """Verify and draft graphs on, 16 the largest captured batch: greedy output equals plain
     decoding at batch sizes 1, 3, 16 (the graphs replay buckets 1, 4 and 16) and 17 (eager).
     """
-    draft = smollm2_path if algorithm == "STANDALONE" else drafts[algorithm]  # self-draft
+    name = algorithm.split("-")[0]
+    draft = smollm2_path if name == "STANDALONE" else drafts[name]  # self-draft
     spec = LLM(
         str(smollm2_path),
-        speculative_algorithm=algorithm,
         cuda_graph_max_bs=16,
         speculative_draft_model_path=str(draft),
+        **_algorithm_kw(algorithm),
         **SPEC_KW,
         **GPU_KW,
     )
@@ -412,7 +422,7 @@ def test_cuda_overlapped_plain_steps_between_speculative_ones_equal_plain(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3", "NGRAM"])
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3", "NGRAM", "EAGLE3-tree"])
 def test_cuda_speculative_step_never_synchronizes(smollm2_path, drafts, algorithm):
     """A speculative step (propose, verify, accept, commit) makes no synchronizing CUDA call
     (counted by torch's sync debug mode): its accepted lengths and tokens go to the host by a
@@ -421,8 +431,8 @@ def test_cuda_speculative_step_never_synchronizes(smollm2_path, drafts, algorith
     draft = {"STANDALONE": str(smollm2_path), "EAGLE3": drafts["EAGLE3"], "NGRAM": None}
     spec = LLM(
         str(smollm2_path),
-        speculative_algorithm=algorithm,
-        speculative_draft_model_path=draft[algorithm],
+        speculative_draft_model_path=draft[algorithm.split("-")[0]],
+        **_algorithm_kw(algorithm),
         **SPEC_KW,
         **GPU_KW,
     )

@@ -111,3 +111,20 @@ def recorded_drafts(llm: LLM) -> list[list[list[int]]]:
 
     proposer.propose = recorded
     return seen
+
+
+def test_tree_drafting_is_refused_under_tp(target, engine_kw, tmp_path) -> None:
+    from pcgspec.config import EngineConfig
+
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", load_config(target), seed=1)
+    with pytest.raises(ValueError, match="speculative_eagle_topk 2 .* tp_size 2"):
+        EngineConfig(
+            model=str(target),
+            tp_size=2,
+            device="cpu",
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=str(draft),
+            speculative_num_steps=3,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=6,
+        )

@@ -134,11 +134,18 @@ def test_tail_refuses_what_it_cannot_serve(tiny_path) -> None:  # noqa: F811
     assert not tail.can_run(TailBatch(3, {**ok, "needs_penalties": True}, True))
     assert not tail.can_run(TailBatch(3, {**ok, "needs_filters": True}, True))
     assert not tail.can_run(TailBatch(3, {**ok, "max_logprobs": 2}, True))
+    assert not tail.can_run(TailBatch(3, ok, True, tree=True))
     assert tail.stats() == {
         "graphs": 0,
         "runs": 0,
         "padded_rows": 0,
-        "fallbacks": {"no_verify_graph": 2, "penalties": 1, "filters": 1, "logprobs": 1},
+        "fallbacks": {
+            "no_verify_graph": 2,
+            "tree": 1,
+            "penalties": 1,
+            "filters": 1,
+            "logprobs": 1,
+        },
     }
 
 

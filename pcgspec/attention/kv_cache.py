@@ -34,10 +34,13 @@ class KVCache:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_pages * page_size
-        shape = (self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
-        layers = range(spec.num_layers)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in layers]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in layers]
+        shape = (spec.num_layers, self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
+        # [L, slots + 1, KV, D]: every layer's K (V), one tensor, so that a slot moves in all
+        # layers at once (the accepted nodes of a draft tree); ``k``/``v`` are its layers
+        self.k_all = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.k = list(self.k_all.unbind(0))
+        self.v = list(self.v_all.unbind(0))
 
     @property
     def scratch_slot(self) -> int:

@@ -58,9 +58,15 @@ class TorchAttentionBackend(AttentionBackend):
         kv_slots = torch.where(kv_valid, pages * page + j % page, self.kv_cache.scratch_slot)
 
         q_pos = ((seq - ext)[:, None] + i)[:, :, None]  # [B, L, 1]
-        mask = (j[:, None, :] <= q_pos) & kv_valid[:, None, :]  # [B, L, S]
+        if batch.tree_mask is None:
+            mask = (j[:, None, :] <= q_pos) & kv_valid[:, None, :]  # [B, L, S]
+        else:
+            mask = _tree_visible(batch.tree_mask, seq, j, max_new) & kv_valid[:, None, :]
         masks = {None: mask}
-        for window in set(self.sliding_windows) - {None}:
+        windows = set(self.sliding_windows) - {None}
+        if windows and batch.tree_mask is not None:
+            raise ValueError("tree attention (tree_mask) does not support sliding-window layers")
+        for window in windows:
             masks[window] = mask & (j[:, None, :] > q_pos - window)
         for m in masks.values():
             # NOTE: rows that see no key (padded queries, empty requests) see key 0, so SDPA
@@ -104,3 +110,16 @@ class TorchAttentionBackend(AttentionBackend):
         out[: md.num_real] = o[md.out_rows]
         if out.shape[0] > md.num_real:
             out[md.num_real :] = 0
+
+
+def _tree_visible(
+    tree_mask: torch.Tensor, seq: torch.Tensor, j: torch.Tensor, max_new: int
+) -> torch.Tensor:
+    """``[B, L, S]``: query i sees every key before the last M and, of those, the ones
+    ``tree_mask`` [B, L, M] marks (``ForwardBatch.tree_mask``)."""
+    b, n, m = tree_mask.shape
+    if n != max_new:
+        raise ValueError(f"tree_mask must be [B, {max_new}, M], got {list(tree_mask.shape)}")
+    col = j - (seq - m)[:, None]  # [B, S]: the key's column in the mask, < 0 before it
+    bits = tree_mask.gather(2, col.clamp(0, m - 1)[:, None, :].expand(b, n, -1))
+    return (col < 0)[:, None, :] | bits

@@ -35,6 +35,7 @@ class TritonAttentionMetadata:
     num_kv_splits: int  # split-KV path; the extend path's prefix splits are its plan's
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # splits: [rows, H, S, D], [rows, H, S]
     extend_plan: ExtendPlan | None  # extend path: grid and constants of the fused kernel
+    tree_mask: torch.Tensor | None = None  # split-KV path: [B, tokens_per_seq, M] draft trees
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -76,6 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
         self, batch: ForwardBatch, tokens_per_seq: int, num_real: int, num_splits: int
     ) -> TritonAttentionMetadata:
         plan = None
+        if batch.tree_mask is not None and not tokens_per_seq:
+            raise ValueError("a tree_mask needs the same number of tokens per request")
         if not tokens_per_seq:
             ext = batch.extend_lens_cpu
             plan = plan_extend(
@@ -106,6 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_splits=num_splits,
             workspace=workspace,
             extend_plan=plan,
+            tree_mask=batch.tree_mask,
         )
 
     def _num_kv_splits(self, batch_size: int, max_seq_len: int) -> int:
@@ -162,6 +166,7 @@ class TritonAttentionBackend(AttentionBackend):
             tokens_per_seq=md.tokens_per_seq,
             window=window,
             workspace=md.workspace,
+            tree_mask=md.tree_mask,
             check=check,
         )
         if out.shape[0] > n:

@@ -135,7 +135,7 @@ class Engine:
         runner = self.runner
         if worker is not None and runner.verify_graphs is not None and runner.tp_driver is None:
             worker.tail = VerifyTailGraphs(
-                runner.verify_graphs, self.slots, runner.model.compute_logits
+                runner.verify_graphs, self.slots, runner.model.compute_logits, worker.num_steps
             )
             worker.tail.capture()
         proposer = None if worker is None else worker.proposer
@@ -147,7 +147,7 @@ class Engine:
             return
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         proposer.graphs = DraftGraphRunner(
-            proposer.runner, proposer.num_steps, max_bs, self.context_length
+            proposer.runner, proposer.shape, max_bs, self.context_length
         )
         proposer.graphs.capture()
 
@@ -168,6 +168,7 @@ class Engine:
             split_kv_tokens=(1,) if k is None else (1, k + 1),
             verify=None if k is None else (k, self.runner.vocab_size),
             ngram=ngram,
+            tree=None if spec is None or spec.topk == 1 else (k, spec.num_draft_tokens, spec.topk),
         )
 
     @property

@@ -124,9 +124,54 @@ def _attend_tile(
     )
 
 
+@triton.jit
+def _attend_tree_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    KCache,
+    VCache,
+    page_row,
+    n0,
+    kv_end,
+    tree_row,
+    tree_lo,
+    tree_width,
+    stride_mt,
+    tok,
+    kv_head,
+    qk_scale,
+    stride_cs,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """``_attend_tile`` under a tree mask: key ``j`` is seen by every row before ``tree_lo``,
+    from there by the rows whose mask row (``tree_row + tok * stride_mt``) marks it."""
+    j = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    j_ok = j < kv_end
+    page = tl.load(page_row + j // PAGE_SIZE, mask=j_ok, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
+    offs = slot[:, None] * stride_cs + kv_head * HEAD_DIM + d[None, :]
+    mask = (d < HEAD_DIM)[None, :] & j_ok[:, None]
+    k = tl.load(KCache + offs, mask=mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(VCache + offs, mask=mask, other=0.0).to(q.dtype)
+    col = j - tree_lo
+    in_tree = (col >= 0) & (col < tree_width) & j_ok
+    bits = tl.load(
+        tree_row + tok[:, None] * stride_mt + col[None, :], mask=in_tree[None, :], other=0
+    )
+    keep = j_ok[None, :] & ((col < 0)[None, :] | (bits != 0))
+    return _online_softmax(acc, m_i, l_i, q, k, v, keep, qk_scale, True, DOT_PREC)
+
+
 @triton.jit(  # vary per batch, as in extend
-    do_not_specialize=["num_splits", "window", "stride_pt"],
-    do_not_specialize_on_alignment=["PageTable", "SeqLens"],
+    do_not_specialize=["num_splits", "window", "stride_pt", "stride_mb", "stride_mt", "tree_width"],
+    do_not_specialize_on_alignment=["PageTable", "SeqLens", "TreeMask"],
 )
 def _split_kv_kernel(
     Q,
@@ -136,6 +181,7 @@ def _split_kv_kernel(
     MidLse,
     PageTable,
     SeqLens,
+    TreeMask,
     qk_scale,
     window,
     num_heads,
@@ -144,6 +190,9 @@ def _split_kv_kernel(
     stride_qh,
     stride_pt,
     stride_cs,
+    stride_mb,
+    stride_mt,
+    tree_width,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     TOKENS: tl.constexpr,
@@ -153,6 +202,7 @@ def _split_kv_kernel(
     BLOCK_D: tl.constexpr,
     WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     # One program: the TOKENS last positions x GROUP query heads of one kv head of one
     # request, over one split of its keys (with WINDOW, of those the first token's window
@@ -181,31 +231,59 @@ def _split_kv_kernel(
     page_row = PageTable + b.to(tl.int64) * stride_pt
     causal_lim = seq_len - TOKENS + rows // GROUP
     win_lo = causal_lim - window + 1
+    tok = tl.minimum(rows // GROUP, TOKENS - 1)
+    tree_row = TreeMask + b.to(tl.int64) * stride_mb
     for n0 in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            KCache,
-            VCache,
-            page_row,
-            n0,
-            hi,
-            causal_lim,
-            win_lo,
-            kv_head,
-            qk_scale,
-            stride_cs,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            TOKENS > 1,
-            WINDOW,
-            DOT_PREC,
-        )
+        if TREE:
+            acc, m_i, l_i = _attend_tree_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                KCache,
+                VCache,
+                page_row,
+                n0,
+                hi,
+                tree_row,
+                seq_len - tree_width,
+                tree_width,
+                stride_mt,
+                tok,
+                kv_head,
+                qk_scale,
+                stride_cs,
+                PAGE_SIZE,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                DOT_PREC,
+            )
+        else:
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                KCache,
+                VCache,
+                page_row,
+                n0,
+                hi,
+                causal_lim,
+                win_lo,
+                kv_head,
+                qk_scale,
+                stride_cs,
+                PAGE_SIZE,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                True,
+                TOKENS > 1,
+                WINDOW,
+                DOT_PREC,
+            )
     # NOTE: a row that sees no key of this split stores o = 0, lse = -inf: the reduce weighs it 0.
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -347,6 +425,15 @@ def _check_window(window: int | None) -> None:
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
 
 
+def _check_tree_mask(mask: torch.Tensor, b: int, n: int, device: torch.device) -> None:
+    ok = mask.dim() == 3 and tuple(mask.shape[:2]) == (b, n) and mask.dtype == torch.bool
+    if not (ok and mask.stride(2) == 1 and mask.device == device):
+        raise ValueError(
+            f"tree_mask must be [{b}, {n}, M] bool on {device} with unit stride along M, got "
+            f"{list(mask.shape)} {mask.dtype} on {mask.device}"
+        )
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # NOTE: fp32 inputs would otherwise run on tf32 tensor cores, ~1e-3 off the reference.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -414,13 +501,16 @@ def decode_attention(
     tokens_per_seq: int = 1,
     window: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree_mask: torch.Tensor | None = None,  # [B, tokens_per_seq, M] bool
     block_n: int = 64,
     check: bool = True,
 ) -> None:
     """Flash-decoding: each request's keys are cut into ``num_kv_splits`` pieces attended in
     parallel (per kv head, all its query heads at once), then merged by their softmax mass.
-    ``tokens_per_seq`` > 1 (TARGET_VERIFY: k+1) attends that many last positions causally.
-    A sliding ``window`` lets position ``p`` see keys ``p - window < j <= p`` only.
+    ``tokens_per_seq`` > 1 (TARGET_VERIFY: k+1) attends that many last positions causally, or
+    with ``tree_mask`` as a draft tree: query i sees the keys before the last M and, of those,
+    key m iff ``tree_mask[b, i, m]``. A sliding ``window`` (not with a tree) lets position
+    ``p`` see keys ``p - window < j <= p`` only.
     """
     num_rows, num_heads, head_dim = q.shape
     if workspace is None:
@@ -440,10 +530,15 @@ def decode_attention(
             workspace,
         )
         _check_window(window)
+        if tree_mask is not None:
+            _check_tree_mask(tree_mask, len(seq_lens), tokens_per_seq, q.device)
+            _require(window is None, "a tree_mask cannot be combined with a sliding window")
     if num_rows == 0:
         return
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
+    tree = tree_mask is not None
+    bits = tree_mask.view(torch.uint8) if tree else seq_lens  # NOTE: never read without a tree
     block_d = max(16, triton.next_power_of_2(head_dim))
     _split_kv_kernel[(len(seq_lens), num_kv, num_kv_splits)](
         q,
@@ -453,6 +548,7 @@ def decode_attention(
         mid_lse,
         page_table,
         seq_lens,
+        bits,
         scale * _LOG2E,
         window or 0,
         num_heads,
@@ -461,6 +557,9 @@ def decode_attention(
         q.stride(1),
         page_table.stride(0),
         k_cache.stride(0),
+        bits.stride(0) if tree else 0,
+        bits.stride(1) if tree else 0,
+        bits.shape[2] if tree else 0,
         PAGE_SIZE=page_size,
         GROUP=group,
         TOKENS=tokens_per_seq,
@@ -470,6 +569,7 @@ def decode_attention(
         BLOCK_D=block_d,
         WINDOW=window is not None,
         DOT_PREC=_dot_precision(q.dtype),
+        TREE=tree,
         num_warps=4,
         num_stages=2,
     )
@@ -508,9 +608,11 @@ def _attend_ref(
     page_size: int,
     scale: float,
     window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The last ``len(q)`` positions of one sequence of ``seq_len`` attending causally (within
-    ``window`` keys, themselves included)."""
+    ``window`` keys, themselves included), or under ``tree_mask`` [len(q), M]
+    (``decode_attention``)."""
     pos = torch.arange(seq_len, device=q.device)
     slots = pages.long()[pos // page_size] * page_size + pos % page_size
     group = q.shape[1] // k_cache.shape[1]
@@ -518,7 +620,11 @@ def _attend_ref(
     v = v_cache[slots].float().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     q_pos = pos[seq_len - len(q) :]
-    hidden = pos[None, :] > q_pos[:, None]  # [L, S]
+    if tree_mask is None:
+        hidden = pos[None, :] > q_pos[:, None]  # [L, S]
+    else:
+        hidden = torch.zeros(len(q), seq_len, dtype=torch.bool, device=q.device)
+        hidden[:, seq_len - tree_mask.shape[1] :] = ~tree_mask
     if window is not None:
         hidden |= pos[None, :] <= q_pos[:, None] - window
     scores.masked_fill_(hidden[None], float("-inf"))
@@ -536,10 +642,12 @@ def decode_attention_ref(
     scale: float,
     tokens_per_seq: int = 1,
     window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> None:
     n = tokens_per_seq
     for b, seq in enumerate(seq_lens.tolist()):
         rows = slice(b * n, (b + 1) * n)
+        mask = None if tree_mask is None else tree_mask[b]
         out[rows] = _attend_ref(
-            q[rows], k_cache, v_cache, page_table[b], seq, page_size, scale, window
+            q[rows], k_cache, v_cache, page_table[b], seq, page_size, scale, window, mask
         )

@@ -12,6 +12,15 @@ Row ``j`` of request ``b`` is the target's distribution for the token after draf
   first rejection draw from normalize(max(p_j - q_j, 0)) (``STREAM_RESAMPLE``); if all drafts
   pass, the bonus is drawn from p_k (``STREAM_TOKEN``). Lossless when d_j ~ q_j.
 
+Draft trees (``parents``: node i's parent, in depth order; node 0 the root, row i the target's
+distribution after node i): row i's candidate is its argmax (GREEDY) or its seeded draw
+(TARGET_MATCH, at the output position of its depth), and the walk from the root moves to the
+child whose token equals the candidate while there is one; the last node's candidate is the
+next token. So a tree accepts the longest root path the target's own choices follow, and seeded
+output stays the target's seeded output (the same rule as SGLang's target-only tree sampling:
+move to a child with the target's probability of its token, else draw from the rest). The
+accepted nodes come back as ``path`` (node of each output position's input).
+
 Draws are inverse CDFs in vocabulary order, as in ``pcgspec.sampling.sample_from_probs``.
 ``num_draft[b] < k`` (a drafter that proposed fewer) caps the accepted length; the token after
 the last proposed draft then comes from p_{num_draft} as if all had passed. ``is_greedy`` marks
@@ -32,6 +41,7 @@ import triton.language as tl
 
 from pcgspec.kernels.build_sampling_params import rng_uniform
 from pcgspec.kernels.launches import CompiledLaunches
+from pcgspec.kernels.tree_walk import check_tree, walk_trees, walk_trees_ref
 from pcgspec.sampling.rng import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TOKEN, uniform
 from pcgspec.sampling.sampler import sample_from_probs
 
@@ -55,11 +65,17 @@ _TARGET_MATCH = tl.constexpr(int(VerifyStrategy.TARGET_MATCH))
 class VerifyOutput:
     accept_len: torch.Tensor  # [B] int64, accepted drafts in 0..k
     tokens: torch.Tensor  # [B, k+1] int64: accept_len drafts, the next token, then -1
+    # [B, k+1] int64 trees: the accepted nodes (0 the root, then one per accepted draft), then
+    # -1; None: a chain (node j at position j)
+    path: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, b: int, k: int, device: torch.device) -> VerifyOutput:
-        buffer = torch.empty(b * (k + 2), dtype=torch.int64, device=device)  # one allocation
-        return cls(buffer[:b], buffer[b:].view(b, k + 1))
+    def empty(cls, b: int, k: int, device: torch.device, tree: bool = False) -> VerifyOutput:
+        rows = 2 * (k + 1) + 1 if tree else k + 2
+        buffer = torch.empty(b * rows, dtype=torch.int64, device=device)  # one allocation
+        tokens = buffer[b : b * (k + 2)].view(b, k + 1)
+        path = buffer[b * (k + 2) :].view(b, k + 1) if tree else None
+        return cls(buffer[:b], tokens, path)
 
 
 @triton.jit
@@ -276,6 +292,8 @@ def verify_draft_tokens(
     position: torch.Tensor | None = None,  # [B, k+1] int64 output index of each row
     num_draft: torch.Tensor | None = None,  # [B] drafts actually proposed (<= k); None = k
     is_greedy: torch.Tensor | None = None,  # [B] bool, requests that use the GREEDY rule
+    parents: torch.Tensor | None = None,  # [B, k+1] int64 draft trees; None: a chain
+    max_depth: int | None = None,  # trees: their depth D; output positions D+1
     block_v: int | None = None,
     out: VerifyOutput | None = None,
 ) -> VerifyOutput:
@@ -285,13 +303,21 @@ def verify_draft_tokens(
         target_probs, draft_tokens, strategy, draft_probs, seed, position, num_draft, is_greedy
     )
     b, k1, v = target_probs.shape
-    out = out if out is not None else VerifyOutput.empty(b, k1 - 1, target_probs.device)
-    _check("out.accept_len", out.accept_len, (b,), (torch.int64,), target_probs.device)
-    _check("out.tokens", out.tokens, (b, k1), (torch.int64,), target_probs.device)
+    depth = k1 - 1
+    if parents is not None or max_depth is not None:
+        depth = check_tree(parents, max_depth, strategy != VerifyStrategy.REJECTION, b, k1)
+        _check("parents", parents, (b, k1), (torch.int64,), target_probs.device)
+    device = target_probs.device
+    out = out if out is not None else VerifyOutput.empty(b, depth, device, parents is not None)
+    _check("out.accept_len", out.accept_len, (b,), (torch.int64,), device)
+    _check("out.tokens", out.tokens, (b, depth + 1), (torch.int64,), device)
+    if parents is not None:
+        _require(out.path is not None, "a tree's out needs a path")
+        _check("out.path", out.path, (b, depth + 1), (torch.int64,), device)
     if b == 0:
         return out
-    accept = torch.empty(b, k1, dtype=torch.int32, device=target_probs.device)
-    cand = torch.empty(b, k1, dtype=torch.int64, device=target_probs.device)
+    accept = torch.empty(b, k1, dtype=torch.int32, device=device)
+    cand = torch.empty(b, k1, dtype=torch.int64, device=device)
     q = draft_probs if draft_probs is not None else target_probs
     dummy = draft_tokens  # stands in for absent optional pointers; never read
     tensors = (
@@ -314,6 +340,9 @@ def verify_draft_tokens(
         "num_warps": 8 if v >= 8192 else 4,
     }
     _VERIFY_ROWS((b, k1, 1), tensors, scalars, constants)
+    if parents is not None:
+        walk_trees(cand, draft_tokens, parents, num_draft, (out.accept_len, out.tokens, out.path))
+        return out
     constants = {"BLOCK_K": triton.next_power_of_2(k1)}
     _ACCEPT_RUNS(
         (b, 1, 1), (accept, cand, draft_tokens, out.accept_len, out.tokens), (k1 - 1,), constants
@@ -371,6 +400,8 @@ def verify_draft_tokens_ref(
     position: torch.Tensor | None = None,
     num_draft: torch.Tensor | None = None,
     is_greedy: torch.Tensor | None = None,
+    parents: torch.Tensor | None = None,
+    max_depth: int | None = None,
 ) -> VerifyOutput:
     """The same rules in plain torch, vectorized over requests and rows."""
     p = target_probs.float()
@@ -380,6 +411,8 @@ def verify_draft_tokens_ref(
     rows = torch.arange(k1, device=p.device)
     num_draft = torch.full((b,), k, device=p.device) if num_draft is None else num_draft
     num_draft = num_draft.long().clamp(0, k)
+    if parents is not None or max_depth is not None:
+        check_tree(parents, max_depth, VerifyStrategy(strategy) != VerifyStrategy.REJECTION, b, k1)
     argmax = p.argmax(dim=-1)  # [B, k+1]
     if strategy == VerifyStrategy.GREEDY:
         ok, cand = draft == argmax[:, :k], argmax
@@ -391,6 +424,8 @@ def verify_draft_tokens_ref(
     if is_greedy is not None:
         ok = torch.where(is_greedy[:, None], draft == argmax[:, :k], ok)
         cand = torch.where(is_greedy[:, None], argmax, cand)
+    if parents is not None:
+        return VerifyOutput(*walk_trees_ref(cand, draft, parents, num_draft, max_depth))
     ok = ok & (rows[:k] < num_draft[:, None])
     accept_len = ok.long().cumprod(dim=1).sum(dim=1)  # [B] leading accepted drafts
     padded = torch.cat([draft, torch.full_like(draft[:, :1], -1)], dim=1)

@@ -86,13 +86,15 @@ class KernelWarmup:
     """What serving launches: the Triton attention of each model (the target's, a model
     drafter's), the tokens per request of its split-KV passes (decode 1; verify and a draft
     catch-up k+1), with speculation (k, vocab size) of verification, and with prompt lookup
-    (k, min window, max window) of its search.
+    (k, min window, max window) of its search; with draft trees their masked split-KV passes
+    (N nodes, topk beams) and their walk.
     """
 
     attention: tuple[AttentionShape, ...] = ()
     split_kv_tokens: tuple[int, ...] = (1,)
     verify: tuple[int, int] | None = None
     ngram: tuple[int, int, int] | None = None
+    tree: tuple[int, int, int] | None = None  # draft trees: (depth k, nodes N, topk)
 
 
 def extend_lengths(shape: AttentionShape) -> list[int]:
@@ -183,16 +185,20 @@ def warm_extend(shape: AttentionShape, device: torch.device) -> int:
     return 3 * len(lengths) * len(shape.windows)
 
 
-def warm_split_kv(shape: AttentionShape, tokens_per_seq: int, device: torch.device) -> int:
+def warm_split_kv(
+    shape: AttentionShape, tokens_per_seq: int, device: torch.device, tree: bool = False
+) -> int:
     """KV store, then split-KV decode and its reduce per kind of layer, for one request of
-    ``tokens_per_seq`` tokens."""
+    ``tokens_per_seq`` tokens (``tree``: under a tree mask, full-attention layers only)."""
     s = _Scratch(device)
     n = tokens_per_seq
+    mask = torch.ones(1, n, n, dtype=torch.bool, device=device) if tree else None
     q, k, v, out, k_cache, v_cache = s.attention(shape, n)
     store_kv(k, v, k_cache, v_cache, s.full(-1, n))
     workspace = decode_workspace(n, shape.num_heads, shape.head_dim, _WARM_SPLITS, device)
     pages = -(-n // shape.page_size)
-    for window in shape.windows:
+    windows = (None,) if tree else shape.windows
+    for window in windows:
         decode_attention(
             q,
             k_cache,
@@ -206,8 +212,9 @@ def warm_split_kv(shape: AttentionShape, tokens_per_seq: int, device: torch.devi
             tokens_per_seq=n,
             window=window,
             workspace=workspace,
+            tree_mask=mask,
         )
-    return 1 + 2 * len(shape.windows)
+    return 1 + 2 * len(windows)
 
 
 def warm_pad_batch(device: torch.device) -> int:
@@ -281,6 +288,24 @@ def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
     return 2 * len(VERIFY_STRATEGIES) + 3
 
 
+def warm_verify_tree(depth: int, nodes: int, vocab_size: int, device: torch.device) -> int:
+    """The tree walk of ``nodes``-node trees of ``depth`` under each strategy the worker uses."""
+    s = _Scratch(device)
+    parents = torch.arange(nodes, device=device).clamp_max(depth) - 1  # any valid tree
+    for strategy in VERIFY_STRATEGIES:
+        verify_draft_tokens(
+            s.zeros(1, nodes, vocab_size, dtype=torch.float32),
+            s.zeros(1, nodes - 1),
+            strategy,
+            seed=s.zeros(1, nodes),
+            position=s.zeros(1, nodes),
+            num_draft=s.full(nodes - 1, 1),
+            parents=parents[None],
+            max_depth=depth,
+        )
+    return 2 * len(VERIFY_STRATEGIES)
+
+
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:
     """The prompt-lookup search as ``NgramProposer`` calls it: an int32 token history whose
     rows have a spill column (``SamplingSlots``), int64 slots and lengths.
@@ -300,6 +325,12 @@ def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
         count += sum(warm_split_kv(shape, n, device) for n in sorted(set(warmup.split_kv_tokens)))
     if warmup.verify is not None:
         count += warm_verify(*warmup.verify, device)
+    if warmup.tree is not None:
+        depth, nodes, topk = warmup.tree
+        for shape in _unique(warmup.attention):
+            count += sum(warm_split_kv(shape, n, device, tree=True) for n in {nodes, topk})
+        if warmup.verify is not None:
+            count += warm_verify_tree(depth, nodes, warmup.verify[1], device)
     if warmup.ngram is not None:
         count += warm_ngram(*warmup.ngram, device)
     return count

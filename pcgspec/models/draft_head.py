@@ -24,6 +24,7 @@ from torch import nn
 from pcgspec.models.layers.rotary import RotaryEmbedding, rope_parameters
 from pcgspec.models.layers.weights import PackedMapping, checkpoint_parameter_names
 from pcgspec.models.llama import LlamaForCausalLM, head_dim_of
+from pcgspec.speculative.tree import top_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -91,9 +92,10 @@ class DraftHead(nn.Module, ABC):
     def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
         """``[R, H] -> [R, vocab_size]`` float32 over the target vocabulary."""
 
-    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
-        """``[R, H] -> [R]`` the greedy draft token of each row (target ids)."""
-        return self.compute_logits(logits_hidden).argmax(dim=-1)
+    def top_tokens(self, logits_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[R, H] -> ([R, k], [R, k])``: each row's ``k`` best draft tokens (target ids) and
+        their log-probabilities (``speculative.tree.top_tokens``)."""
+        return top_tokens(self.compute_logits(logits_hidden), k)
 
     def checkpoint_names(self) -> dict[str, str]:
         """Checkpoint tensor name -> the (unfused) name ``load_named_weights`` takes."""

@@ -36,6 +36,7 @@ from pcgspec.models.llama import (
     check_config,
     head_dim_of,
 )
+from pcgspec.speculative.tree import top_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -150,11 +151,12 @@ class Eagle3Head(DraftHead):
         out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, self.draft_to_target, logits)
 
-    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
-        """``[R, H] -> [R]`` target ids of the argmax over the draft vocabulary (no scatter)."""
+    def top_tokens(self, logits_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[R, H] -> ([R, k], [R, k])``: the best ``k`` target ids of the draft vocabulary
+        and their log-probabilities (no scatter to the target vocabulary)."""
         lm_head = self.shared.lm_head if self.lm_head is None else self.lm_head
-        ids = F.linear(logits_hidden, lm_head.weight).argmax(dim=-1)
-        return ids if self.identity_vocab else self.draft_to_target[ids]
+        scores, ids = top_tokens(F.linear(logits_hidden, lm_head.weight), k)
+        return scores, (ids if self.identity_vocab else self.draft_to_target[ids])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in the published checkpoint; every parameter must be filled."""

@@ -163,6 +163,7 @@ def build_verify_batch(
     page_size: int,
     seq_len_bounds: Sequence[int],
     graph_rows: GraphRows | None = None,
+    row_offsets: torch.Tensor | None = None,
     **extra: object,
 ) -> ForwardBatch:
     """A ``TARGET_VERIFY`` batch of ``[last token, drafts]`` per request (``tokens``), built on
@@ -171,7 +172,8 @@ def build_verify_batch(
     overlap schedule); ``page_table`` [B, P] (device) holds their pages. ``seq_len_bounds`` are
     host upper bounds of the lengths after the pass (``seq_lens + k``), for sizing. With
     ``graph_rows`` (``DecodeGraphRunner.rows_for``) the rows are written into the verify
-    graph's static buffers, whose views the batch then holds.
+    graph's static buffers, whose views the batch then holds. ``row_offsets`` [B, k+1] are
+    added to the rows' consecutive positions (a draft tree's nodes sit at their depths).
     """
     b, k1 = tokens.drafts.shape[0], tokens.drafts.shape[1] + 1
     common = dict(
@@ -186,6 +188,8 @@ def build_verify_batch(
         into = padded_rows_into if seq_lens.is_cuda else padded_rows_into_ref
         into(graph_rows, seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
         n, g = b * k1, graph_rows
+        if row_offsets is not None:
+            g.positions[:n].view(b, k1).add_(row_offsets)
         return ForwardBatch(
             input_ids=g.input_ids[:n],
             positions=g.positions[:n],
@@ -198,6 +202,8 @@ def build_verify_batch(
         )  # type: ignore[arg-type]
     build = padded_rows if seq_lens.is_cuda else padded_rows_ref
     rows = build(seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
+    if row_offsets is not None:
+        rows.positions.view(b, k1).add_(row_offsets)
     return ForwardBatch(
         input_ids=rows.input_ids,
         positions=rows.positions,

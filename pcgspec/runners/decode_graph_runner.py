@@ -187,14 +187,25 @@ class DecodeGraphRunner(GuardedRunner):
     """
 
     num_warmup: int = 2  # eager runs per bucket before its capture: kernels compile there
-    reasons = ("not_captured", "mode", "batch_size", "hidden_mode", "input_embeds", "seq_len")
+    reasons = (
+        "not_captured",
+        "mode",
+        "batch_size",
+        "hidden_mode",
+        "input_embeds",
+        "seq_len",
+        "tree",
+    )
 
     def __init__(
         self,
         model_runner: ModelRunner,
         mode: ForwardMode = ForwardMode.DECODE,
         tokens_per_seq: int = 1,
+        tree: bool = False,
     ) -> None:
+        """``tree``: TARGET_VERIFY of draft trees, whose attention mask ([bs, N, N], the
+        batch's ``tree_mask``) is a static buffer too."""
         if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             raise ValueError(f"mode must be DECODE or TARGET_VERIFY, got {mode.name}")
         if tokens_per_seq < 1 or (mode is ForwardMode.DECODE and tokens_per_seq != 1):
@@ -221,6 +232,12 @@ class DecodeGraphRunner(GuardedRunner):
         self.buffers = StaticBuffers.allocate(
             self.max_bs, tokens_per_seq, self.max_pages, self.device
         )
+        self.tree_mask: torch.Tensor | None = None
+        if tree:
+            if mode is not ForwardMode.TARGET_VERIFY:
+                raise ValueError("tree graphs are TARGET_VERIFY graphs")
+            shape = (self.max_bs, tokens_per_seq, tokens_per_seq)
+            self.tree_mask = torch.ones(shape, dtype=torch.bool, device=self.device)
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, GraphOutput] = {}
         self.pool: tuple[int, int] | None = None
@@ -280,6 +297,7 @@ class DecodeGraphRunner(GuardedRunner):
             self.max_seq_len,
             capture_hidden_mode=self.capture_hidden_mode,
             spec_num_draft_tokens=self.tokens_per_seq if verify else 0,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
         )
 
     def _reserved_bytes(self) -> int:
@@ -316,6 +334,8 @@ class DecodeGraphRunner(GuardedRunner):
             return "input_embeds"
         if batch.page_table.shape[1] > self.max_pages or max(batch.seq_lens_cpu) > self.max_seq_len:
             return "seq_len"
+        if (batch.tree_mask is None) != (self.tree_mask is None):
+            return "tree"
         return None
 
     @torch.inference_mode()
@@ -328,6 +348,8 @@ class DecodeGraphRunner(GuardedRunner):
                 f"no {self.mode.name} graph for batch size {n} (captured: {sorted(self.graphs)})"
             )
         self.buffers.load(batch, bs)
+        if self.tree_mask is not None:
+            self.tree_mask[:n].copy_(batch.tree_mask)
         self.graphs[bs].replay()
         self._count_run((bs - n) * self.tokens_per_seq)
         t = batch.num_tokens

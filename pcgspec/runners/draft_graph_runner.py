@@ -1,9 +1,10 @@
 """Draft CUDA graphs: a model drafter's whole propose phase as one graph per batch size.
 
 A propose phase is ``DraftRunner.propose``: the catch-up pass over the tokens the target
-accepted since the last one, padded to k+1 rows per request (the verify step's shape: k+1
-tokens per request on the split-KV path; padded rows write no KV), then k-1 one-token draft
-steps. So one replay drafts k tokens per request, and nothing in it depends on host values.
+accepted since the last one, padded to k+1 rows per request (k: the draft depth; k+1 tokens
+per request on the split-KV path; padded rows write no KV), then k-1 passes over a level's
+topk beams per request (one token for a chain) and the tree's selection. So one replay drafts a
+tree (a chain: k tokens) per request, and nothing in it depends on host values.
 
 Inputs are copied into static buffers (``copy_`` and ``pad_batch``, never new tensors);
 requests ``B..bs`` of a padded bucket are invalid: ``seq_len`` 0 (no KV read), slots -1 (no KV
@@ -26,6 +27,7 @@ from pcgspec.progress import progress
 from pcgspec.runners.decode_graph_runner import StaticBuffers, capture_stream, decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.refusals import GuardedRunner
+from pcgspec.speculative.tree import DraftTree, TreeShape
 
 if TYPE_CHECKING:
     from pcgspec.speculative.draft_runner import DraftRunner
@@ -39,12 +41,11 @@ class DraftGraphRunner(GuardedRunner):
     num_warmup: int = 2
     reasons = ("not_captured", "batch_size", "seq_len")
 
-    def __init__(self, draft: DraftRunner, num_steps: int, max_bs: int, max_seq_len: int) -> None:
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    def __init__(self, draft: DraftRunner, shape: TreeShape, max_bs: int, max_seq_len: int) -> None:
         super().__init__()
         self.draft = draft
-        self.num_steps = num_steps  # k: drafts per request; the catch-up has k+1 rows
+        self.shape = shape
+        num_steps = self.num_steps = shape.depth  # k: the catch-up has k+1 rows
         self.device = draft.device
         self.page_size = draft.page_size
         self.max_seq_len = max_seq_len
@@ -63,7 +64,7 @@ class DraftGraphRunner(GuardedRunner):
             else None
         )
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool: tuple[int, int] | None = None
 
     @torch.inference_mode()
@@ -84,15 +85,17 @@ class DraftGraphRunner(GuardedRunner):
                 self.outputs[bs] = graph.capture(self._propose, (bs,))
                 self.graphs[bs] = graph
         logger.info(
-            "Captured %d draft graphs (catch-up + %d steps, batch 1..%d) in %.1f s",
+            "Captured %d draft graphs (catch-up + %d levels of %d, batch 1..%d) in %.1f s",
             len(self.graphs),
             self.num_steps - 1,
+            self.shape.topk,
             self.max_bs,
             time.perf_counter() - start,
         )
 
-    def _propose(self, bs: int) -> torch.Tensor:
-        """The captured region: ``[bs, k]`` drafts from the static buffers."""
+    def _propose(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """The captured region: the trees' tokens, parents, depths (and ancestor masks) from
+        the static buffers."""
         batch = self.buffers.batch(
             ForwardMode.DRAFT_EXTEND,
             bs,
@@ -102,7 +105,9 @@ class DraftGraphRunner(GuardedRunner):
             spec_num_draft_tokens=self.num_steps + 1,
         )
         hidden = None if self.hidden is None else self.hidden[: bs * (self.num_steps + 1)]
-        return self.draft.propose(batch, hidden, self.num_steps, capture_len=self.max_seq_len)
+        tree = self.draft.propose(batch, hidden, self.shape, capture_len=self.max_seq_len)
+        masks = () if tree.mask is None else (tree.mask,)
+        return tree.tokens, tree.parents, tree.depths, *masks
 
     def _refusal(self, catch_up: ForwardBatch) -> str | None:
         """Why a replay cannot serve ``catch_up`` (k+1 rows per request, bounded lengths)."""
@@ -110,7 +115,8 @@ class DraftGraphRunner(GuardedRunner):
             return "not_captured"
         if catch_up.batch_size > self.max_bs:
             return "batch_size"
-        if max(catch_up.seq_lens_cpu) + self.num_steps > self.max_seq_len:
+        ahead = (self.num_steps - 1) * self.shape.topk + 1
+        if max(catch_up.seq_lens_cpu) + ahead > self.max_seq_len:
             return "seq_len"
         return None
 
@@ -119,8 +125,8 @@ class DraftGraphRunner(GuardedRunner):
         return len(self.graphs)
 
     @torch.inference_mode()
-    def run(self, catch_up: ForwardBatch, hidden: torch.Tensor | None) -> torch.Tensor:
-        """``DraftRunner.propose(catch_up, hidden, k)`` by replay: ``[B, k]`` graph memory."""
+    def run(self, catch_up: ForwardBatch, hidden: torch.Tensor | None) -> DraftTree:
+        """``DraftRunner.propose(catch_up, hidden, shape)`` by replay: graph memory."""
         n = catch_up.batch_size
         bs = pad_to_bucket(n, self.batch_sizes)
         if bs is None:
@@ -131,4 +137,4 @@ class DraftGraphRunner(GuardedRunner):
             self.hidden[: hidden.shape[0]].copy_(hidden)
         self.graphs[bs].replay()
         self._count_run((bs - n) * (self.num_steps + 1))
-        return self.outputs[bs][:n]
+        return DraftTree(*(out[:n] for out in self.outputs[bs]))

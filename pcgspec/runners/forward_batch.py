@@ -61,6 +61,9 @@ class ForwardBatch:
     return_input_logprobs: bool = False
     # k+1 in TARGET_VERIFY mode and in a DRAFT_EXTEND catch-up padded to k+1 rows per request
     spec_num_draft_tokens: int = 0
+    # [B, n, M] bool, draft trees (n tokens per request): query i of request b sees the keys
+    # before its last M and, of those M, key m iff tree_mask[b, i, m]; None: causal
+    tree_mask: torch.Tensor | None = None
     # [B] int32, each request's first row (exclusive cumsum of extend_lens), where whoever built
     # the batch had it at hand; attention backends compute it otherwise
     extend_start: torch.Tensor | None = None

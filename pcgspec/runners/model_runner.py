@@ -153,7 +153,7 @@ class ModelRunner:
             spec = self.config.speculative_config
             if spec is not None:
                 self.verify_graphs = DecodeGraphRunner(
-                    self, ForwardMode.TARGET_VERIFY, spec.speculative_num_draft_tokens
+                    self, ForwardMode.TARGET_VERIFY, spec.num_draft_tokens, tree=spec.topk > 1
                 )
                 self.verify_graphs.capture()
 

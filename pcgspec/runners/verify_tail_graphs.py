@@ -16,6 +16,11 @@ penalties, no top-k/top-p/min-p filters and no logprobs; otherwise the caller ru
 steps eagerly (``can_run`` refuses and counts why). The sampling parameters of each row come
 from the slot tables inside the graph, so a greedy request and a sampled one share a bucket.
 
+Draft trees (verify graphs captured with a tree mask) take the same tail with their parents and
+depths in static buffers: rows draw at the output positions of their depths, acceptance walks
+the trees, and the accepted nodes' target K/V move into place (``move_accepted_kv``) inside
+the graph, through the verify graph's page table and lengths.
+
 Requests past a batch in its bucket are padding: slot -1, which the commit skips; their rows'
 results are never read. Off CUDA the eager stand-in reruns the captured step (tests).
 """
@@ -42,6 +47,7 @@ from pcgspec.progress import progress
 from pcgspec.runners.decode_graph_runner import capture_stream
 from pcgspec.runners.refusals import GuardedRunner
 from pcgspec.sampling.batch import GREEDY_EPS
+from pcgspec.speculative.tree import VerifyTree, move_accepted_kv
 
 if TYPE_CHECKING:
     from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
@@ -59,24 +65,32 @@ class TailBatch(NamedTuple):
     batch_size: int
     flags: dict[str, bool | int | None]
     graph_replays: bool
+    tree: bool = False  # draft trees
 
 
 class VerifyTailGraphs(GuardedRunner):
     """Tail graphs for ``verify_graphs`` (a TARGET_VERIFY ``DecodeGraphRunner``), committing
-    into ``slots``; ``compute_logits`` is the target's LM head (hidden [R, H] -> [R, V] f32).
+    into ``slots``; ``compute_logits`` is the target's LM head (hidden [R, H] -> [R, V] f32);
+    ``depth``: the draft trees' depth k where the verify graphs are tree graphs (N rows per
+    request), else k+1 rows per request make a chain of k.
     """
 
-    reasons = ("no_verify_graph", "penalties", "filters", "logprobs")
+    reasons = ("no_verify_graph", "tree", "penalties", "filters", "logprobs")
 
     def __init__(
         self,
         verify_graphs: DecodeGraphRunner,
         slots: SamplingSlots,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        depth: int | None = None,
     ) -> None:
         super().__init__()
         self.verify_graphs, self.slots, self.compute_logits = verify_graphs, slots, compute_logits
-        self.k1 = verify_graphs.tokens_per_seq
+        self.k1 = verify_graphs.tokens_per_seq  # rows per request (N for trees)
+        self.tree = verify_graphs.tree_mask is not None
+        if self.tree and depth is None:
+            raise ValueError("tree verify graphs need the trees' depth")
+        self.depth = depth if self.tree else self.k1 - 1
         self.batch_sizes = sorted(verify_graphs.graphs)
         self.device = verify_graphs.device
         max_bs, k1, device = verify_graphs.max_bs, self.k1, self.device
@@ -87,8 +101,11 @@ class VerifyTailGraphs(GuardedRunner):
         self.req_slots = full(-1, max_bs)  # -1: padding, committed nowhere
         self.drafts = full(0, max_bs, k1 - 1)
         self.num_drafts = full(0, max_bs)
-        self.results = full(0, max_bs, 2 + k1)  # accept_len, num_drafts, k+1 tokens
-        self.offsets = torch.arange(k1, device=device).repeat(max_bs)  # [max_bs * k1] j
+        self.results = full(0, max_bs, 3 + self.depth)  # accept_len, num_drafts, k+1 tokens
+        # each row's output position past the request's: j (a chain), its depth (a tree)
+        self.depths = torch.arange(k1, device=device).repeat(max_bs, 1)  # [max_bs, k1]
+        self.parents = (self.depths - 1).contiguous()  # a chain until a tree is copied in
+        self.path = full(-1, max_bs, self.depth + 1)
         self.graphs: dict[tuple[str, int], _CudaGraph | _EagerGraph] = {}
         cuda = device.type == "cuda"
         self._verify = verify_draft_tokens if cuda else verify_draft_tokens_ref
@@ -117,9 +134,12 @@ class VerifyTailGraphs(GuardedRunner):
         logits = self.compute_logits(self.verify_graphs.outputs[bs].hidden)  # [bs * k1, V]
         req_slots, drafts, num = self.req_slots[:bs], self.drafts[:bs], self.num_drafts[:bs]
         out = VerifyOutput(self.results[:bs, 0], self.results[:bs, 2:])
+        tree = {}
+        if self.tree:
+            tree = {"parents": self.parents[:bs], "max_depth": self.depth}
         if variant == GREEDY:
             verified = self._verify(
-                logits.view(bs, k1, -1), drafts, VerifyStrategy.GREEDY, num_draft=num
+                logits.view(bs, k1, -1), drafts, VerifyStrategy.GREEDY, num_draft=num, **tree
             )
         else:
             table = slots.table
@@ -128,7 +148,7 @@ class VerifyTailGraphs(GuardedRunner):
             greedy = temperature < GREEDY_EPS
             probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], -1)
             target = torch.where(greedy[:, None], logits, probs)  # greedy rows: argmax
-            position = table.position[rows] + self.offsets[: bs * k1]
+            position = table.position[rows] + self.depths[:bs].reshape(-1)
             verified = self._verify(
                 target.view(bs, k1, -1),
                 drafts,
@@ -137,9 +157,13 @@ class VerifyTailGraphs(GuardedRunner):
                 position=position.view(bs, k1),
                 num_draft=num,
                 is_greedy=greedy.view(bs, k1)[:, 0].contiguous(),
+                **tree,
             )
         out.accept_len.copy_(verified.accept_len)
         out.tokens.copy_(verified.tokens)
+        if self.tree:
+            self.path[:bs].copy_(verified.path)
+            self._move_accepted_kv(bs)
         self.results[:bs, 1].copy_(num)
         slots.save_before_commit()
         self._advance(
@@ -151,6 +175,16 @@ class VerifyTailGraphs(GuardedRunner):
         )
         return self.results[:bs]
 
+    def _move_accepted_kv(self, bs: int) -> None:
+        """The accepted nodes' K/V to the positions after the prefix: the verify graph's rows
+        started at ``seq_len - N`` (padding requests: seq_len 0, moved nowhere)."""
+        graphs = self.verify_graphs
+        buffers = graphs.buffers
+        start = buffers.seq_lens[:bs].to(torch.int64) - self.k1
+        move_accepted_kv(
+            graphs.attn_backend.kv_cache, buffers.page_table[:bs], start, self.path[:bs]
+        )
+
     @property
     def num_graphs(self) -> int:
         return len(self.graphs)
@@ -159,6 +193,8 @@ class VerifyTailGraphs(GuardedRunner):
         flags = batch.flags
         if not batch.graph_replays or pad_to_bucket(batch.batch_size, self.batch_sizes) is None:
             return "no_verify_graph"
+        if batch.tree != self.tree:
+            return "tree"
         if flags["needs_penalties"]:
             return "penalties"
         if flags["needs_filters"]:
@@ -174,10 +210,12 @@ class VerifyTailGraphs(GuardedRunner):
         drafts: torch.Tensor,
         num_drafts: torch.Tensor,
         all_greedy: bool,
+        tree: VerifyTree | None = None,
     ) -> tuple[torch.Tensor, VerifyOutput]:
         """Accept and commit the verify pass just replayed for the requests in ``req_slots``
-        [B] with ``drafts`` [B, k] (``num_drafts`` [B] real): the step's results ``[B, 2 + k+1]``
-        and its ``VerifyOutput``, graph memory that the next replay overwrites.
+        [B] with ``drafts`` [B, k] (``num_drafts`` [B] real; ``tree``: their draft trees):
+        the step's results ``[B, 2 + k+1]`` and its ``VerifyOutput``, graph memory that the
+        next replay overwrites.
         """
         n = req_slots.shape[0]
         bs = pad_to_bucket(n, self.batch_sizes)
@@ -186,8 +224,11 @@ class VerifyTailGraphs(GuardedRunner):
             self.req_slots[n:bs].fill_(-1)
         self.drafts[:n].copy_(drafts)
         self.num_drafts[:n].copy_(num_drafts)
+        if tree is not None:
+            self.parents[:n].copy_(tree.parents)
+            self.depths[:n].copy_(tree.depths)
         self.graphs[(GREEDY if all_greedy else SAMPLED, bs)].replay()
         self.slots.mark_commit(req_slots)
         self._count_run(padded_rows=(bs - n) * self.k1)
-        out = VerifyOutput(self.results[:n, 0], self.results[:n, 2:])
-        return self.results[:n], out
+        path = self.path[:n] if self.tree else None
+        return self.results[:n], VerifyOutput(self.results[:n, 0], self.results[:n, 2:], path)

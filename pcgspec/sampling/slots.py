@@ -209,10 +209,15 @@ class SamplingSlots:
     # the step -----------------------------------------------------------------------------
 
     def rows(
-        self, reqs: Sequence[SlotRequest], drafts: torch.Tensor | None = None
+        self,
+        reqs: Sequence[SlotRequest],
+        drafts: torch.Tensor | None = None,
+        ancestors: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """One row per request, or with ``drafts`` [B, k] (device) k+1 rows per request: row j
-        chooses output position ``position + j`` and its penalties count ``drafts[b, :j]`` too.
+        chooses output position ``position + j`` and its penalties count ``drafts[b, :j]`` too,
+        or with ``ancestors`` [B, k+1, k+1] (draft trees: node j's ancestors and itself) the
+        drafts of row j's ancestors.
         The same requests with the same rows per request as the last such call (every step of
         a steady decode run) reuse its rows and only re-read the positions.
         """
@@ -223,7 +228,7 @@ class SamplingSlots:
         if rows.flags["needs_penalties"]:
             counts = self.output_counts.index_select(0, rows.row_slots)  # [R, V]
             if drafts is not None:
-                self._add_drafts(counts, drafts, self._tracked[slots])
+                self._add_drafts(counts, drafts, self._tracked[slots], ancestors)
             if any(r.params.repetition_penalty != 1.0 for r in reqs):
                 mask = self.prompt_mask.index_select(0, rows.row_slots)
         t = rows.tensors
@@ -295,12 +300,23 @@ class SamplingSlots:
         }
 
     @staticmethod
-    def _add_drafts(counts: torch.Tensor, drafts: torch.Tensor, tracked: torch.Tensor) -> None:
-        """``counts[b * (k+1) + j, drafts[b, i]] += 1`` for every i < j of a tracked request."""
+    def _add_drafts(
+        counts: torch.Tensor,
+        drafts: torch.Tensor,
+        tracked: torch.Tensor,
+        ancestors: torch.Tensor | None = None,
+    ) -> None:
+        """``counts[b * (k+1) + j, drafts[b, i - 1]] += 1`` for every draft node i >= 1 on the
+        way to node j (a chain: i <= j; a tree: ``ancestors[b, j, i]``) of a tracked request."""
         b, k = drafts.shape
-        j, i = torch.tril_indices(k + 1, k + 1, offset=-1, device=counts.device)  # [P]: i < j
+        if ancestors is None:
+            j, i = torch.tril_indices(k + 1, k + 1, offset=-1, device=counts.device)  # i < j
+            weight = tracked[:, None].expand(b, len(j)).to(torch.int32)
+        else:  # every (row j, draft i) pair, weighed by whether node i + 1 leads to node j
+            j = torch.arange(k + 1, device=counts.device).repeat_interleave(k)
+            i = torch.arange(k, device=counts.device).repeat(k + 1)
+            weight = (ancestors[:, j, i + 1] & tracked[:, None]).to(torch.int32)
         rows = torch.arange(b, device=counts.device)[:, None] * (k + 1) + j  # [B, P]
-        weight = tracked[:, None].expand_as(rows).to(torch.int32)
         counts.index_put_((rows, drafts[:, i]), weight, accumulate=True)
 
     def commit(

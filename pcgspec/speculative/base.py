@@ -17,16 +17,20 @@ FILLER_TOKEN = 0  # pads a request's drafts past num_tokens; any valid id works 
 
 @dataclass(frozen=True)
 class DraftProposal:
-    """k draft tokens per request, of which the first ``num_tokens[b]`` are real.
+    """k draft tokens per request (a chain), of which the first ``num_tokens[b]`` are real, or
+    a draft tree (``parents``, ``depths``: ``speculative/tree.py``) of N - 1 = k drafts.
 
     Padding entries hold ``FILLER_TOKEN``: the target still runs on them (k+1 tokens per request
     keep verify shapes static), and ``verify_draft_tokens(num_draft=num_tokens)`` caps the
     accepted length, so a filler is never accepted whatever it matches.
     """
 
-    tokens: torch.Tensor  # [B, k] int64
+    tokens: torch.Tensor  # [B, k] int64 (a tree: nodes 1..N-1)
     num_tokens: torch.Tensor  # [B] int64 in 0..k
     probs: torch.Tensor | None = None  # [B, k, V] f32 draft distributions; None: deterministic
+    parents: torch.Tensor | None = None  # [B, k+1] int64 node parents (root -1); None: a chain
+    depths: torch.Tensor | None = None  # [B, k+1] int64 node depths, with ``parents``
+    tree_mask: torch.Tensor | None = None  # [B, k+1, k+1] bool ancestor masks, if built
 
     def __post_init__(self) -> None:
         tokens, num = self.tokens, self.num_tokens
@@ -45,6 +49,11 @@ class DraftProposal:
                 f"probs must be [{tokens.shape[0]}, {tokens.shape[1]}, V], got "
                 f"{list(self.probs.shape)}"
             )
+        nodes = (tokens.shape[0], tokens.shape[1] + 1)
+        if (self.parents is None) != (self.depths is None) or (
+            self.parents is not None and not self.parents.shape == self.depths.shape == nodes
+        ):
+            raise ValueError("parents and depths must both be [B, k+1] or both None")
 
     @property
     def batch_size(self) -> int:

@@ -7,13 +7,18 @@ from typing import Any
 
 SUPPORTED_ALGORITHMS = ("EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 POLICIES = ("auto", "always")
+TREE_ALGORITHMS = ("EAGLE3", "NEXTN")  # heads that expand top-k per depth
 _NEEDS_DRAFT_MODEL = ("STANDALONE",)  # EAGLE3 of the default model: its shipped head
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to draft and verify. k = ``speculative_num_steps`` drafts per request and step; the
-    target then scores ``speculative_num_draft_tokens`` = k+1 tokens per request (chain drafting).
+    """How to draft and verify. ``speculative_num_steps`` (k) is the draft depth: the most
+    drafts a request can accept per step. With ``speculative_eagle_topk`` 1 the drafts are a
+    chain and the target scores ``speculative_num_draft_tokens`` = k+1 tokens per request; with
+    topk > 1 (EAGLE3 / NEXTN) the head expands the topk best tokens per depth and the target
+    verifies a tree of ``speculative_num_draft_tokens`` nodes (the root, the request's last
+    token, included), at most ``1 + topk + (k - 1) * topk**2`` (the candidates drafted).
     """
 
     speculative_algorithm: str  # EAGLE3, NEXTN, STANDALONE or NGRAM (any case)
@@ -55,8 +60,24 @@ class SpeculativeConfig:
 
     @property
     def num_steps(self) -> int:
-        """k: draft tokens proposed per request and step."""
+        """k: the draft depth (chain: draft tokens proposed per request and step)."""
         return self.speculative_num_steps
+
+    @property
+    def topk(self) -> int:
+        return self.speculative_eagle_topk
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """N: tokens the target verifies per request and step (tree nodes, root included)."""
+        return self.speculative_num_draft_tokens  # type: ignore[return-value]
+
+    @property
+    def slots_ahead(self) -> int:
+        """KV slots past a request's tokens that one step writes: the verify pass's N - 1,
+        or the draft's tree levels, (k - 1) * topk, where more.
+        """
+        return max(self.num_draft_tokens - 1, (self.num_steps - 1) * self.topk)
 
     def draft_model_path(self, target_model: str | None) -> str | None:
         """The draft checkpoint; without one, NEXTN uses the target's (its MTP layers) and
@@ -71,6 +92,14 @@ class SpeculativeConfig:
 
             return str(default_eagle3_head(target_model))
         return None
+
+    def _validate_tree(self) -> None:
+        if self.topk > 1 and self.algorithm not in TREE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_eagle_topk > 1 (tree drafting) needs one of "
+                f"{', '.join(TREE_ALGORITHMS)}, not {self.algorithm}, got {self.topk!r}"
+            )
+        _validate_tree_shape(self)
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -92,14 +121,7 @@ class SpeculativeConfig:
                 raise bad(name, "must be an integer >= 1")
         if self.speculative_policy not in POLICIES:
             raise bad("speculative_policy", f"must be one of {', '.join(POLICIES)}")
-        if self.speculative_eagle_topk > 1:
-            raise bad("speculative_eagle_topk", "> 1 needs tree drafting, not supported yet")
-        if self.speculative_num_draft_tokens != self.num_steps + 1:
-            raise bad(
-                "speculative_num_draft_tokens",
-                f"must be speculative_num_steps + 1 = "
-                f"{self.num_steps + 1} with speculative_eagle_topk 1",
-            )
+        self._validate_tree()
         max_window = self.speculative_ngram_max_match_window_size
         if not _is_int(max_window) or max_window < self.speculative_ngram_min_match_window_size:
             raise bad(
@@ -107,6 +129,25 @@ class SpeculativeConfig:
                 "must be an integer >= speculative_ngram_min_match_window_size "
                 f"({self.speculative_ngram_min_match_window_size})",
             )
+
+
+def _validate_tree_shape(spec: SpeculativeConfig) -> None:
+    """N fits the drafting: k+1 for a chain, 2 .. 1 + topk + (k-1) * topk**2 for a tree."""
+    n, k, topk = spec.speculative_num_draft_tokens, spec.num_steps, spec.topk
+    if not _is_int(n):
+        raise ValueError(f"speculative_num_draft_tokens must be an integer, got {n!r}")
+    if topk == 1 and n != k + 1:
+        raise ValueError(
+            f"speculative_num_draft_tokens must be speculative_num_steps + 1 = {k + 1} with "
+            f"speculative_eagle_topk 1, got {n!r}"
+        )
+    most = 1 + topk + (k - 1) * topk * topk
+    if topk > 1 and not 2 <= n <= most:
+        raise ValueError(
+            f"speculative_num_draft_tokens must be in 2..{most} (1 + topk + (num_steps - 1) * "
+            f"topk**2 candidates) with speculative_eagle_topk {topk} and speculative_num_steps "
+            f"{k}, got {n!r}"
+        )
 
 
 def _is_int(x: object) -> bool:

@@ -31,6 +31,7 @@ from pcgspec.runners.batch_builder import (
     without_kv_writes,
 )
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
+from pcgspec.speculative.tree import DraftTree, TreeExpansion, TreeShape, top_tokens
 
 if TYPE_CHECKING:
     from pcgspec.runners.piecewise_runner import PiecewiseRunner
@@ -75,8 +76,8 @@ class StandaloneDraft(nn.Module):
     def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(logits_hidden)
 
-    def greedy(self, logits_hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits(logits_hidden).argmax(dim=-1)
+    def top_tokens(self, logits_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return top_tokens(self.compute_logits(logits_hidden), k)
 
 
 def kv_spec(draft: nn.Module) -> KVCacheSpec:
@@ -168,55 +169,74 @@ class DraftRunner:
         self,
         catch_up: ForwardBatch,
         hidden: torch.Tensor | None,
-        num_steps: int,
+        shape: TreeShape,
         capture_len: int | None = None,
-    ) -> torch.Tensor:
-        """The propose phase on the device: ``[B, num_steps]`` greedy drafts.
+    ) -> DraftTree:
+        """The propose phase on the device: a ``DraftTree`` of ``shape.num_nodes`` nodes per
+        request (a chain of ``shape.depth`` drafts with topk 1).
 
         ``catch_up`` is a padded DRAFT_EXTEND batch, ``spec_num_draft_tokens`` rows per request
         (padded rows write no KV; a request with ``seq_len`` 0 is padding); each request's last
-        real row (``logits_indices``) gives the first draft. Then ``num_steps - 1`` one-token
-        passes feed back the previous draft and the head's ``next_hidden``. Eager, or captured
-        whole by ``DraftGraphRunner`` (``capture_len`` set).
+        real row (``logits_indices``) gives the depth-1 candidates. Then ``depth - 1`` passes,
+        each over the topk beams of a level at once (``TreeExpansion``): level ``d``'s beams sit
+        at position ``P + d - 1`` (``P``: the first position past the catch-up) and write their
+        K/V to slots ``P + (d - 1) * topk ..``, each seeing the prefix and its ancestors (a tree
+        mask; a chain needs none). Eager, or captured whole by ``DraftGraphRunner``
+        (``capture_len`` set).
         """
+        topk = shape.topk
         logits_hidden, next_hidden = self.forward(catch_up, hidden, capture_len)
         rows = catch_up.logits_indices  # [B]
-        tokens, hidden = self.draft.greedy(logits_hidden[rows]), next_hidden[rows]
+        tree = TreeExpansion(*self.draft.top_tokens(logits_hidden[rows], topk))
+        hidden = next_hidden[rows].repeat_interleave(topk, dim=0)  # [B * topk, H]
         valid = catch_up.seq_lens > 0
-        positions = torch.where(valid, catch_up.positions[rows] + 1, 0)  # padding: position 0
+        start = torch.where(valid, catch_up.positions[rows] + 1, 0)  # padding: position 0
         # NOTE: host bounds of each pass's sequence lengths (sizing only, e.g. KV splits).
-        bound = max(catch_up.seq_lens_cpu) + 1
-        drafts = [tokens]
-        for _ in range(num_steps - 1):
-            step = self._step_batch(catch_up, tokens, positions, valid, bound)
-            logits_hidden, hidden = self.forward(step, hidden, capture_len)
-            tokens = self.draft.greedy(logits_hidden)
-            drafts.append(tokens)
-            positions, bound = positions + 1, bound + 1
-        return torch.stack(drafts, dim=1)
+        bound = max(catch_up.seq_lens_cpu) + topk
+        for level in range(1, shape.depth):
+            step = self._level_batch(catch_up, tree, start, level, valid, bound)
+            logits_hidden, next_hidden = self.forward(step, hidden, capture_len)
+            parent_beam = tree.expand(*self.draft.top_tokens(logits_hidden, topk))
+            width = next_hidden.shape[-1]
+            hidden = (
+                next_hidden.view(-1, topk, width)
+                .gather(1, parent_beam[..., None].expand(-1, -1, width))
+                .view(-1, width)
+            )
+            bound += topk
+        return tree.select(shape.num_nodes, shape.depth)
 
-    def _step_batch(
+    def _level_batch(
         self,
         catch_up: ForwardBatch,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
+        tree: TreeExpansion,
+        start: torch.Tensor,
+        level: int,
         valid: torch.Tensor,
         bound: int,
     ) -> ForwardBatch:
-        """One draft token per request at ``positions``, built on the device."""
-        bs, table = len(tokens), catch_up.page_table
+        """The beams of tree level ``level`` (topk per request, from position ``start``),
+        built on the device: one DECODE token per request for a chain.
+        """
+        table, topk = catch_up.page_table, tree.topk
+        bs, device = len(start), start.device
+        first = start + (level - 1) * topk  # [B] the level's first slot position
+        beams = first[:, None] + torch.arange(topk, device=device)
+        slots = page_slots(table, beams, self.page_size)
+        rows = bs * topk
+        chain = topk == 1
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            input_ids=tokens,
-            positions=positions,
-            out_cache_loc=torch.where(
-                valid, page_slots(table, positions[:, None], self.page_size).squeeze(1), -1
-            ),
-            seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
-            extend_lens=torch.ones(bs, dtype=torch.int32, device=tokens.device),
+            forward_mode=ForwardMode.DECODE if chain else ForwardMode.DRAFT_EXTEND,
+            input_ids=tree.beam_tokens.reshape(-1),
+            positions=(start + level - 1).repeat_interleave(topk),
+            out_cache_loc=torch.where(valid[:, None], slots, -1).view(-1),
+            seq_lens=torch.where(valid, first + topk, 0).to(torch.int32),
+            extend_lens=torch.full((bs,), topk, dtype=torch.int32, device=device),
             page_table=table,
             page_size=self.page_size,
             seq_lens_cpu=(bound,) * bs,
-            extend_lens_cpu=(1,) * bs,
-            logits_indices=torch.arange(bs, device=tokens.device),
+            extend_lens_cpu=(topk,) * bs,
+            logits_indices=torch.arange(rows, device=device),
+            spec_num_draft_tokens=0 if chain else topk,
+            tree_mask=None if chain else tree.beam_mask.contiguous(),
         )

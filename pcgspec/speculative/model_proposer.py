@@ -47,6 +47,7 @@ from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.draft_runner import DraftRunner
+from pcgspec.speculative.tree import TreeShape
 
 
 @dataclass
@@ -97,9 +98,10 @@ class VerifiedRows:
 class ModelProposer(Proposer):
     reads_host_tokens = True
 
-    def __init__(self, runner: DraftRunner, num_steps: int) -> None:
+    def __init__(self, runner: DraftRunner, shape: TreeShape) -> None:
         self.runner = runner
-        self.num_steps = num_steps
+        self.shape = shape
+        self.num_steps = shape.depth
         self.uses_target_hidden = runner.uses_target_hidden
         self.lag = 1 if self.uses_target_hidden else 0  # catch-up rows trail the tokens by this
         self.graphs: DraftGraphRunner | None = None  # the propose phase, captured (CUDA)
@@ -248,11 +250,16 @@ class ModelProposer(Proposer):
             catch_up, hidden = self._catch_up_batch(batch, states)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(catch_up):
-            drafts = graphs.run(catch_up, hidden)
+            tree = graphs.run(catch_up, hidden)
         else:
-            drafts = self.runner.propose(catch_up, hidden, self.num_steps)
-        num = torch.full((len(reqs),), self.num_steps, dtype=torch.int64, device=drafts.device)
-        return DraftProposal(drafts, num)
+            tree = self.runner.propose(catch_up, hidden, self.shape)
+        drafts = tree.tokens
+        num = torch.full((len(reqs),), drafts.shape[1], dtype=torch.int64, device=drafts.device)
+        if self.shape.is_chain:
+            return DraftProposal(drafts, num)
+        return DraftProposal(
+            drafts, num, parents=tree.parents, depths=tree.depths, tree_mask=tree.mask
+        )
 
     def _behind(self, req: object, state: DraftState) -> int:
         """Catch-up rows of ``req``: positions ``computed .. len(tokens) - 1 - lag``."""

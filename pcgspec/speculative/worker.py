@@ -6,6 +6,12 @@ The target scores ``[last token, d_0 .. d_{k-1}]`` per request in one ``TARGET_V
 exactly the tokens that plain decoding would: greedy by argmax, seeded sampling by
 ``TARGET_MATCH`` (the target's own seeded draw must equal the deterministic draft).
 
+A draft tree (``speculative_eagle_topk`` > 1, ``speculative/tree.py``) is verified the same way
+over its N nodes: each at the position of its depth, under a tree attention mask, its row
+drawing at its depth's output position; acceptance walks the tree, the accepted nodes' target
+K/V move to the positions after the prefix, and the drafter catches up from the accepted path's
+hidden rows. A chain is the tree of topk 1, with none of that.
+
 The step runs on the device from what the device holds, so it is launched like a plain step
 under the overlap schedule (engine/overlap.py) and its results are read one step late:
 
@@ -65,6 +71,7 @@ from pcgspec.speculative.draft_runner import DraftRunner
 from pcgspec.speculative.model_proposer import ModelProposer
 from pcgspec.speculative.ngram import NgramProposer
 from pcgspec.speculative.policy import SpecPolicy
+from pcgspec.speculative.tree import TreeShape, VerifyTree, move_accepted_kv, path_rows
 
 
 class SpecWorker:
@@ -80,14 +87,18 @@ class SpecWorker:
         if (draft is None) != (config.algorithm == "NGRAM"):
             raise ValueError(f"{config.algorithm} needs a draft model exactly when it is not NGRAM")
         self.num_steps = config.num_steps
+        self.shape = TreeShape(config.num_steps, config.topk, config.num_draft_tokens)
+        self.slots_ahead = config.slots_ahead  # KV slots a step writes past a request's tokens
         self.runner = runner
         self.scheduler = scheduler
         self.slots = slots
         self.eos_token_ids = eos_token_ids
+        if draft is not None:
+            _check_topk(config.topk, draft)
         self.proposer: Proposer = (
             NgramProposer.from_config(config, slots)
             if draft is None
-            else ModelProposer(draft, config.num_steps)
+            else ModelProposer(draft, self.shape)
         )
         self.policy = SpecPolicy(
             config.speculative_policy,
@@ -110,18 +121,19 @@ class SpecWorker:
     def chooses(self, batch: ScheduledBatch | None) -> bool:
         """Whether ``batch`` takes a speculative step: a decode batch the policy chooses to
         speculate on, none of whose requests wants logprobs (not computed for accepted drafts
-        yet) or would pass its context length, and whose pages can grow by k slots per request
-        past their pending tokens (reserved here, so that a chosen step always launches).
+        yet) or would pass its context length, and whose pages can grow by the slots a step
+        writes (``slots_ahead``) past their pending tokens (reserved here, so that a chosen
+        step always launches).
         """
         if batch is None or not batch.mode.is_decode():
             return False
-        reqs, k = batch.requests, self.num_steps
-        if any(r.params.logprobs is not None or r.num_tokens + k > r.max_len for r in reqs):
+        reqs, ahead = batch.requests, self.slots_ahead
+        if any(r.params.logprobs is not None or r.num_tokens + ahead > r.max_len for r in reqs):
             self.num_fallbacks += 1
             return False
         if not self.policy.choose(reqs):
             return False
-        if not self.scheduler.reserve(list(reqs), [r.num_tokens + k for r in reqs]):
+        if not self.scheduler.reserve(list(reqs), [r.num_tokens + ahead for r in reqs]):
             self.num_fallbacks += 1  # the KV pool cannot hold k more slots per request
             return False
         return True
@@ -159,16 +171,24 @@ class SpecWorker:
         their token counts and pages on the device), then acceptance: in the verify tail graph
         where it serves the batch (which also commits), else eagerly.
         """
-        k, device = self.num_steps, self.runner.device
-        drafts = proposal.tokens.to(device, non_blocking=True)  # [B, k]
+        device = self.runner.device
+        drafts = proposal.tokens.to(device, non_blocking=True)  # [B, N-1]
+        tree = None
+        if proposal.parents is not None:
+            tree = VerifyTree.of(
+                proposal.parents, proposal.depths, self.num_steps, proposal.tree_mask
+            )
         flags = self.slots.flags(reqs)
-        bounds = [r.num_tokens + k for r in reqs]
+        bounds = [r.num_tokens + self.slots_ahead for r in reqs]
         graphs, tail = self.runner.verify_graphs, self.tail
         rows = (
             None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1], max(bounds))
         )
-        use_tail = tail is not None and tail.can_run(TailBatch(len(reqs), flags, rows is not None))
-        sampling = None if use_tail else self.slots.rows(reqs, drafts)
+        use_tail = tail is not None and tail.can_run(
+            TailBatch(len(reqs), flags, rows is not None, tree is not None)
+        )
+        ancestors = None if tree is None else tree.mask
+        sampling = None if use_tail else self.slots.rows(reqs, drafts, ancestors)
         slot_indices = self.slots.slot_indices(reqs)
         batch = build_verify_batch(
             VerifyTokens(self.slots.last_token, slot_indices, drafts),
@@ -177,8 +197,10 @@ class SpecWorker:
             self.runner.page_size,
             bounds,
             rows,
+            row_offsets=None if tree is None else tree.row_offsets,
             sampling=sampling,
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
+            tree_mask=None if tree is None else tree.mask,
         )
         runs = graphs.runs if graphs is not None else 0
         out = self.runner.forward(batch, logits=not use_tail)
@@ -186,14 +208,25 @@ class SpecWorker:
             if graphs.runs == runs:  # NOTE: rows_for promised a replay
                 raise RuntimeError("the verify graph refused a batch built in its rows")
             results, verified = tail.replay(
-                slot_indices, drafts, proposal.num_tokens, bool(flags["all_greedy"])
+                slot_indices, drafts, proposal.num_tokens, bool(flags["all_greedy"]), tree
             )
-            return VerifiedStep(verified, out.hidden_states, results, committed=True)
-        verified = self._accept(out.logits, sampling, drafts, proposal.num_tokens)
+            hidden = _path_hidden(out.hidden_states, verified, drafts.shape[1] + 1)
+            return VerifiedStep(verified, hidden, results, committed=True)
+        verified = self._accept(out.logits, sampling, drafts, proposal.num_tokens, tree)
         results = torch.cat(
             [verified.accept_len[:, None], proposal.num_tokens[:, None], verified.tokens], 1
         )
-        return VerifiedStep(verified, out.hidden_states, results, committed=False)
+        if tree is not None:
+            self._keep_accepted(seq_lens, page_table, verified.path)
+        hidden = _path_hidden(out.hidden_states, verified, drafts.shape[1] + 1)
+        return VerifiedStep(verified, hidden, results, committed=False)
+
+    def _keep_accepted(
+        self, seq_lens: torch.Tensor, page_table: torch.Tensor, path: torch.Tensor
+    ) -> None:
+        """Move the accepted tree nodes' target K/V to the positions after the prefix."""
+        start = seq_lens.to(torch.int64) - 1  # the root's position (the last token's)
+        move_accepted_kv(self.runner.kv_cache, page_table, start, path)
 
     def _accept(
         self,
@@ -201,21 +234,29 @@ class SpecWorker:
         sampling: SamplingBatch,
         drafts: torch.Tensor,
         num_drafts: torch.Tensor,
+        tree: VerifyTree | None = None,
     ) -> VerifyOutput:
-        """The verify kernel over a verify pass's logits [B * (k+1), V], eagerly."""
-        b, k1 = drafts.shape[0], self.num_steps + 1
+        """The verify kernel over a verify pass's logits [B * N, V] (N = k+1 for a chain),
+        eagerly; a tree's rows draw at the output positions of their depths."""
+        b, n = drafts.shape[0], drafts.shape[1] + 1
         with torch.inference_mode():
             target, strategy = _target_rows(process_logits(logits, sampling), sampling)
             verify = (
                 verify_draft_tokens if logits.device.type == "cuda" else verify_draft_tokens_ref
             )
+            position = sampling.position.view(b, n)
+            tree_kw = {}
+            if tree is not None:
+                position = position + tree.row_offsets
+                tree_kw = dict(parents=tree.parents, max_depth=tree.max_depth)
             return verify(
-                target.view(b, k1, -1),
+                target.view(b, n, -1),
                 drafts,
                 strategy,
-                seed=sampling.seed.view(b, k1),
-                position=sampling.position.view(b, k1),
+                seed=sampling.seed.view(b, n),
+                position=position,
                 num_draft=num_drafts,
+                **tree_kw,
             )
 
     # read: accept + commit / rollback on the host ----------------------------------------
@@ -327,3 +368,23 @@ def _target_rows(
     probs = probs_from_logits(processed)
     one_hot = F.one_hot(processed.argmax(dim=-1), probs.shape[-1]).to(probs.dtype)
     return torch.where(sampling.is_greedy[:, None], one_hot, probs), VerifyStrategy.TARGET_MATCH
+
+
+def _path_hidden(
+    hidden: torch.Tensor | None, verified: VerifyOutput, num_nodes: int
+) -> torch.Tensor | None:
+    """A verify pass's hidden rows (N per request) along the accepted paths, ``[B * (k+1),
+    Hh]``; a chain's as they are."""
+    if hidden is None or verified.path is None:
+        return hidden
+    return path_rows(hidden, verified.path, num_nodes)
+
+
+def _check_topk(topk: int, draft: DraftRunner) -> None:
+    """Each tree level takes the topk best tokens of the draft's vocabulary."""
+    head = draft.draft
+    vocab = getattr(head, "draft_vocab_size", None) or head.vocab_size
+    if topk > vocab:
+        raise ValueError(
+            f"speculative_eagle_topk {topk} exceeds the draft vocabulary of {vocab} tokens"
+        )

@@ -1,0 +1,238 @@
+"""Draft trees: EAGLE-2 style top-k expansion per depth, kept on the device.
+
+A request's tree has N nodes: node 0 is the root (the request's last token, verified already),
+nodes 1..N-1 are drafts, in depth order (a parent precedes its children). ``parents[b, i]`` is
+node i's parent (-1 for the root), ``depths[b, i]`` its depth (root 0). A chain of k drafts is
+the tree with ``parents = i - 1``, ``depths = i``: topk 1 drafts one through the same code.
+
+Expansion (``TreeExpansion``): depth 1 keeps the top-k tokens of the head's first distribution
+as candidates and beams; each later depth runs the head on the k beams at once (each sees the
+prefix and its own ancestors: ``beam_mask``), scores their k * k children by the product of the
+probabilities along their path (a sum of log-probabilities) and keeps the k best as the next
+beams. Every candidate is kept; the N - 1 best of them form the tree (``select``). A child's
+score is strictly below its parent's (``_STRICT``), so the best N - 1 are closed under parents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pcgspec.attention.kv_cache import KVCache
+from pcgspec.runners.batch_builder import page_slots
+
+# NOTE: float64 scores minus a tiny margin per depth: a child that took a probability-1 token
+# still ranks below its parent, so no selection keeps a child without its parent.
+_STRICT = 1e-9
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What a propose phase drafts per request: ``depth`` (k) levels of ``topk`` beams, kept as
+    ``num_nodes`` (N) tree nodes, root included. A chain: topk 1, N = k + 1."""
+
+    depth: int
+    topk: int = 1
+    num_nodes: int = 0  # 0: depth + 1 (a chain)
+
+    def __post_init__(self) -> None:
+        if self.num_nodes == 0:
+            object.__setattr__(self, "num_nodes", self.depth + 1)
+        most = 1 + self.topk + (self.depth - 1) * self.topk**2
+        if self.depth < 1 or self.topk < 1 or not 2 <= self.num_nodes <= most:
+            raise ValueError(
+                f"a draft tree of depth {self.depth} and topk {self.topk} holds 2..{most} "
+                f"nodes, got num_nodes={self.num_nodes}"
+            )
+        if self.topk == 1 and self.num_nodes != self.depth + 1:
+            raise ValueError(f"a chain of depth {self.depth} has {self.depth + 1} nodes")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """``tokens`` [B, N-1] int64 (the drafts, nodes 1..N-1), ``parents`` and ``depths``
+    [B, N] int64 (node 0 the root); ``mask`` [B, N, N] (``ancestor_mask``) for trees of
+    topk > 1, None for a chain."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[1]
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best ids of every row of ``logits`` [R, V] with their log-probabilities, each
+    ``[R, k]``; with k = 1 the argmax and zero scores (a chain ranks nothing).
+    """
+    if k == 1:
+        ids = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device), ids
+    return logits.float().log_softmax(dim=-1).topk(k, dim=-1)
+
+
+def chain_parents(batch_size: int, num_nodes: int, device: torch.device) -> torch.Tensor:
+    """``[B, N]`` parents of a chain: -1, 0, 1, .., N-2."""
+    return (torch.arange(num_nodes, device=device) - 1).expand(batch_size, num_nodes).contiguous()
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``mask[b, i, j]`` iff node j is node i or one of its ancestors
+    (at most ``max_depth`` hops up). Built on the device in ``max_depth`` gathers.
+    """
+    b, n = parents.shape
+    cur = torch.arange(n, device=parents.device).expand(b, n)
+    up = parents.clamp_min(0)  # NOTE: the root is its own parent, so hops stop there
+    mask = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
+    mask.scatter_(2, cur[..., None], True)
+    for _ in range(max_depth):
+        cur = up.gather(1, cur)
+        mask.scatter_(2, cur[..., None], True)
+    return mask
+
+
+def path_rows(hidden: torch.Tensor, path: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Rows of ``hidden`` [B * N, H] (a tree verify pass's, N rows per request) along the
+    accepted paths ``path`` [B, k+1] (node indices, -1 past the end): ``[B * (k+1), H]``.
+    """
+    b = path.shape[0]
+    base = torch.arange(b, device=path.device)[:, None] * num_nodes
+    return hidden[(base + path.clamp_min(0)).view(-1)]
+
+
+class TreeExpansion:
+    """The candidates of one propose phase, per request, as the head expands them."""
+
+    def __init__(self, scores: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Depth 1 from the head's first ``top_tokens``: ``scores``, ``tokens`` [B, k]."""
+        b, topk = tokens.shape
+        self.topk, device = topk, tokens.device
+        self.scores = [scores.double() - _STRICT]
+        self.tokens = [tokens]
+        self.parents = [torch.full((b, topk), -1, dtype=torch.int64, device=device)]
+        self.beam_scores = self.scores[0]  # [B, k]
+        self.beam_ids = torch.arange(topk, device=device).expand(b, topk)  # candidate index
+        self.beam_tokens = tokens
+        self.beam_mask = torch.eye(topk, dtype=torch.bool, device=device).expand(b, -1, -1)
+        self.num_candidates = topk
+
+    def expand(self, child_lp: torch.Tensor, child_tok: torch.Tensor) -> torch.Tensor:
+        """One depth from the beams' ``top_tokens`` (``[B * k, k]`` each, beam-major): record
+        the k * k children, keep the k best as beams. Returns the beams' parent beam ``[B, k]``
+        (which row of the last pass each new beam continues).
+        """
+        k = self.topk
+        b = self.beam_scores.shape[0]
+        child = self.beam_scores[..., None] + child_lp.view(b, k, k).double() - _STRICT
+        scores = child.view(b, k * k)
+        tokens = child_tok.reshape(b, k * k)
+        parents = self.beam_ids.repeat_interleave(k, dim=1)  # [B, k*k]
+        first = self.num_candidates
+        self.scores.append(scores)
+        self.tokens.append(tokens)
+        self.parents.append(parents)
+        self.num_candidates += k * k
+        self.beam_scores, best = scores.topk(k, dim=-1)  # [B, k]
+        parent_beam = best // k
+        self.beam_ids = first + best
+        self.beam_tokens = tokens.gather(1, best)
+        width = self.beam_mask.shape[2]
+        grown = self.beam_mask.gather(1, parent_beam[..., None].expand(-1, -1, width))
+        fresh = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(b, -1, -1)
+        self.beam_mask = torch.cat([grown, fresh], dim=2)  # [B, k, width + k]
+        return parent_beam
+
+    def select(self, num_nodes: int, max_depth: int) -> DraftTree:
+        """The ``num_nodes - 1`` best candidates as a tree (``num_nodes`` with the root)."""
+        tokens = torch.cat(self.tokens, dim=1)
+        b, device = tokens.shape[0], tokens.device
+        if self.topk == 1:  # a chain: every candidate, in order
+            parents = chain_parents(b, num_nodes, device)
+            depths = torch.arange(num_nodes, device=device).expand(b, -1).contiguous()
+            return DraftTree(tokens, parents, depths)
+        scores, parents = torch.cat(self.scores, dim=1), torch.cat(self.parents, dim=1)  # [B, C]
+        chosen = scores.topk(num_nodes - 1, dim=-1).indices.sort(dim=-1).values  # [B, N-1]
+        parent_ids = parents.gather(1, chosen)
+        # node of a candidate: 1 + its rank among the chosen (chosen is sorted); root: 0
+        node = torch.searchsorted(chosen, parent_ids.clamp_min(0)) + 1
+        node_parents = torch.where(parent_ids < 0, 0, node)
+        root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
+        all_parents = torch.cat([root, node_parents], dim=1)
+        return DraftTree(
+            tokens.gather(1, chosen),
+            all_parents,
+            depths_of(all_parents, max_depth),
+            ancestor_mask(all_parents, max_depth),
+        )
+
+
+def depths_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[B, N]`` depth of every node of trees given by ``parents`` [B, N]."""
+    depth = torch.zeros_like(parents)
+    cur = parents
+    for _ in range(max_depth):
+        depth += (cur >= 0).long()
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp_min(0)), -1)
+    return depth
+
+
+@dataclass(frozen=True)
+class VerifyTree:
+    """What a tree verify pass adds to a chain's: row i of a request (node i) sits at position
+    ``start + depths[i]`` in slot ``start + i`` and sees the prefix and its ancestors."""
+
+    parents: torch.Tensor  # [B, N] int64
+    depths: torch.Tensor  # [B, N] int64
+    mask: torch.Tensor  # [B, N, N] bool (``ancestor_mask``)
+    # [B, N]: what to add to consecutive per-row positions (``start + i``) to place every
+    # node at its depth instead
+    row_offsets: torch.Tensor
+    max_depth: int
+
+    @classmethod
+    def of(
+        cls,
+        parents: torch.Tensor,
+        depths: torch.Tensor,
+        max_depth: int,
+        mask: torch.Tensor | None = None,
+    ) -> VerifyTree:
+        """The tree's verify inputs; ``mask``: its ancestor mask where the drafter built it."""
+        if mask is None:
+            mask = ancestor_mask(parents, max_depth)
+        offsets = depths - torch.arange(depths.shape[1], device=depths.device)
+        return cls(parents, depths, mask, offsets, max_depth)
+
+
+def move_accepted_kv(
+    cache: KVCache,
+    page_table: torch.Tensor,
+    start: torch.Tensor,
+    path: torch.Tensor,
+) -> None:
+    """After a tree verify pass whose node i of request b wrote its K/V at position
+    ``start[b] + i``: move the accepted nodes' (``path`` [B, D+1], -1 past the end) to the
+    consecutive positions ``start[b] + j``, where the next passes read them, in every layer
+    at once (four launches). Nodes past the path stay where they are, past the request's
+    length (overwritten later). On the device.
+    """
+    d1 = path.shape[1]
+    steps = torch.arange(d1, device=path.device)
+    # NOTE: path[j] >= j (equal: already in place); start < 0: a graph's padding request
+    moved = (path > steps) & (start[:, None] >= 0)
+    first = start.clamp_min(0)[:, None]
+    page = cache.page_size
+    src = page_slots(page_table, first + path.clamp_min(0), page).view(-1)
+    dst = page_slots(page_table, first + steps, page).view(-1)
+    src = torch.where(moved.view(-1), src, cache.scratch_slot)
+    dst = torch.where(moved.view(-1), dst, cache.scratch_slot)
+    for layers in (cache.k_all, cache.v_all):  # [L, slots + 1, KV, D]
+        layers.index_copy_(1, dst, layers.index_select(1, src))

@@ -1,0 +1,355 @@
+"""Tree drafting end to end (``speculative_eagle_topk > 1``) on a tiny random Llama with an
+EAGLE3 head (CPU, float32): greedy output equals plain decoding at batch 1, 3 and 16, seeded
+sampling too, with the draft trees as the head builds them and with trees where one branch
+follows the target's own continuation (an oracle planted on the device), so that walks go deep
+and accepted nodes' K/V move into place. The CUDA graph paths have GPU tests at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from oracle import assert_all_pages_free
+from test_models import tiny_hf_model
+
+from pcgspec import LLM, SamplingParams
+from pcgspec.models.default_model import default_model_path
+from pcgspec.models.eagle3 import write_eagle3_checkpoint
+from pcgspec.models.loader import load_config
+from pcgspec.models.mtp import write_mtp_checkpoint
+from pcgspec.models.random_weights import shape_config
+from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+from pcgspec.runners.draft_graph_runner import DraftGraphRunner
+from pcgspec.runners.forward_batch import ForwardMode
+from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
+from pcgspec.sampling.slots import SamplingSlots
+from pcgspec.speculative.tree import ancestor_mask
+from pcgspec.speculative.worker import SpecWorker
+
+SHAPES = {"wide": (3, 3, 8), "deep": (5, 2, 7)}  # (num_steps, topk, num_draft_tokens)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tree")
+    tiny_hf_model("LlamaConfig").save_pretrained(root / "llama")  # context 128
+    head = write_eagle3_checkpoint(root / "eagle3", load_config(root / "llama"), seed=1)
+    return {"target": str(root / "llama"), "head": str(head)}
+
+
+def _llm(paths: dict[str, str], shape: str | None, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "tokenizer": str(default_model_path()), **kw}
+    if shape is not None:
+        steps, topk, nodes = SHAPES[shape]
+        kw.update(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=paths["head"],
+            speculative_num_steps=steps,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=nodes,
+            speculative_policy="always",
+        )
+    return LLM(paths["target"], **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(paths) -> LLM:
+    return _llm(paths, None)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def spec(paths, request) -> LLM:
+    return _llm(paths, request.param)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(n)
+    return [
+        torch.randint(1, 256, (int(m),), generator=gen).tolist()
+        for m in torch.randint(2, 50, (n,), generator=gen)
+    ]
+
+
+class PlantedBranch:
+    """Wraps a proposer: after the head drafts, one branch of every tree (the path to a random
+    node) is overwritten with the target's greedy continuation (``want``), up to a random
+    depth, so the verify pass accepts deep paths of nodes that are not consecutive."""
+
+    def __init__(self, proposer, want: dict[tuple[int, ...], list[int]], seed: int = 0) -> None:
+        self.proposer, self.want = proposer, want
+        self.rng = random.Random(seed)
+        self.original = proposer.propose
+
+    def __call__(self, batch):
+        proposal = self.original(batch)
+        tokens = proposal.tokens.clone()
+        parents = proposal.parents.tolist()
+        for b, req in enumerate(batch.requests):
+            ahead = self.want[tuple(req.prompt_token_ids)][len(req.output_token_ids) :]
+            node = self.rng.randrange(1, len(parents[b]))
+            path = []
+            while node > 0:
+                path.append(node)
+                node = parents[b][node]
+            keep = self.rng.randrange(0, len(path) + 1)
+            for depth, node in enumerate(path[::-1][:keep]):
+                if depth < len(ahead):
+                    tokens[b, node - 1] = ahead[depth]
+        return dataclasses.replace(proposal, tokens=tokens)
+
+
+def _greedy(max_tokens: int = 40) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_greedy_equals_plain(plain, spec, batch):
+    prompts = _prompts(batch)
+    want = plain.generate(prompts, _greedy(), use_tqdm=False)
+    got = spec.generate(prompts, _greedy(), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_stats()["verify_steps"] > 0
+    assert_all_pages_free(spec)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_greedy_equals_plain_with_deep_accepted_paths(plain, spec, batch):
+    prompts = _prompts(batch + 100)[:batch]
+    want = plain.generate(prompts, _greedy(), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
+    planted = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}, seed=batch
+    )
+    before = spec.engine.spec_stats()
+    proposer.propose = planted
+    try:
+        got = spec.generate(prompts, _greedy(), use_tqdm=False)
+    finally:
+        del proposer.propose
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    after = spec.engine.spec_stats()
+    per_position = [
+        a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])
+    ]
+    assert per_position[1] > 0  # paths of two drafts and more: their K/V moved
+    assert_all_pages_free(spec)
+
+
+def test_nextn_trees_greedy_equal_plain(tmp_path, paths):
+    """A MiMo target whose own MTP layer drafts trees (NEXTN, no draft path)."""
+    target = write_mtp_checkpoint(tmp_path / "mimo", shape_config("tiny"), seed=1, layout="mimo")
+    kw = {"dtype": "float32", "device": "cpu", "tokenizer": str(default_model_path())}
+    plain_mimo = LLM(str(target), **kw)
+    spec = LLM(
+        str(target),
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+        speculative_policy="always",
+        **kw,
+    )
+    prompts = _prompts(3)
+    want = plain_mimo.generate(prompts, _greedy(24), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    got = spec.generate(prompts, _greedy(24), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_stats()["accepted_per_position"][1] > 0
+    assert_all_pages_free(spec)
+
+
+def test_topk_past_the_draft_vocabulary_is_refused(tmp_path, paths):
+    small = write_eagle3_checkpoint(
+        tmp_path / "small", load_config(paths["target"]), seed=1, draft_vocab_size=8
+    )
+    with pytest.raises(ValueError, match="speculative_eagle_topk 9 exceeds the draft vocab"):
+        LLM(
+            paths["target"],
+            dtype="float32",
+            device="cpu",
+            tokenizer=str(default_model_path()),
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=str(small),
+            speculative_num_steps=2,
+            speculative_eagle_topk=9,
+            speculative_num_draft_tokens=10,
+        )
+
+
+def test_seeded_sampling_equals_plain(plain, spec):
+    """A tree draws each node's target token at its depth's output position: a seeded request
+    emits what it emits without speculation, with planted branches too."""
+    prompts = _prompts(3)
+    params = [SamplingParams(max_tokens=30, temperature=0.9, seed=s) for s in (1, 2, 3)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    proposer = spec.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    try:
+        again = spec.generate(prompts, params, use_tqdm=False)
+    finally:
+        del proposer.propose
+    assert [g.token_ids for g in again] == [w.token_ids for w in want]
+
+
+def test_penalty_counts_of_tree_rows_are_their_paths() -> None:
+    """Row j of a request counts the drafts of the nodes from the root to node j (a chain:
+    drafts 0..j-1); an untracked request counts none."""
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 4], [-1, 0, 1, 2, 3, 4]])
+    drafts = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    counts = torch.zeros(12, 32, dtype=torch.int32)
+    SamplingSlots._add_drafts(counts, drafts, torch.tensor([True, True]), ancestor_mask(parents, 4))
+    rows = [sorted(int(t) for t in row.nonzero().view(-1)) for row in counts]
+    assert rows[:6] == [[], [10], [11], [10, 12], [11, 13], [11, 13, 14]]
+    assert rows[6:] == [[], [20], [20, 21], [20, 21, 22], [20, 21, 22, 23], [20, 21, 22, 23, 24]]
+    chain = torch.zeros_like(counts)
+    SamplingSlots._add_drafts(chain, drafts, torch.tensor([True, False]))
+    assert torch.equal(chain[6:], torch.zeros_like(chain[6:]))
+    assert torch.equal(
+        chain[:6],
+        torch.zeros_like(chain[:6]).index_put_(
+            (
+                torch.tensor([1, 2, 2, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5]),
+                torch.tensor([10, 10, 11, 10, 11, 12, 10, 11, 12, 13, 10, 11, 12, 13, 14]),
+            ),
+            torch.tensor(1, dtype=torch.int32),
+        ),
+    )
+
+
+def test_penalties_count_each_nodes_ancestors(plain, spec):
+    """Repetition, presence and frequency penalties of a tree node's row count the drafts on
+    its path only: greedy output with penalties equals plain decoding's, with deep paths."""
+    prompts = _prompts(4)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=0.8),
+        SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=0.6),
+        _greedy(24),
+    ]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    worker = spec.engine.spec_worker
+    proposer, fallbacks = worker.proposer, worker.num_fallbacks
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    try:
+        got = spec.generate(prompts, params, use_tqdm=False)
+    finally:
+        del proposer.propose
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert worker.num_fallbacks == fallbacks
+
+
+def test_overlap_schedule_and_prefix_cache(paths, plain):
+    """Under the overlap schedule (steps read one late, catch-ups from the verify rows on the
+    device) with prefix-cache hits on a shared prompt, tree steps with deep accepted paths keep
+    greedy output plain decoding's, and nothing is left held."""
+    spec = _llm(paths, "deep", disable_overlap_schedule=False)
+    shared = _prompts(1)[0] * 3  # 3 pages of the default page size 16 at least
+    prompts = [shared[:60] + q[:8] for q in _prompts(3)]
+    want = plain.generate(prompts, _greedy(30), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    got = spec.generate(prompts[:1], _greedy(30), use_tqdm=False)
+    got += spec.generate(prompts[1:], _greedy(30), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(o.num_cached_tokens > 0 for o in got[1:])
+    assert spec.engine.spec_stats()["accepted_per_position"][1] > 0
+    assert not spec.engine.in_flight
+    assert_all_pages_free(spec)
+
+
+def test_a_failing_request_in_a_tree_step_ends_alone(paths, plain, monkeypatch):
+    """A tree step that fails after the accepted K/V moved (before its commit) is rerun on
+    halves: the failing request ends with an error, the others equal plain decoding."""
+    mark = 4242
+    spec = _llm(paths, "wide")
+    verify = SpecWorker.verify
+
+    def failing(self, reqs, *args):
+        step = verify(self, reqs, *args)
+        if any(r.params.seed == mark and len(r.output_token_ids) >= 2 for r in reqs):
+            raise RuntimeError("injected fault")
+        return step
+
+    monkeypatch.setattr(SpecWorker, "verify", failing)
+    prompts = _prompts(4)
+    params = [_greedy(16)] * 3 + [SamplingParams(max_tokens=16, temperature=0.0, seed=mark)]
+    *want, _ = plain.generate(prompts, _greedy(16), use_tqdm=False)
+    proposer = spec.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, [*want, _])}
+    )
+    *got, bad = spec.generate(prompts, params, use_tqdm=False)
+    assert bad.finish_reason == "error" and len(bad.token_ids) >= 2
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert_all_pages_free(spec)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
+    """Tree drafting, tree verify passes and their tail (acceptance, K/V move, commit) through
+    the graph runners (the eager stand-in on CPU; buckets 1, 2, 4, so batch 3 replays a padded
+    bucket): the same output, every batch replayed, nothing refused; greedy, or seeded
+    sampling beside a greedy request (the SAMPLED tail)."""
+    engine = spec.engine
+    runner, worker = engine.runner, engine.spec_worker
+    proposer, n = worker.proposer, worker.shape.num_nodes
+    prompts = _prompts(3)
+    params = [_greedy(24)] * 3
+    if sampled:
+        params[1:] = [SamplingParams(max_tokens=24, temperature=0.8, seed=s) for s in (5, 6)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
+    runner.verify_graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, n, tree=True)
+    planted = PlantedBranch(proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)})
+    proposer.propose = planted
+    try:
+        proposer.graphs.capture()
+        runner.verify_graphs.capture()
+        worker.tail = VerifyTailGraphs(
+            runner.verify_graphs, engine.slots, runner.model.compute_logits, worker.num_steps
+        )
+        worker.tail.capture()
+        got = spec.generate(prompts, params, use_tqdm=False)
+        stats = engine.graph_stats()
+    finally:
+        proposer.graphs = runner.verify_graphs = worker.tail = None
+        del proposer.propose
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for name in ("verify", "draft", "verify_tail"):
+        assert stats[name]["runs"] > 0 and stats[name]["padded_rows"] > 0, stats
+        assert not any(stats[name]["fallbacks"].values()), stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_cuda_graphs_greedy_equals_plain(paths, batch):
+    """Captured draft trees and tree verify graphs replay (no refusal counted) and keep greedy
+    output equal to plain decoding."""
+    kw = {"device": "cuda", "disable_piecewise_cuda_graph": True}
+    plain_gpu, spec_gpu = _llm(paths, None, **kw), _llm(paths, "wide", **kw)
+    prompts = _prompts(batch)
+    want = plain_gpu.generate(prompts, _greedy(), use_tqdm=False)
+    proposer = spec_gpu.engine.spec_worker.proposer
+    proposer.propose = PlantedBranch(
+        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    )
+    got = spec_gpu.generate(prompts, _greedy(), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = spec_gpu.engine.graph_stats()
+    for name in ("verify", "draft", "verify_tail"):
+        assert stats[name]["runs"] > 0 and not any(stats[name]["fallbacks"].values()), stats
