@@ -89,17 +89,20 @@ def test_decode_runs_beside_every_chunk_and_outputs_equal_alone(
     _check(llm, reqs, batches, hf_model)
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3", "EAGLE3-tree"])
 def test_speculative_requests_decode_beside_chunks(
     smollm2_path, hf_model, monkeypatch, tmp_path, algorithm
 ):
     """Speculating requests take plain decode rows in mixed steps, and the drafter catches up
-    from them (EAGLE3: their hidden states) once speculative steps resume.
+    from them (EAGLE3: their hidden states; a tree drafter too) once speculative steps resume.
     """
     draft = {}
+    if algorithm == "EAGLE3-tree":
+        algorithm = "EAGLE3"
+        draft = {"speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
     if algorithm == "EAGLE3":
         write_eagle3_checkpoint(tmp_path, load_config(smollm2_path), seed=0, draft_vocab_size=4096)
-        draft = {"speculative_draft_model_path": str(tmp_path)}
+        draft["speculative_draft_model_path"] = str(tmp_path)
     llm = _llm(
         smollm2_path,
         True,
