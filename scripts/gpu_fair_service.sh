@@ -8,19 +8,22 @@
 #   vs_engine_*  256 built-in prompts, 16 at a time, served and through LLM.generate with the
 #                same flags (--compare-engine): served throughput / the engine's own.
 # About 5 minutes on an H200 (three server starts, two mixed runs of 2 x 20 s, one engine run).
+# --models smollm2 (or llama-3.2-1b-shape) runs the mixed point of one model only.
 # Writes <what>_<label>_<date>.json and the servers' logs under --out.
 #
-#   bash scripts/gpu_fair_service.sh --out "$OUT" --device-label H200
+#   bash scripts/gpu_fair_service.sh --out "$OUT" --device-label H200 [--models smollm2]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=bench/results
 LABEL=gpu
+MODELS=smollm2,llama-3.2-1b-shape
 while [[ $# -gt 0 ]]; do
   case $1 in
     --out) OUT=$2; shift 2 ;;
     --device-label) LABEL=$2; shift 2 ;;
-    *) echo "usage: $0 [--out DIR] [--device-label NAME]" >&2; exit 2 ;;
+    --models) MODELS=$2; shift 2 ;;
+    *) echo "usage: $0 [--out DIR] [--device-label NAME] [--models LIST]" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$OUT"
@@ -31,7 +34,7 @@ bench=(python scripts/bench_serving.py --launch --server-args "--dtype bfloat16"
        --device-label "$LABEL")
 
 start=$SECONDS
-for model in smollm2 llama-3.2-1b-shape; do
+for model in ${MODELS//,/ }; do
   weights=()
   [[ $model == smollm2 ]] || weights=(--random-weights llama-3.2-1b)
   echo "=== mixed, $model ($((SECONDS - start)) s)"
