@@ -340,7 +340,7 @@ def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
 def test_cuda_graphs_greedy_equals_plain(paths, batch):
     """Captured draft trees and tree verify graphs replay (no refusal counted) and keep greedy
     output equal to plain decoding."""
-    kw = {"device": "cuda", "disable_piecewise_cuda_graph": True}
+    kw = {"device": "cuda", "max_total_tokens": 1 << 15, "disable_piecewise_cuda_graph": True}
     plain_gpu, spec_gpu = _llm(paths, None, **kw), _llm(paths, "wide", **kw)
     prompts = _prompts(batch)
     want = plain_gpu.generate(prompts, _greedy(), use_tqdm=False)
