@@ -295,11 +295,12 @@ class Scheduler:
     def _make_room(self, need: int, req: Request) -> None:
         """Preempt, newest first, until ``need`` pages are free or ``req`` itself is preempted.
         Unreferenced cached pages go first, then partially prefilled waiting requests' pages.
+        A victim's pages go to the prefix cache, so each preemption is followed by eviction.
         """
         if self._ensure_free(need):
             return
         for victim in [r for r in reversed(self.waiting) if r.pages] + self.running[::-1]:
-            if need <= self.pages.num_free or (victim is req and len(self.running) == 1):
+            if self._ensure_free(need) or (victim is req and len(self.running) == 1):
                 return
             self._preempt(victim)
             if victim is req:
