@@ -498,3 +498,16 @@ def test_bench_spec_runs_tree_drafting(tmp_path, smollm2_path, monkeypatch):
     assert (result["eagle_topk"], result["num_draft_tokens"]) == (2, 5)
     tree = next(r for r in result["rows"] if r["method"] == "EAGLE3:untrained")
     assert tree["avg_accept_length"] >= 1.0 and tree["speculative_steps"] > 0
+
+
+def test_check_spec_ties_finds_float32_equal(tmp_path):
+    """In float32 the shipped head's chain and tree give plain decoding's tokens: no divergence
+    to explain, and the JSON says so."""
+    check = load_script("check_spec_ties")
+    out = tmp_path / "ties.json"
+    argv = ["--dtype", "float32", "--num-requests", "2", "--max-tokens", "12", "--out", str(out)]
+    report = check.main(argv)
+    assert set(report["results"]) == {"chain", "tree"}
+    rows = [row for rows in report["results"].values() for row in rows]
+    assert len(rows) == 4 and all(row == {"equal": True, "tokens": 12} for row in rows)
+    assert json.loads(out.read_text())["dtype"] == "float32"
