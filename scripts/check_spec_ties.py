@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="write the JSON here")
     args = p.parse_args(argv)
     from pcgspec import LLM, SamplingParams
+    from pcgspec.llm import chat_prompt
     from pcgspec.models.default_model import default_model_path
 
     path = args.model or str(default_model_path())
@@ -57,9 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         tok = llm.get_tokenizer()
         if not prompts:
             for text in load("chat")[: args.num_requests]:
-                chat = [{"role": "user", "content": text}]
-                rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-                prompts.append(tok.encode(rendered, add_special_tokens=False))
+                prompts.append(chat_prompt(tok, [{"role": "user", "content": text}])[1])
         outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 

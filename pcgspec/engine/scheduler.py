@@ -80,7 +80,7 @@ class ScheduledBatch:
     @property
     def prefill_samples(self) -> bool:
         """Whether a prefilling row samples (mostly a request's first token)."""
-        return any(self.samples[self.num_decode :]) and not self.mode.is_decode()
+        return any(self.samples[self.num_decode :])
 
     @property
     def sampled_requests(self) -> list[Request]:
