@@ -7,8 +7,10 @@ and accepted nodes' K/V move into place. The CUDA graph paths have GPU tests at 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -101,6 +103,19 @@ class PlantedBranch:
         return dataclasses.replace(proposal, tokens=tokens)
 
 
+@contextlib.contextmanager
+def planted(llm: LLM, prompts: list[list[int]], want: list, seed: int = 0) -> Iterator[None]:
+    """``llm``'s proposer drafts through ``PlantedBranch`` (``want``: the plain outputs of
+    ``prompts``) inside the block."""
+    proposer = llm.engine.spec_worker.proposer
+    continuations = {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+    proposer.propose = PlantedBranch(proposer, continuations, seed)
+    try:
+        yield
+    finally:
+        del proposer.propose
+
+
 def _greedy(max_tokens: int = 40) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
@@ -119,16 +134,9 @@ def test_greedy_equals_plain(plain, spec, batch):
 def test_greedy_equals_plain_with_deep_accepted_paths(plain, spec, batch):
     prompts = _prompts(batch + 100)[:batch]
     want = plain.generate(prompts, _greedy(), use_tqdm=False)
-    proposer = spec.engine.spec_worker.proposer
-    planted = PlantedBranch(
-        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}, seed=batch
-    )
     before = spec.engine.spec_stats()
-    proposer.propose = planted
-    try:
+    with planted(spec, prompts, want, seed=batch):
         got = spec.generate(prompts, _greedy(), use_tqdm=False)
-    finally:
-        del proposer.propose
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     after = spec.engine.spec_stats()
     per_position = [
@@ -154,11 +162,8 @@ def test_nextn_trees_greedy_equal_plain(tmp_path, paths):
     )
     prompts = _prompts(3)
     want = plain_mimo.generate(prompts, _greedy(24), use_tqdm=False)
-    proposer = spec.engine.spec_worker.proposer
-    proposer.propose = PlantedBranch(
-        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
-    )
-    got = spec.generate(prompts, _greedy(24), use_tqdm=False)
+    with planted(spec, prompts, want):
+        got = spec.generate(prompts, _greedy(24), use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert spec.engine.spec_stats()["accepted_per_position"][1] > 0
     assert_all_pages_free(spec)
@@ -190,14 +195,8 @@ def test_seeded_sampling_equals_plain(plain, spec):
     want = plain.generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, params, use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    proposer = spec.engine.spec_worker.proposer
-    proposer.propose = PlantedBranch(
-        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
-    )
-    try:
+    with planted(spec, prompts, want):
         again = spec.generate(prompts, params, use_tqdm=False)
-    finally:
-        del proposer.propose
     assert [g.token_ids for g in again] == [w.token_ids for w in want]
 
 
@@ -238,14 +237,9 @@ def test_penalties_count_each_nodes_ancestors(plain, spec):
     ]
     want = plain.generate(prompts, params, use_tqdm=False)
     worker = spec.engine.spec_worker
-    proposer, fallbacks = worker.proposer, worker.num_fallbacks
-    proposer.propose = PlantedBranch(
-        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
-    )
-    try:
+    fallbacks = worker.num_fallbacks
+    with planted(spec, prompts, want):
         got = spec.generate(prompts, params, use_tqdm=False)
-    finally:
-        del proposer.propose
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert worker.num_fallbacks == fallbacks
 
@@ -258,12 +252,9 @@ def test_overlap_schedule_and_prefix_cache(paths, plain):
     shared = _prompts(1)[0] * 3  # 3 pages of the default page size 16 at least
     prompts = [shared[:60] + q[:8] for q in _prompts(3)]
     want = plain.generate(prompts, _greedy(30), use_tqdm=False)
-    proposer = spec.engine.spec_worker.proposer
-    proposer.propose = PlantedBranch(
-        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
-    )
-    got = spec.generate(prompts[:1], _greedy(30), use_tqdm=False)
-    got += spec.generate(prompts[1:], _greedy(30), use_tqdm=False)
+    with planted(spec, prompts, want):
+        got = spec.generate(prompts[:1], _greedy(30), use_tqdm=False)
+        got += spec.generate(prompts[1:], _greedy(30), use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert all(o.num_cached_tokens > 0 for o in got[1:])
     assert spec.engine.spec_stats()["accepted_per_position"][1] > 0
@@ -288,11 +279,8 @@ def test_a_failing_request_in_a_tree_step_ends_alone(paths, plain, monkeypatch):
     prompts = _prompts(4)
     params = [_greedy(16)] * 3 + [SamplingParams(max_tokens=16, temperature=0.0, seed=mark)]
     *want, _ = plain.generate(prompts, _greedy(16), use_tqdm=False)
-    proposer = spec.engine.spec_worker.proposer
-    proposer.propose = PlantedBranch(
-        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, [*want, _])}
-    )
-    *got, bad = spec.generate(prompts, params, use_tqdm=False)
+    with planted(spec, prompts, [*want, _]):
+        *got, bad = spec.generate(prompts, params, use_tqdm=False)
     assert bad.finish_reason == "error" and len(bad.token_ids) >= 2
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert_all_pages_free(spec)
@@ -314,8 +302,6 @@ def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
     want = plain.generate(prompts, params, use_tqdm=False)
     proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
     runner.verify_graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, n, tree=True)
-    planted = PlantedBranch(proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)})
-    proposer.propose = planted
     try:
         proposer.graphs.capture()
         runner.verify_graphs.capture()
@@ -323,11 +309,11 @@ def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
             runner.verify_graphs, engine.slots, runner.model.compute_logits, worker.num_steps
         )
         worker.tail.capture()
-        got = spec.generate(prompts, params, use_tqdm=False)
+        with planted(spec, prompts, want):
+            got = spec.generate(prompts, params, use_tqdm=False)
         stats = engine.graph_stats()
     finally:
         proposer.graphs = runner.verify_graphs = worker.tail = None
-        del proposer.propose
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     for name in ("verify", "draft", "verify_tail"):
         assert stats[name]["runs"] > 0 and stats[name]["padded_rows"] > 0, stats
@@ -344,11 +330,8 @@ def test_cuda_graphs_greedy_equals_plain(paths, batch):
     plain_gpu, spec_gpu = _llm(paths, None, **kw), _llm(paths, "wide", **kw)
     prompts = _prompts(batch)
     want = plain_gpu.generate(prompts, _greedy(), use_tqdm=False)
-    proposer = spec_gpu.engine.spec_worker.proposer
-    proposer.propose = PlantedBranch(
-        proposer, {tuple(p): w.token_ids for p, w in zip(prompts, want)}
-    )
-    got = spec_gpu.generate(prompts, _greedy(), use_tqdm=False)
+    with planted(spec_gpu, prompts, want):
+        got = spec_gpu.generate(prompts, _greedy(), use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     stats = spec_gpu.engine.graph_stats()
     for name in ("verify", "draft", "verify_tail"):
