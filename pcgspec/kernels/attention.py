@@ -73,6 +73,37 @@ def _online_softmax(
 
 
 @triton.jit
+def _load_kv_tile(
+    KCache,
+    VCache,
+    page_row,
+    j,
+    j_ok,
+    kv_head,
+    stride_cs,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_KV: tl.constexpr,
+):
+    """The K and V rows of keys ``j`` (``[BLOCK_N, BLOCK_D]``, cache dtype) through the page
+    table; with ``MASK_KV``, keys past ``j_ok`` read as zeros."""
+    d = tl.arange(0, BLOCK_D)
+    if MASK_KV:
+        page = tl.load(page_row + j // PAGE_SIZE, mask=j_ok, other=0)
+    else:
+        page = tl.load(page_row + j // PAGE_SIZE)
+    slot = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
+    offs = slot[:, None] * stride_cs + kv_head * HEAD_DIM + d[None, :]
+    mask = (d < HEAD_DIM)[None, :]
+    if MASK_KV:
+        mask = mask & j_ok[:, None]
+    k = tl.load(KCache + offs, mask=mask, other=0.0)
+    v = tl.load(VCache + offs, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _attend_tile(
     acc,
     m_i,
@@ -101,19 +132,11 @@ def _attend_tile(
     with ``WINDOW``, each row sees no key below its ``win_lo``.
     """
     j = n0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
     j_ok = j < kv_end
-    if MASK_KV:
-        page = tl.load(page_row + j // PAGE_SIZE, mask=j_ok, other=0)
-    else:
-        page = tl.load(page_row + j // PAGE_SIZE)
-    slot = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
-    offs = slot[:, None] * stride_cs + kv_head * HEAD_DIM + d[None, :]
-    mask = (d < HEAD_DIM)[None, :]
-    if MASK_KV:
-        mask = mask & j_ok[:, None]
-    k = tl.load(KCache + offs, mask=mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(VCache + offs, mask=mask, other=0.0).to(q.dtype)
+    k, v = _load_kv_tile(
+        KCache, VCache, page_row, j, j_ok, kv_head, stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_D, MASK_KV
+    )
+    k, v = k.to(q.dtype), v.to(q.dtype)  # [BLOCK_N, BLOCK_D]
     keep = j_ok[None, :]
     if CAUSAL:
         keep = keep & (j[None, :] <= causal_lim[:, None])
@@ -152,14 +175,11 @@ def _attend_tree_tile(
     """``_attend_tile`` under a tree mask: key ``j`` is seen by every row before ``tree_lo``,
     from there by the rows whose mask row (``tree_row + tok * stride_mt``) marks it."""
     j = n0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
     j_ok = j < kv_end
-    page = tl.load(page_row + j // PAGE_SIZE, mask=j_ok, other=0)
-    slot = page.to(tl.int64) * PAGE_SIZE + j % PAGE_SIZE
-    offs = slot[:, None] * stride_cs + kv_head * HEAD_DIM + d[None, :]
-    mask = (d < HEAD_DIM)[None, :] & j_ok[:, None]
-    k = tl.load(KCache + offs, mask=mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(VCache + offs, mask=mask, other=0.0).to(q.dtype)
+    k, v = _load_kv_tile(
+        KCache, VCache, page_row, j, j_ok, kv_head, stride_cs, PAGE_SIZE, HEAD_DIM, BLOCK_D, True
+    )
+    k, v = k.to(q.dtype), v.to(q.dtype)  # [BLOCK_N, BLOCK_D]
     col = j - tree_lo
     in_tree = (col >= 0) & (col < tree_width) & j_ok
     bits = tl.load(
