@@ -30,6 +30,7 @@ scheduled again, and a preempted one is not prefilled again before its pending t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -170,17 +171,20 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         """Prefill chunks within ``budget`` tokens: first the waiting requests whose whole
-        remaining prompt fits, then chunks of the others, each pass in arrival order.
+        remaining prompt fits, among as many as there are free running slots (a long queue is
+        not scanned every step), then chunks of the others, each pass in arrival order.
         """
         picked: list[Request] = []
+        taken: set[int] = set()  # ids of ``picked``
         sizes: list[int] = []
         groups: set[str] = set()  # n > 1 groups whose prompt pages this step computes
+        free = max(0, self.max_running_requests - len(self.running))
         for whole in (True, False):
-            for req in self.waiting:
-                if budget == 0 or len(self.running) + len(picked) >= self.max_running_requests:
+            for req in itertools.islice(self.waiting, free) if whole else self.waiting:
+                if budget == 0 or len(picked) >= free:
                     break
                 left = len(req.token_ids) - req.num_computed_tokens
-                if req in picked or (whole and left > budget):
+                if id(req) in taken or (whole and left > budget):
                     continue
                 if self._defer_sibling(req, groups) or req.num_pending_tokens:
                     continue  # NOTE: a preempted request waits for its pending tokens to be read
@@ -190,6 +194,7 @@ class Scheduler:
                 if self._computes_shared_pages(req):
                     groups.add(req.group_id)
                 picked.append(req)
+                taken.add(id(req))
                 sizes.append(n)
                 budget -= n
         if not picked:
