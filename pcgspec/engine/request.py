@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
 from pcgspec.sampling_params import SamplingParams
@@ -90,6 +90,9 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     spec: SpecCounters = field(default_factory=SpecCounters)
+    # a model drafter's progress on this request (``ModelProposer``'s ``DraftState``), kept
+    # here so that the drafter's bookkeeping of every plain step is an attribute access
+    draft_state: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

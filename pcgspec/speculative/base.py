@@ -93,15 +93,15 @@ class Proposer(ABC):
 
     def observe(
         self,
-        request: Any,
-        start: int,
+        requests: Sequence[Any],
+        starts: Sequence[int],
+        nums: Sequence[int],
         hidden: torch.Tensor | None,
-        row: int = 0,
-        num: int | None = None,
     ) -> None:
-        """A plain target pass computed positions ``start ..`` of ``request`` (``hidden``: the
-        pass's captured states, of which rows ``row .. row + num`` are these positions', or
-        None). Drafters that keep per-request state update it here.
+        """A plain target pass computed ``nums[i]`` positions from ``starts[i]`` of each of
+        ``requests``, their rows consecutive in that order in ``hidden`` (the pass's captured
+        states, or None). Drafters that keep per-request state update it here; one call per
+        pass, so a drafter that keeps none costs nothing per request.
         """
         return None
 

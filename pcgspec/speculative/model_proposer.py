@@ -105,40 +105,46 @@ class ModelProposer(Proposer):
         self.uses_target_hidden = runner.uses_target_hidden
         self.lag = 1 if self.uses_target_hidden else 0  # catch-up rows trail the tokens by this
         self.graphs: DraftGraphRunner | None = None  # the propose phase, captured (CUDA)
-        # NOTE: keyed by the Request object: a finished or aborted request's state goes with it.
-        self._states: weakref.WeakKeyDictionary[object, DraftState] = weakref.WeakKeyDictionary()
         self._verified: VerifiedRows | None = None  # the newest verify step's rows
 
     # target passes ---------------------------------------------------------------------------
 
     def observe(
         self,
-        request: object,
-        start: int,
+        requests: Sequence[object],
+        starts: Sequence[int],
+        nums: Sequence[int],
         hidden: torch.Tensor | None,
-        row: int = 0,
-        num: int | None = None,
     ) -> None:
-        """A plain target pass computed positions ``start ..`` of ``request``; rows ``row ..
-        row + num`` of ``hidden`` (the pass's captured states; None when this draft does not
-        read them) are theirs. A pass from position 0 (a prefill, also after preemption)
-        starts the draft over.
+        """A plain target pass computed ``nums[i]`` positions from ``starts[i]`` of each of
+        ``requests``; their rows of ``hidden`` (the pass's captured states; None when this
+        draft does not read them) are consecutive, in that order. A pass from position 0 (a
+        prefill, also after preemption) starts the draft over. Runs every plain step of every
+        request, so the loop is kept to a lookup and an append per request.
         """
-        self._forget_verified(request)
-        state = self._states.get(request)
-        if state is None or start == 0:
-            state = self._states[request] = DraftState()
+        verified = self._verified
+        if verified is not None and len(verified.rows):  # NOTE: empty after the first plain step
+            for request in requests:
+                verified.rows.pop(request, None)
         if not self.uses_target_hidden:
+            for request, start in zip(requests, starts):
+                if start == 0 or request.draft_state is None:
+                    request.draft_state = DraftState()
             return
         if hidden is None:
             raise ValueError("this draft needs the target's hidden states (CaptureHiddenMode.FULL)")
-        have = state.computed + state.num_pending
-        if have != start:
-            raise RuntimeError(
-                f"target hidden states of positions {have}.. are missing: the "
-                f"next pass starts at {start}"
-            )
-        state.add(hidden, row, num)
+        row = 0
+        for request, start, num in zip(requests, starts, nums):
+            state = request.draft_state
+            if state is None or start == 0:
+                state = request.draft_state = DraftState()
+            if state.computed + state.num_pending != start:
+                raise RuntimeError(
+                    f"target hidden states of positions {state.computed + state.num_pending}.. "
+                    f"are missing: the next pass starts at {start}"
+                )
+            state.add(hidden, row, num)
+            row += num
 
     def verified(
         self, requests: Sequence[object], out: object, hidden: torch.Tensor | None
@@ -201,10 +207,10 @@ class ModelProposer(Proposer):
         assert isinstance(rows, VerifiedRows)
         newest = self._verified
         if newest is not rows and newest is not None and request in newest.rows:
-            self._states[request] = DraftState(computed=start + num - self.lag)
+            request.draft_state = DraftState(computed=start + num - self.lag)
             return
         rows.rows.pop(request, None)
-        state = self._states[request] = DraftState(computed=start - self.lag)
+        state = request.draft_state = DraftState(computed=start - self.lag)
         if rows.hidden is not None:
             k1 = self.num_steps + 1
             state.add(rows.hidden, row * k1, num)
@@ -219,7 +225,7 @@ class ModelProposer(Proposer):
         """Positions of ``request`` whose draft K/V are valid in its pages (as far as the host
         knows: a step in flight may have computed more).
         """
-        state = self._states.get(request)
+        state = request.draft_state
         return 0 if state is None else state.computed
 
     def adopt_prefix(self, request: object, num_tokens: int) -> None:
@@ -227,7 +233,7 @@ class ModelProposer(Proposer):
         K/V (see ``engine/radix_cache.py``), so the draft starts there, like the target.
         """
         self._forget_verified(request)
-        self._states[request] = DraftState(computed=num_tokens)
+        request.draft_state = DraftState(computed=num_tokens)
 
     # propose ---------------------------------------------------------------------------------
 
@@ -238,9 +244,10 @@ class ModelProposer(Proposer):
         reqs = batch.requests
         verified = self._verified
         on_device = [verified is not None and r in verified.rows for r in reqs]
-        states = [
-            None if d else self._states.setdefault(r, DraftState()) for r, d in zip(reqs, on_device)
-        ]
+        for r, d in zip(reqs, on_device):
+            if not d and r.draft_state is None:
+                r.draft_state = DraftState()
+        states = [None if d else r.draft_state for r, d in zip(reqs, on_device)]
         host = [(r, s) for r, s in zip(reqs, states) if s is not None]
         self._check_pending(host)
         self._catch_up_far_behind(host)

@@ -113,10 +113,9 @@ class SpecWorker:
         """A plain target pass ran ``batch`` (before ``Scheduler.launched``): tell the proposer
         which positions of each request it computed, with their hidden rows when captured.
         """
-        hidden, row, observe = out.hidden_states, 0, self.proposer.observe
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            observe(req, req.num_computed_tokens, hidden, row, n)  # NOTE: no slice per request
-            row += n
+        reqs = batch.requests
+        starts = [r.num_computed_tokens for r in reqs]
+        self.proposer.observe(reqs, starts, batch.num_new_tokens, out.hidden_states)
 
     def chooses(self, batch: ScheduledBatch | None) -> bool:
         """Whether ``batch`` takes a speculative step: a decode batch the policy chooses to
