@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import random
 from collections.abc import Iterator
 
@@ -139,8 +140,11 @@ def test_greedy_equals_plain_with_deep_accepted_paths(plain, spec, batch):
         got = spec.generate(prompts, _greedy(), use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     after = spec.engine.spec_stats()
-    per_position = [
-        a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])
+    per_position = [  # NOTE: empty before the engine's first verify step
+        a - b
+        for a, b in itertools.zip_longest(
+            after["accepted_per_position"], before["accepted_per_position"], fillvalue=0
+        )
     ]
     assert per_position[1] > 0  # paths of two drafts and more: their K/V moved
     assert_all_pages_free(spec)

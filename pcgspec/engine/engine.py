@@ -284,8 +284,8 @@ class Engine:
         isolation.py). Under the overlap schedule the step is launched and the previous one's
         tokens are committed while it runs (overlap.py), speculative steps included; a step
         that needs the host to know tokens still on the device first reads every launched step
-        (``_waits_for_host``). A prefill step's tokens, mostly first tokens, are read by a
-        step of their own, which launches nothing: they go out before the next step's host work
+        (``_waits_for_host``). A step's tokens that are mostly first tokens are read by a step
+        of their own, which launches nothing: they go out before the next step's host work
         (``_first_tokens_in_flight``). Each decode step is timed for the speculation policy
         (step_timer.py). Returns the requests whose tokens were committed.
         """
@@ -344,11 +344,13 @@ class Engine:
         }
 
     def _first_tokens_in_flight(self) -> bool:
-        """Whether a step in flight sampled prefilling requests' tokens. Reading them before the
-        next launch costs the overlap of one step per such step (the device idles while the
-        next step is built) and takes that step's host work off those requests' TTFT.
+        """Whether a step in flight sampled first tokens for a good share of its rows
+        (``overlap.FIRST_TOKEN_SHARE``). Reading them before the next launch costs the overlap
+        of one step (the device idles while the next step is built) and takes that step's host
+        work off those requests' TTFT: worth it for a wave of new requests, not for one joining
+        many running ones.
         """
-        return any(isinstance(s, LaunchedStep) and s.prefill and s.requests for s in self.in_flight)
+        return any(isinstance(s, LaunchedStep) and s.first_tokens for s in self.in_flight)
 
     def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
         """Whether ``batch`` must wait for the host to read the steps in flight: a plain step's
@@ -409,7 +411,7 @@ class Engine:
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         rows = batch.sampled_requests
         self.slots.commit(rows, sampled.tokens[:, None], torch.ones_like(sampled.tokens))
-        self.in_flight.append(LaunchedStep.start(rows, sampled, batch.prefill_samples))
+        self.in_flight.append(LaunchedStep.start(rows, sampled, batch.num_prefill_samples))
         if self.spec_worker is not None:  # NOTE: after the commit: a failed run observed nothing
             self.spec_worker.observe(batch, out)
 

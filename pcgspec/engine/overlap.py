@@ -18,9 +18,12 @@ slots hold on the device, and until it is read each of its requests counts k+1 p
 the most it can emit. A plain decode step builds its positions from host lengths, so it first
 reads a speculative step in flight (``Engine._waits_for_host``).
 
-A prefill step that sampled (mostly first tokens) is read before anything else is launched, so
-those tokens wait for no other step's host work (``Engine._first_tokens_in_flight``; SGLang
-offers it between two prefill steps, ``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP``).
+A step whose sampled rows are first tokens for a good share (``FIRST_TOKEN_SHARE``: a wave of
+new requests, or new requests beside few running ones) is read before anything else is
+launched, so those tokens wait for no other step's host work (``Engine._first_tokens_in_flight``;
+SGLang offers it between two prefill steps, ``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP``). The
+early read costs the running requests the overlap of one step (the device idles while the next
+step is built), so one request joining many is read one step late, like a decode row.
 
 Synchronous stepping is the same path with the read right after the launch.
 """
@@ -36,6 +39,7 @@ from pcgspec.engine.request import Request, TokenLogprobs
 from pcgspec.sampling.sampler import SampleLogprobs, SamplerOutput
 
 PENDING_TOKEN = -1  # a decode input that a running step samples
+FIRST_TOKEN_SHARE = 0.2  # the least share of a step's sampled rows, first tokens, read early
 
 
 def resolve_pending(input_ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
@@ -55,13 +59,15 @@ class LaunchedStep:
     tokens: torch.Tensor  # [R] int64 on the host (pinned on CUDA), valid once ``ready`` passed
     logprobs: SampleLogprobs | None  # host copies, like ``tokens``
     ready: torch.cuda.Event | None  # None off CUDA, where the copies are done
-    prefill: bool = False  # an extend step's: mostly requests' first tokens
+    first_tokens: bool = False  # read before the next launch (``FIRST_TOKEN_SHARE``)
 
     @classmethod
     def start(
-        cls, requests: Sequence[Request], sampled: SamplerOutput, prefill: bool = False
+        cls, requests: Sequence[Request], sampled: SamplerOutput, num_first_tokens: int = 0
     ) -> LaunchedStep:
-        """Start copying ``sampled`` to the host; the requests' tokens are pending until read."""
+        """Start copying ``sampled`` to the host; the requests' tokens are pending until read.
+        ``num_first_tokens``: how many of the rows are prefilling rows (mostly first tokens).
+        """
         lp = sampled.logprobs
         logprobs = (
             None
@@ -77,7 +83,8 @@ class LaunchedStep:
             ready.record()
         for req in requests:
             req.num_pending_tokens += 1
-        return cls(list(requests), tokens, logprobs, ready, prefill)
+        early = num_first_tokens > 0 and num_first_tokens >= FIRST_TOKEN_SHARE * len(requests)
+        return cls(list(requests), tokens, logprobs, ready, early)
 
     def wait(self) -> None:
         if self.ready is not None:

@@ -79,9 +79,9 @@ class ScheduledBatch:
         return self.mode is ForwardMode.EXTEND and self.num_decode > 0
 
     @property
-    def prefill_samples(self) -> bool:
-        """Whether a prefilling row samples (mostly a request's first token)."""
-        return any(self.samples[self.num_decode :])
+    def num_prefill_samples(self) -> int:
+        """Prefilling rows that sample (mostly requests' first tokens)."""
+        return sum(self.samples[self.num_decode :])
 
     @property
     def sampled_requests(self) -> list[Request]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -21,9 +20,9 @@ from pcgspec.kernels.padded_rows import (
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 
-@dataclass(frozen=True)
-class SeqChunk:
-    """New tokens of one request for one pass: positions ``start .. start + len(token_ids)``."""
+class SeqChunk(NamedTuple):
+    """New tokens of one request for one pass: positions ``start .. start + len(token_ids)``.
+    (A named tuple: a batch builds one per request every step.)"""
 
     token_ids: Sequence[int]
     start: int  # tokens of this request already in the KV cache
@@ -47,22 +46,22 @@ def build_forward_batch(
     positions: list[int] = []
     slots: list[int] = []
     sampled: list[int] = []
-    for chunk in chunks:
-        n = len(chunk.token_ids)
-        if chunk.start + n > len(chunk.pages) * page_size:
-            raise ValueError(
-                f"chunk needs {chunk.start + n} KV slots but owns {len(chunk.pages)} pages"
-            )
-        pos = range(chunk.start, chunk.start + n)
-        input_ids.extend(chunk.token_ids)
-        positions.extend(pos)
-        slots.extend(chunk.pages[p // page_size] * page_size + p % page_size for p in pos)
-        if chunk.sample:
+    starts: list[int] = []  # each chunk's first row
+    seq_lens: list[int] = []
+    extend_lens: list[int] = []
+    for token_ids, start, pages, sample in chunks:
+        end = start + len(token_ids)
+        if end > len(pages) * page_size:
+            raise ValueError(f"chunk needs {end} KV slots but owns {len(pages)} pages")
+        starts.append(len(input_ids))
+        seq_lens.append(end)
+        extend_lens.append(len(token_ids))
+        input_ids += token_ids
+        positions += range(start, end)
+        slots += page_slot_ranges(pages, start, end, page_size)
+        if sample:
             sampled.append(len(input_ids) - 1)
-    seq_lens = tuple(c.start + len(c.token_ids) for c in chunks)
-    extend_lens = tuple(len(c.token_ids) for c in chunks)
     table, max_pages = padded_page_table([c.pages for c in chunks])
-    starts = list(itertools.accumulate(extend_lens, initial=0))[:-1]
     ids, pos, locs, rows, lens, ext, first, pages = upload(
         device,
         int64=(input_ids, positions, slots, sampled if logits_rows is None else logits_rows),
@@ -77,8 +76,8 @@ def build_forward_batch(
         extend_lens=ext,
         page_table=pages.view(len(chunks), max_pages),
         page_size=page_size,
-        seq_lens_cpu=seq_lens,
-        extend_lens_cpu=extend_lens,
+        seq_lens_cpu=tuple(seq_lens),
+        extend_lens_cpu=tuple(extend_lens),
         logits_indices=rows,
         extend_start=first,
         capture_hidden_mode=capture_hidden_mode,
@@ -86,12 +85,32 @@ def build_forward_batch(
     )
 
 
+def page_slot_ranges(pages: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
+    """KV slots of positions ``start .. end`` through ``pages``: one range per page touched."""
+    if end - start == 1:  # NOTE: a decode row, the common case
+        return [pages[start // page_size] * page_size + start % page_size]
+    slots: list[int] = []
+    p = start
+    while p < end:
+        page = p // page_size
+        stop = min(end, (page + 1) * page_size)
+        shift = (pages[page] - page) * page_size  # slot - position on this page
+        slots += range(p + shift, stop + shift)
+        p = stop
+    return slots
+
+
 def padded_page_table(pages: Sequence[Sequence[int]]) -> tuple[list[int], int]:
     """The requests' page lists as one flat row-major ``[B, max_pages]`` table, rows padded
     with page 0 (read nowhere: past each request's length), and ``max_pages``.
     """
-    max_pages = max(len(row) for row in pages)
-    return [p for row in pages for p in (*row, *[0] * (max_pages - len(row)))], max_pages
+    max_pages = max(map(len, pages))
+    padding = [0] * max_pages
+    flat: list[int] = []
+    for row in pages:
+        flat += row
+        flat += padding[: max_pages - len(row)]
+    return flat, max_pages
 
 
 def upload(
@@ -133,7 +152,10 @@ def host_tensor(values: Sequence[int | float], dtype: torch.dtype, pin: bool) ->
     """
     if not values:
         return torch.empty(0, dtype=dtype, pin_memory=pin)
-    host = torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+    packed = array.array(_TYPECODES[dtype])
+    # NOTE: fromlist reads a list about 1.5x faster than array(typecode, values)
+    packed.fromlist(values if isinstance(values, list) else list(values))
+    host = torch.frombuffer(packed, dtype=dtype)
     # NOTE: a copy into torch's own memory either way: on CPU, tensors over the array's buffer
     # made the CPU test suite's steps (Triton interpreted) about 10% slower
     return host.pin_memory() if pin else host.clone()

@@ -1,0 +1,64 @@
+"""``build_forward_batch`` against a position-by-position reference: random chunks (decode rows,
+chunks that start mid-page and cross pages, whole prompts), scattered page lists."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.forward_batch import ForwardMode
+
+
+def _chunks(rng: random.Random, page_size: int) -> list[SeqChunk]:
+    chunks = []
+    for _ in range(rng.randint(1, 12)):
+        start = rng.randint(0, 70)
+        n = rng.choice([1, 1, rng.randint(1, 3 * page_size)])
+        num_pages = -(-(start + n) // page_size) + rng.randint(0, 2)  # some spare pages
+        pages = rng.sample(range(1, 500), num_pages)
+        ids = [rng.randrange(1000) for _ in range(n)]
+        chunks.append(SeqChunk(ids, start, pages, rng.random() < 0.8))
+    return chunks
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_batch_equals_a_position_by_position_reference(seed: int, page_size: int) -> None:
+    rng = random.Random(seed)
+    chunks = _chunks(rng, page_size)
+    batch = build_forward_batch(ForwardMode.EXTEND, chunks, page_size, "cpu")
+    ids, positions, slots, sampled, first = [], [], [], [], []
+    for c in chunks:
+        first.append(len(ids))
+        for i, token in enumerate(c.token_ids):
+            p = c.start + i
+            ids.append(token)
+            positions.append(p)
+            slots.append(c.pages[p // page_size] * page_size + p % page_size)
+        if c.sample:
+            sampled.append(len(ids) - 1)
+    assert batch.input_ids.tolist() == ids
+    assert batch.positions.tolist() == positions
+    assert batch.out_cache_loc.tolist() == slots
+    assert batch.logits_indices.tolist() == sampled
+    assert batch.extend_start.tolist() == first
+    lens = [c.start + len(c.token_ids) for c in chunks]
+    assert batch.seq_lens.tolist() == list(batch.seq_lens_cpu) == lens
+    assert (
+        batch.extend_lens.tolist()
+        == list(batch.extend_lens_cpu)
+        == [len(c.token_ids) for c in chunks]
+    )
+    width = max(len(c.pages) for c in chunks)
+    assert batch.page_table.tolist() == [
+        list(c.pages) + [0] * (width - len(c.pages)) for c in chunks
+    ]
+    assert batch.input_ids.dtype == torch.int64 and batch.page_table.dtype == torch.int32
+
+
+def test_a_chunk_past_its_pages_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs 9 KV slots but owns 2 pages"):
+        build_forward_batch(ForwardMode.EXTEND, [SeqChunk([1, 2], 7, [3, 4])], 4, "cpu")
