@@ -5,10 +5,12 @@
 #                streams' ITL p50/p99/max with and without the long prompts; on the default
 #                model (SmolLM2-135M-Instruct, PCGSPEC_CACHE_DIR must hold it) and on random
 #                weights of the Llama-3.2-1B shape;
-#   vs_engine_*  256 built-in prompts, 16 at a time, served and through LLM.generate with the
-#                same flags (--compare-engine): served throughput / the engine's own.
+#   vs_engine_*  1,024 built-in prompts, 16 at a time (about 6 s of load), served and through
+#                LLM.generate with the same flags (--compare-engine): served throughput / the
+#                engine's own.
 # About 5 minutes on an H200 (three server starts, two mixed runs of 2 x 20 s, one engine run).
-# --models smollm2 (or llama-3.2-1b-shape) runs the mixed point of one model only.
+# --models smollm2 (or llama-3.2-1b-shape) runs the mixed point of one model only; --models ''
+# runs the served-vs-engine point alone.
 # Writes <what>_<label>_<date>.json and the servers' logs under --out.
 #
 #   bash scripts/gpu_fair_service.sh --out "$OUT" --device-label H200 [--models smollm2]
@@ -44,7 +46,7 @@ for model in ${MODELS//,/ }; do
     --out "$OUT/mixed_long_prompts_${model}_${label}_$DAY.json"
 done
 echo "=== served vs engine ($((SECONDS - start)) s)"
-"${bench[@]}" --random-weights smollm2-135m --dataset builtin --num-prompts 256 \
+"${bench[@]}" --random-weights smollm2-135m --dataset builtin --num-prompts 1024 \
   --max-concurrency 16 --random-output-len 64 --warmup 16 --compare-engine \
   --out "$OUT/serving_vs_engine_smollm2-shape_${label}_${DAY}_c16.json"
 echo "=== done in $((SECONDS - start)) s"

@@ -169,13 +169,15 @@ def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
             "chat:concurrencies=1,2:temperatures=0",
             "repetition:concurrencies=1:temperatures=0.7:configs=ngram",
             "--duration",
-            "4",  # NOTE: whole requests inside the window even on a loaded 2-core machine
+            # NOTE: whole requests inside the window even on a loaded 2-core machine (seen:
+            # 0.5 s a token with the other test worker busy)
+            "6",
             "--warmup-seconds",
             "0.5",
             "--text-check",
             "2",
             "--max-tokens",
-            "8",
+            "4",
             "--out",
             str(out),
         ]
@@ -221,14 +223,14 @@ def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
     ]
     for key, p in points.items():
         assert p["output_tokens"] > 0 and p["requests_completed"] > 0, key
-        assert p["requests_failed"] == 0 and 1 <= p["output_len"]["max"] <= 8, key
+        assert p["requests_failed"] == 0 and 1 <= p["output_len"]["max"] <= 4, key
         assert p["tpot"]["p50_ms"] > 0 and p["ttft"]["p50_ms"] > 0, key
         assert 0 < p["client_cpu_busy"] < 1.5, key
         server = p["server"]
         # the client counts chunks by arrival, the server tokens by delivery: the window's
         # edges split at most the requests in flight differently
         assert abs(server["counters"]["generation_tokens"] - p["output_tokens"]) <= (
-            p["concurrency"] * 8
+            p["concurrency"] * 4
         )
         if key[0] == "plain":
             assert p["tok_s_ratio"] == 1.0 and server["accept_length"] is None

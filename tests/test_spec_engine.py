@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import itertools
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 from oracle import PROMPTS as ALL_PROMPTS
 from oracle import assert_all_pages_free, assert_greedy_match, greedy
 
 from pcgspec import LLM, SamplingParams
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
+from pcgspec.speculative.worker import SpecWorker
 
 NEW_TOKENS = 64
 SENTENCE = "The old lighthouse keeper climbed the stairs every night to light the lamp."
@@ -213,3 +216,20 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     assert engine.step_counts["decode"] == len(records) - policy.speculative_steps
     assert engine.step_counts["first_tokens"] > 0 and engine.step_seconds["prefill"] > 0
     assert policy.step_times()
+
+
+def test_the_page_table_is_uploaded_again_only_when_it_changed():
+    """A speculative step reuses the last step's device page table while every request's pages
+    are the same, and uploads a new one when one gained a page or the batch changed."""
+    worker = SpecWorker.__new__(SpecWorker)  # NOTE: only what _page_table reads
+    worker.runner = SimpleNamespace(device=torch.device("cpu"))
+    worker._last_pages = worker._last_table = None
+    a, b = SimpleNamespace(pages=[3, 4]), SimpleNamespace(pages=[7])
+    first = worker._page_table([a, b])
+    assert first.tolist() == [[3, 4], [7, 0]]
+    assert worker._page_table([a, b]) is first
+    b.pages.append(9)
+    second = worker._page_table([a, b])
+    assert second is not first and second.tolist() == [[3, 4], [7, 9]]
+    assert worker._page_table([b, a]).tolist() == [[7, 9], [3, 4]]
+    assert worker._page_table([a]).tolist() == [[3, 4]]

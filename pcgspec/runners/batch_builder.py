@@ -169,11 +169,15 @@ def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int
     return pages.to(torch.int64) * page_size + positions % page_size
 
 
-def device_page_table(pages: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
-    """The requests' pages as a ``[B, max_pages]`` int32 device table (``padded_page_table``),
-    one upload.
+def device_page_table(
+    pages: Sequence[Sequence[int]],
+    device: torch.device | str,
+    padded: tuple[list[int], int] | None = None,
+) -> torch.Tensor:
+    """The requests' pages as a ``[B, max_pages]`` int32 device table (``padded_page_table``,
+    or ``padded`` where the caller has it), one upload.
     """
-    table, max_pages = padded_page_table(pages)
+    table, max_pages = padded_page_table(pages) if padded is None else padded
     (flat,) = upload(device, int32=(table,))
     return flat.view(len(pages), max_pages)
 

@@ -19,7 +19,7 @@ under the overlap schedule (engine/overlap.py) and its results are read one step
   ``last_tokens``), which every step's commit advances on the device, so the verify batch's
   positions and KV slots are built there (``build_verify_batch``); only the page table, which
   the host reserves for the worst case, goes up, once for the draft's passes and the verify
-  pass;
+  pass, and only when it changed (``_page_table``);
 - the drafts stay on the device from propose to verify, and the rows' penalty counts take them
   in there (``SamplingSlots.rows``);
 - after verification ``SamplingSlots.commit`` advances the slots by the accepted tokens, and a
@@ -57,7 +57,11 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
-from pcgspec.runners.batch_builder import build_verify_batch, device_page_table
+from pcgspec.runners.batch_builder import (
+    build_verify_batch,
+    device_page_table,
+    padded_page_table,
+)
 from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
@@ -108,6 +112,9 @@ class SpecWorker:
         self.stats = SpecCounters()  # summed over requests
         self.tail: VerifyTailGraphs | None = None  # acceptance and commit as graphs (CUDA)
         self.num_fallbacks = 0  # plain steps for logprobs, the context length or KV space
+        # the last step's padded page table and its upload (``_page_table``)
+        self._last_pages: tuple[list[int], int] | None = None
+        self._last_table: torch.Tensor | None = None
 
     def observe(self, batch: ScheduledBatch, out: ForwardOutput) -> None:
         """A plain target pass ran ``batch`` (before ``Scheduler.launched``): tell the proposer
@@ -143,7 +150,7 @@ class SpecWorker:
         """
         reqs = batch.requests
         seq_lens = self.slots.seq_lens(reqs)
-        page_table = device_page_table([r.pages for r in reqs], self.runner.device)
+        page_table = self._page_table(reqs)
         proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
         step = self.verify(reqs, seq_lens, page_table, proposal)
         # NOTE: a raise from here on is rolled back (run_isolated: slots and drafter rows)
@@ -151,6 +158,17 @@ class SpecWorker:
             self.slots.commit(reqs, step.out.tokens, step.out.accept_len + 1)
         drafter_rows = self.proposer.verified(reqs, step.out, step.hidden)
         return LaunchedSpecStep.start(self, reqs, step.results, drafter_rows)
+
+    def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """The requests' device page table, uploaded again only when it changed: a request
+        gains a page every ``page_size`` tokens, so at small batches most steps reuse the last
+        upload (the graphs and kernels only read it)."""
+        pages = [r.pages for r in reqs]
+        padded = padded_page_table(pages)
+        if padded != self._last_pages:
+            self._last_pages = padded
+            self._last_table = device_page_table(pages, self.runner.device, padded)
+        return self._last_table  # type: ignore[return-value]
 
     # propose -----------------------------------------------------------------------------
 
