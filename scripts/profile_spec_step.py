@@ -129,7 +129,10 @@ STAGES = (
     (engine.Engine, ("step", "_read", "_forward_and_sample", "_build_forward_batch")),
     (scheduler.Scheduler, ("schedule", "retire")),
     (overlap.LaunchedStep, ("wait",)),
-    (worker.SpecWorker, ("chooses", "observe", "launch", "propose", "verify", "read")),
+    (
+        worker.SpecWorker,
+        ("chooses", "observe", "launch", "_page_table", "propose", "verify", "read"),
+    ),
     (worker.LaunchedSpecStep, ("wait",)),
     (worker, ("device_page_table", "build_verify_batch", "verify_draft_tokens")),
     (slots.SamplingSlots, ("seq_lens", "rows", "commit")),

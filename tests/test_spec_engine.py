@@ -16,6 +16,7 @@ from oracle import assert_all_pages_free, assert_greedy_match, greedy
 from pcgspec import LLM, SamplingParams
 from pcgspec.config import EngineConfig
 from pcgspec.engine.engine import Engine
+from pcgspec.speculative import worker as worker_module
 from pcgspec.speculative.worker import SpecWorker
 
 NEW_TOKENS = 64
@@ -233,3 +234,23 @@ def test_the_page_table_is_uploaded_again_only_when_it_changed():
     assert second is not first and second.tolist() == [[3, 4], [7, 9]]
     assert worker._page_table([b, a]).tolist() == [[7, 9], [3, 4]]
     assert worker._page_table([a]).tolist() == [[3, 4]]
+
+
+def test_a_failed_page_table_upload_leaves_no_stale_table(monkeypatch):
+    """An upload that raises (e.g. out of memory; the step is rerun) must not leave the new
+    pages' key beside the old table."""
+    worker = SpecWorker.__new__(SpecWorker)  # NOTE: only what _page_table reads
+    worker.runner = SimpleNamespace(device=torch.device("cpu"))
+    worker._last_pages = worker._last_table = None
+    a = SimpleNamespace(pages=[3, 4])
+    assert worker._page_table([a]).tolist() == [[3, 4]]
+    a.pages.append(5)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    with monkeypatch.context() as m:
+        m.setattr(worker_module, "device_page_table", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            worker._page_table([a])
+    assert worker._page_table([a]).tolist() == [[3, 4, 5]]

@@ -284,10 +284,11 @@ class Engine:
         isolation.py). Under the overlap schedule the step is launched and the previous one's
         tokens are committed while it runs (overlap.py), speculative steps included; a step
         that needs the host to know tokens still on the device first reads every launched step
-        (``_waits_for_host``). A step's tokens that are mostly first tokens are read by a step
-        of their own, which launches nothing: they go out before the next step's host work
-        (``_first_tokens_in_flight``). Each decode step is timed for the speculation policy
-        (step_timer.py). Returns the requests whose tokens were committed.
+        (``_waits_for_host``). A step whose sampled rows are first tokens for at least a fifth
+        (``overlap.FIRST_TOKEN_SHARE``) is read by a step of its own, which launches nothing:
+        those tokens go out before the next step's host work (``_first_tokens_in_flight``).
+        Each decode step is timed for the speculation policy (step_timer.py). Returns the
+        requests whose tokens were committed.
         """
         start = time.perf_counter()
         if self._first_tokens_in_flight():
@@ -336,8 +337,8 @@ class Engine:
         """Per kind of step, how many ran and the seconds spent in ``step()`` (the caller's
         time between steps is in none): ``prefill`` (also chunks and resumed requests),
         ``mixed`` (running requests' next tokens beside prefill chunks), ``decode`` (plain),
-        ``speculative``, and ``first_tokens``, a step that only read a
-        prefill step's tokens (``_first_tokens_in_flight``)."""
+        ``speculative``, and ``first_tokens``, a step that only read the tokens of a step
+        with prefill work, first tokens for a good share (``_first_tokens_in_flight``)."""
         return {
             kind: {"steps": self.step_counts[kind], "seconds": self.step_seconds[kind]}
             for kind in STEP_KINDS

@@ -92,7 +92,7 @@ class Request:
     spec: SpecCounters = field(default_factory=SpecCounters)
     # a model drafter's progress on this request (``ModelProposer``'s ``DraftState``), kept
     # here so that the drafter's bookkeeping of every plain step is an attribute access
-    draft_state: Any = None
+    draft_state: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

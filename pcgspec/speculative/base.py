@@ -101,7 +101,7 @@ class Proposer(ABC):
         """A plain target pass computed ``nums[i]`` positions from ``starts[i]`` of each of
         ``requests``, their rows consecutive in that order in ``hidden`` (the pass's captured
         states, or None). Drafters that keep per-request state update it here; one call per
-        pass, so a drafter that keeps none costs nothing per request.
+        pass, so a drafter pays only for the loop it needs.
         """
         return None
 

@@ -165,9 +165,9 @@ class SpecWorker:
         upload (the graphs and kernels only read it)."""
         pages = [r.pages for r in reqs]
         padded = padded_page_table(pages)
-        if padded != self._last_pages:
-            self._last_pages = padded
-            self._last_table = device_page_table(pages, self.runner.device, padded)
+        if padded != self._last_pages:  # NOTE: both set after the upload (it may raise)
+            table = device_page_table(pages, self.runner.device, padded)
+            self._last_pages, self._last_table = padded, table
         return self._last_table  # type: ignore[return-value]
 
     # propose -----------------------------------------------------------------------------
