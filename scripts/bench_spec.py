@@ -222,7 +222,7 @@ class StepTimes:
             self._saved = None
 
     def _periods(self) -> None:
-        """On CUDA: the device time from the start of each decode step to the start of the
+        """On CUDA: the GPU's time from the start of each decode step to the start of the
         next (events recorded as each step begins, so launch gaps count), by the first's kind,
         as ``<kind>_period`` and ``step_period``."""
         starts, self._starts = self._starts, []

@@ -19,9 +19,9 @@ README_MAX_LINES = 420
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".json", ".txt", ".cfg", ".yaml", ".yml"}
 # Built from pieces so that this file does not match its own patterns.
 FORBIDDEN = {
-    "a numbered session": re.compile(r"\b[Ss]essions?" + r"[ -]?\d+"),
-    "an issue number": re.compile(r"\b[Ii]ssues?" + r" ?#?\d+"),
-    "machine-time accounting": re.compile(
+    "a development-round number": re.compile(r"\b[Ss]essions?" + r"[ -]?\d+"),
+    "a tracker number": re.compile(r"\b[Ii]ssues?" + r" ?#?\d+"),
+    "accelerator-budget accounting": re.compile(
         r"\bdevice" + r"[- ](session|call)s?\b|\bdevice" + r"[- ]time (budget|left|used|went)"
         r"|\bno device" + r" time\b",
         re.IGNORECASE,
@@ -136,9 +136,9 @@ def test_product_text_speaks_of_the_product():
 def test_forbidden_patterns_catch_what_they_should():
     samples = {
         # NOTE: built from pieces, or this file would match itself
-        "a numbered session": "measured in sess" + "ion 12",
-        "an issue number": "Iss" + "ue #14",
-        "machine-time accounting": "no dev" + "ice time left to run it",
+        "a development-round number": "measured in sess" + "ion 12",
+        "a tracker number": "Iss" + "ue #14",
+        "accelerator-budget accounting": "no dev" + "ice time left to run it",
     }
     for what, text in samples.items():
         assert FORBIDDEN[what].search(text), what

@@ -94,14 +94,13 @@ class Proposer(ABC):
     def observe(
         self,
         requests: Sequence[Any],
-        starts: Sequence[int],
         nums: Sequence[int],
         hidden: torch.Tensor | None,
     ) -> None:
-        """A plain target pass computed ``nums[i]`` positions from ``starts[i]`` of each of
-        ``requests``, their rows consecutive in that order in ``hidden`` (the pass's captured
-        states, or None). Drafters that keep per-request state update it here; one call per
-        pass, so a drafter pays only for the loop it needs.
+        """A plain target pass computed ``nums[i]`` positions of each of ``requests`` from its
+        ``num_computed_tokens`` (not advanced yet), their rows consecutive in that order in
+        ``hidden`` (the pass's captured states, or None). Drafters that keep per-request state
+        update it here; one call per pass, so a drafter pays only for the loop it needs.
         """
         return None
 

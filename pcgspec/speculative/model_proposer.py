@@ -112,29 +112,27 @@ class ModelProposer(Proposer):
     def observe(
         self,
         requests: Sequence[object],
-        starts: Sequence[int],
         nums: Sequence[int],
         hidden: torch.Tensor | None,
     ) -> None:
-        """A plain target pass computed ``nums[i]`` positions from ``starts[i]`` of each of
-        ``requests``; their rows of ``hidden`` (the pass's captured states; None when this
-        draft does not read them) are consecutive, in that order. A pass from position 0 (a
-        prefill, also after preemption) starts the draft over. Runs every plain step of every
-        request, so the loop is kept to a lookup and an append per request.
+        """A plain target pass computed ``nums[i]`` positions of each of ``requests`` from its
+        ``num_computed_tokens`` (not advanced yet); their rows of ``hidden`` (the pass's
+        captured states; None when this draft does not read them) are consecutive, in that
+        order. A pass from position 0 (a prefill, also after preemption) starts the draft over.
+        Runs every plain step of every request, so the loop is kept to a lookup and an append
+        per request.
         """
-        verified = self._verified
-        if verified is not None and len(verified.rows):  # NOTE: empty after the first plain step
-            for request in requests:
-                verified.rows.pop(request, None)
+        self._forget_verified(*requests)
         if not self.uses_target_hidden:
-            for request, start in zip(requests, starts):
-                if start == 0 or request.draft_state is None:
+            for request in requests:
+                if request.num_computed_tokens == 0 or request.draft_state is None:
                     request.draft_state = DraftState()
             return
         if hidden is None:
             raise ValueError("this draft needs the target's hidden states (CaptureHiddenMode.FULL)")
         row = 0
-        for request, start, num in zip(requests, starts, nums):
+        for request, num in zip(requests, nums):
+            start = request.num_computed_tokens
             state = request.draft_state
             if state is None or start == 0:
                 state = request.draft_state = DraftState()
@@ -215,9 +213,13 @@ class ModelProposer(Proposer):
             k1 = self.num_steps + 1
             state.add(rows.hidden, row * k1, num)
 
-    def _forget_verified(self, request: object) -> None:
-        if self._verified is not None:
-            self._verified.rows.pop(request, None)
+    def _forget_verified(self, *requests: object) -> None:
+        """The requests catch up through the host from now on, not from the newest verify
+        step's rows."""
+        verified = self._verified
+        if verified is not None and len(verified.rows):  # NOTE: empty after the first plain step
+            for request in requests:
+                verified.rows.pop(request, None)
 
     # prefix cache ----------------------------------------------------------------------------
 

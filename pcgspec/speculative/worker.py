@@ -120,9 +120,7 @@ class SpecWorker:
         """A plain target pass ran ``batch`` (before ``Scheduler.launched``): tell the proposer
         which positions of each request it computed, with their hidden rows when captured.
         """
-        reqs = batch.requests
-        starts = [r.num_computed_tokens for r in reqs]
-        self.proposer.observe(reqs, starts, batch.num_new_tokens, out.hidden_states)
+        self.proposer.observe(batch.requests, batch.num_new_tokens, out.hidden_states)
 
     def chooses(self, batch: ScheduledBatch | None) -> bool:
         """Whether ``batch`` takes a speculative step: a decode batch the policy chooses to
