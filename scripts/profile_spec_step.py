@@ -13,7 +13,9 @@ that much). With --cprofile DIR, cProfile of one generation per engine and batch
 Random weights of a named shape (default smollm2-135m, with the default model's tokenizer) or
 --model. Every speculative engine runs --speculative-policy always (--policy auto: the policy's
 choices, e.g. to profile the plain steps of an engine with a drafter); EAGLE3 runs an untrained
-head (draft vocabulary --eagle3-draft-vocab) and STANDALONE drafts with the target itself.
+head (draft vocabulary --eagle3-draft-vocab; ``--eagle3-draft shipped`` with ``--model`` the
+default model: its shipped head) and STANDALONE drafts with the target itself. Prompts: the
+"repeat" set, or ``--prompts chat`` through the model's chat template.
 
     python scripts/profile_spec_step.py --methods EAGLE3,NGRAM --batch-sizes 1,16 \\
         --out bench/results/profile_spec_step_smollm2-shape_h100_$(date +%F).json
@@ -42,6 +44,7 @@ from bench_spec import PROMPT_SETS, StepTimes, _sync  # noqa: E402
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
 from pcgspec.engine import engine, overlap, scheduler  # noqa: E402
+from pcgspec.llm import chat_text  # noqa: E402
 from pcgspec.runners import model_runner  # noqa: E402
 from pcgspec.sampling import slots  # noqa: E402
 from pcgspec.speculative import model_proposer, ngram, worker  # noqa: E402
@@ -65,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384)
+    p.add_argument(
+        "--eagle3-draft",
+        default="untrained",
+        help="untrained, shipped (the default model's head) or a head's folder",
+    )
+    p.add_argument("--prompts", choices=("repeat", "chat"), default="repeat")
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument(
         "--policy",
@@ -109,7 +118,11 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
         "speculative_num_steps": args.num_steps,
         "speculative_policy": args.policy,
     }
-    if method == "EAGLE3":
+    if method == "EAGLE3" and args.eagle3_draft == "shipped":
+        kw["speculative_draft_model_path"] = None  # the default model's own head
+    elif method == "EAGLE3" and args.eagle3_draft != "untrained":
+        kw["speculative_draft_model_path"] = args.eagle3_draft
+    elif method == "EAGLE3":
         head = write_eagle3_checkpoint(
             Path(tempfile.mkdtemp()) / "eagle3",
             load_config(model),
@@ -200,7 +213,10 @@ def _busy_ms(events: list) -> float:
 
 
 def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> dict:
-    prompts = (PROMPT_SETS["repeat"] * batch)[:batch]
+    pool = PROMPT_SETS[args.prompts]
+    if args.prompts == "chat":
+        pool = [chat_text(llm.get_tokenizer(), [{"role": "user", "content": q}]) for q in pool]
+    prompts = (pool * batch)[:batch]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
     for _ in range(2):

@@ -325,6 +325,43 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
         assert drafted[True][request_id][: len(rows)] == rows, request_id
 
 
+def test_verify_rows_carry_only_requests_that_run_again():
+    """A verify step that ran some of the last one's requests keeps the others' rows for their
+    next catch-up, except a request finished or whose launched tokens reach its length (no
+    step runs it again): under continuous batching one does at most steps."""
+    from types import SimpleNamespace
+
+    from pcgspec.engine.request import Request
+    from pcgspec.speculative.model_proposer import ModelProposer
+    from pcgspec.speculative.tree import TreeShape
+
+    k1, hidden_size = 3, 4
+    proposer = ModelProposer(SimpleNamespace(uses_target_hidden=True), TreeShape(depth=k1 - 1))
+
+    def request(name: str, max_tokens: int) -> Request:
+        params = SamplingParams(max_tokens=max_tokens)
+        return Request(name, [1, 2, 3], params, 0, SimpleNamespace(text=""), 1 << 10)
+
+    def verify(reqs: list[Request], first: int) -> object:
+        b = len(reqs)
+        out = SimpleNamespace(
+            tokens=torch.arange(first, first + b * k1).view(b, k1),
+            accept_len=torch.arange(b) % k1,
+        )
+        hidden = torch.arange(first, first + b * k1).repeat_interleave(hidden_size)
+        return proposer.verified(reqs, out, hidden.view(b * k1, hidden_size).float())
+
+    running, paused, done, at_length = (request(n, 8) for n in "abcd")
+    verify([running, paused, done, at_length], first=0)
+    done.finish("stop")
+    at_length.num_pending_tokens = 8  # its launched step emits its last tokens
+    new = verify([running], first=100)
+    assert dict(new.rows) == {running: 0, paused: 1}
+    assert new.tokens.tolist() == [[100, 101, 102], [3, 4, 5]]
+    assert new.num.tolist() == [1, 2]
+    assert new.hidden[:, 0].tolist() == [100, 101, 102, 3, 4, 5]
+
+
 def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
     """A fixed pattern of the policy's choices covers every switch (plain after speculative,
     speculative after a run of launched plain steps, after a prefill), with stops and

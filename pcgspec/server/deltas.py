@@ -1,25 +1,17 @@
-"""What a step added to one sequence, as an immutable delta the event loop can own."""
+"""What a step added to one sequence, as an immutable delta the event loop can own.
+
+Deltas are named tuples: the engine loop builds one per stream and step and pickles them to the
+server process, and a tuple is built and pickled several times faster than a dataclass.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from pcgspec.engine.request import Request, TokenLogprobs
-
-
-@dataclass(frozen=True)
-class SeqDelta:
-    index: int  # which of the request's n sequences
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...]
-    finish_reason: str | None  # set on the last delta of the sequence only
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known once prefilled)
-    first_token: FirstTokenTimes | None = None  # on the delta with the sequence's first token
+from pcgspec.engine.request import Request, RequestStatus, TokenLogprobs
 
 
-@dataclass(frozen=True)
-class FirstTokenTimes:
+class FirstTokenTimes(NamedTuple):
     """Engine-side ``time.perf_counter`` stamps of one sequence's way to its first token. The
     clock is the host's monotonic clock, so the server process compares them with its own."""
 
@@ -34,6 +26,16 @@ class FirstTokenTimes:
     @property
     def prefill_s(self) -> float:
         return self.read_back - self.scheduled
+
+
+class SeqDelta(NamedTuple):
+    index: int  # which of the request's n sequences
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None  # set on the last delta of the sequence only
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known once prefilled)
+    first_token: FirstTokenTimes | None = None  # on the delta with the sequence's first token
 
 
 class SeqTracker:
@@ -55,34 +57,33 @@ class SeqTracker:
 
     def delta(self) -> SeqDelta | None:
         """What is new since the last call; None when nothing is (or the sequence is done)."""
-        req = self.req
         if self.done:
             return None
-        text = req.text
-        end = len(text) if req.finished else max(self._text, len(text) - self._holdback)
-        tokens = req.token_ids[req.prompt_len + self._tokens :]
-        logprobs = req.logprobs[self._logprobs :]
-        if end == self._text and not tokens and not logprobs and not req.finished:
+        req = self.req
+        finished = req.status is RequestStatus.FINISHED
+        text = req.detokenizer.text
+        end = len(text) if finished else max(self._text, len(text) - self._holdback)
+        start = req.prompt_len + self._tokens
+        tokens = tuple(req.token_ids[start:])
+        logprobs = tuple(req.logprobs[self._logprobs :]) if req.logprobs else ()
+        if end == self._text and not tokens and not logprobs and not finished:
             return None
         first = None
-        if (
-            tokens
-            and not self._tokens
-            and req.scheduled_time is not None
-            and req.first_token_time is not None
-        ):
-            first = FirstTokenTimes(req.arrival_time, req.scheduled_time, req.first_token_time)
+        if tokens and not self._tokens and req.scheduled_time is not None:
+            first_time = req.first_token_time
+            if first_time is not None:
+                first = FirstTokenTimes(req.arrival_time, req.scheduled_time, first_time)
         delta = SeqDelta(
             req.index,
             text[self._text : end],
-            tuple(tokens),
-            tuple(logprobs),
-            req.finish_reason if req.finished else None,
+            tokens,
+            logprobs,
+            req.finish_reason if finished else None,
             req.num_cached_tokens,
             first,
         )
         self._text = end
         self._tokens += len(tokens)
         self._logprobs += len(logprobs)
-        self.done = req.finished
+        self.done = finished
         return delta

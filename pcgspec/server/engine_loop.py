@@ -33,7 +33,7 @@ from pcgspec.engine.collector import freeze_start_up
 from pcgspec.engine.engine import Engine
 from pcgspec.engine.isolation import device_unusable
 from pcgspec.runners.refusals import GraphStats
-from pcgspec.server.deltas import SeqDelta, SeqTracker
+from pcgspec.server.deltas import SeqTracker
 from pcgspec.server.logs import ThroughputLog
 
 logger = logging.getLogger("pcgspec")
@@ -262,22 +262,25 @@ class EngineLoop:
         """Send every new delta in one message, with the counters when asked, when a request
         ended, or when the last snapshot is ``SNAPSHOT_INTERVAL`` old."""
         items: list[tuple[str, Any, bool]] = []
+        ended = False
         for request_id, trackers in list(self._live.items()):
             error = self._failure(request_id, trackers)
             if error is not None:
                 del self._live[request_id]
                 items.append((request_id, error, True))
+                ended = True
                 continue
-            deltas: list[SeqDelta] = [d for d in (t.delta() for t in trackers) if d is not None]
+            deltas = [d for t in trackers if (d := t.delta()) is not None]
             if not deltas:
                 continue
             self._throughput.count(trackers[0].req.prompt_len, deltas)
             final = all(t.done for t in trackers)
             if final:
                 del self._live[request_id]
+                ended = True
             items.append((request_id, deltas, final))
         now = time.perf_counter()
-        if snapshot or now - self._snapshot_time > SNAPSHOT_INTERVAL or any(f for *_, f in items):
+        if snapshot or ended or now - self._snapshot_time > SNAPSHOT_INTERVAL:
             self._snapshot_time = now
             self.channel.send(("deltas", items, self._snapshot()))
         elif items:
@@ -286,11 +289,11 @@ class EngineLoop:
     def _failure(self, request_id: str, trackers: list[SeqTracker]) -> RequestFailedError | None:
         """The error of a request one of whose sequences a step failed on (the others are
         aborted), or None."""
-        failed = next((t.req for t in trackers if t.req.finish_reason == "error"), None)
-        if failed is None:
-            return None
-        self.engine.abort(request_id)
-        return RequestFailedError(f"the request failed: {failed.error}")
+        for tracker in trackers:
+            if tracker.req.finish_reason == "error":
+                self.engine.abort(request_id)
+                return RequestFailedError(f"the request failed: {tracker.req.error}")
+        return None
 
     def fail_all(self, error: EngineDeadError) -> None:
         items = [(request_id, error, True) for request_id in self._live]

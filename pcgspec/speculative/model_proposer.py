@@ -15,11 +15,11 @@ catch-up rewrites.
 Two sources of catch-up rows. After a verify step a request catches up over that step's
 emitted tokens (and hidden rows), which stay on the device (``VerifiedRows``): the next
 speculative step builds the rows there, from the accepted counts and the lengths the device
-holds, before the host has read the step (the overlap schedule). When the step drafts for
-the same requests in the same order (the steady state), the verify step's k+1 rows per request
-are the catch-up's as they are, with no host list and no gather (``_catch_up_from_verified``);
-rows past a request's emitted tokens hold its rejected drafts, write no KV and are read by
-nothing. Otherwise (a new prompt,
+holds, before the host has read the step (the overlap schedule). When every request of the
+step has such rows, the verify step's k+1 rows per request are the catch-up's
+(``_catch_up_from_verified``): as they are for the same requests in the same order (the steady
+state), else gathered on the device (a request left the batch); rows past a request's emitted
+tokens hold its rejected drafts, write no KV and are read by nothing. Otherwise (a new prompt,
 plain decode steps, or a verify step the host read before the next speculative step) the host
 state ``DraftState`` says how far the draft's K/V are valid (``computed``) and holds the target
 hidden states of the positions after it (``pending``, from ``observe``); a request further than
@@ -162,19 +162,28 @@ class ModelProposer(Proposer):
         return self._verified
 
     def _carried(self, new: VerifiedRows, old: VerifiedRows | None) -> VerifiedRows:
-        """``new`` and, after its rows, ``old``'s rows of the unfinished requests it lacks: no
-        step caught those up yet (the step ran only some of the last one's requests, as fault
-        isolation's reruns of halves do), so their next catch-up still reads them.
+        """``new`` and, after its rows, ``old``'s rows of the requests it lacks that may run
+        again: no step caught those up yet (the step ran only some of the last one's requests,
+        as fault isolation's reruns of halves do), so their next catch-up still reads them. A
+        request whose launched tokens reach its length (``length_reached``) runs no further
+        step: under continuous batching a request gets there every few steps, and carrying its
+        rows would cost a gather for nothing.
         """
         left = (
             []
             if old is None
-            else [(r, b) for r, b in list(old.rows.items()) if r not in new.rows and not r.finished]
+            else [
+                (r, b)
+                for r, b in list(old.rows.items())
+                if r not in new.rows and not r.finished and not r.length_reached
+            ]
         )
         if not left:
             return new
         k1, n, device = self.num_steps + 1, len(new.num), new.num.device
-        index = torch.tensor([b for _, b in left], device=device)
+        (index,) = upload(
+            device, int64=([b for _, b in left],)
+        )  # NOTE: no sync, unlike torch.tensor
         hidden = new.hidden
         if hidden is not None:
             rows = (index[:, None] * k1 + torch.arange(k1, device=device)).view(-1)
@@ -253,7 +262,7 @@ class ModelProposer(Proposer):
         host = [(r, s) for r, s in zip(reqs, states) if s is not None]
         self._check_pending(host)
         self._catch_up_far_behind(host)
-        if self._steady(reqs, on_device):
+        if all(on_device):
             catch_up, hidden = self._catch_up_from_verified(batch)
         else:
             catch_up, hidden = self._catch_up_batch(batch, states)
@@ -317,36 +326,33 @@ class ModelProposer(Proposer):
         for _, state, n in far:
             state.advance(n)
 
-    def _steady(self, reqs: Sequence[object], on_device: Sequence[bool]) -> bool:
-        """Whether ``reqs`` are the newest verify step's requests in its order (the steady
-        state of speculative steps): then its rows are the catch-up's as they are.
-        """
-        verified = self._verified
-        return (
-            verified is not None
-            and all(on_device)
-            and len(reqs) == len(verified.num)
-            and all(verified.rows[r] == b for b, r in enumerate(reqs))
-        )
-
     def _catch_up_from_verified(
         self, batch: ProposeInput
     ) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """``_catch_up_batch`` of the steady state: row ``j`` of request ``b`` is row ``j`` of
-        the verify step's, its emitted tokens with their hidden states; rows from ``num[b]`` on
-        (its rejected drafts) write no KV and are read by nothing.
+        """``_catch_up_batch`` where every request catches up from the newest verify step's
+        rows: row ``j`` of request ``b`` is row ``j`` of its verify row, its emitted tokens
+        with their hidden states; rows from ``num[b]`` on (its rejected drafts) write no KV and
+        are read by nothing. In the steady state (the verify step's requests in its order) the
+        rows serve as they are; else (a request left the batch) they are gathered on the device.
         """
         v, k1 = self._verified, self.num_steps + 1
+        tokens, num, hidden = v.tokens, v.num, v.hidden
+        order = [v.rows[r] for r in batch.requests]
+        if order != list(range(len(num))):
+            (index,) = upload(tokens.device, int64=(order,))
+            tokens, num = tokens.index_select(0, index), num.index_select(0, index)
+            if hidden is not None:
+                hidden = hidden.view(-1, k1, hidden.shape[-1]).index_select(0, index).flatten(0, 1)
         catch_up = build_padded_batch(
             ForwardMode.DRAFT_EXTEND,
-            v.tokens,
-            batch.seq_lens - v.num - self.lag,
+            tokens,
+            batch.seq_lens - num - self.lag,
             batch.page_table,
             self.runner.page_size,
             [r.num_tokens + k1 for r in batch.requests],
-            num_valid=v.num,
+            num_valid=num,
         )
-        return catch_up, v.hidden if self.uses_target_hidden else None
+        return catch_up, hidden if self.uses_target_hidden else None
 
     def _catch_up_batch(
         self, batch: ProposeInput, states: Sequence[DraftState | None]
