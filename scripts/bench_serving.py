@@ -46,17 +46,17 @@ served throughput against the engine's own.
 vocabulary, written once to ``--random-weights-dir`` and reused.
 
 Closed-loop sweep (served speculative decoding): any of ``--compare``, ``--datasets``,
-``--concurrencies``, ``--temperatures``, ``--duration``, ``--warmup-seconds``, ``--text-check``
-runs it. ``--compare NAME=ARGS ...`` (with ``--launch``) names configurations; each in turn gets
-its own ``pcgspec serve`` (``--server-args`` plus ARGS), runs everything below, and is stopped;
-without ``--compare`` the one configuration is the server as launched or found. Datasets
-(``--datasets``, default ``chat``) go through ``/v1/chat/completions`` as one user message (the
-server applies the chat template): ``chat`` (everyday requests) and ``repetition`` (answers
-that quote or edit a given text or code); a spec such as
+``--concurrencies``, ``--temperatures``, ``--duration``, ``--warmup-seconds``, ``--text-check``,
+``--rounds`` runs it. ``--compare NAME=ARGS ...`` (with ``--launch``) names configurations; each
+in turn gets its own ``pcgspec serve`` (``--server-args`` plus ARGS), runs everything below,
+and is stopped; without ``--compare`` the one configuration is the server as launched or found.
+Datasets (``--datasets``, default ``chat``) go through ``/v1/chat/completions`` as one user
+message (the server applies the chat template): ``chat`` (everyday requests) and
+``repetition`` (answers that quote or edit a given text or code); a spec such as
 ``repetition:concurrencies=1:temperatures=0:configs=plain,ngram`` narrows a dataset's points
-and configurations. Per dataset and configuration: first the
-greedy text check (``--text-check N``, default 16: the first N requests one at a time at
-temperature 0, outside any window; each text compared with the first configuration's: how many
+and configurations. Per dataset and configuration: first the greedy text check
+(``--text-check N``, default 16: the first N requests one at a time at temperature 0, outside
+any window; each text compared with the first configuration's: how many
 differ and where they begin to, reported, never failed), then each load point of
 ``--temperatures`` (default 0,0.7) x ``--concurrencies`` (default 1,4,16,64): exactly C
 requests in flight (dataset order, cycling, request i seeded ``--seed`` + i so sampled runs
@@ -68,9 +68,13 @@ request (``--ignore-eos`` off). The server's counters read at the window's two e
 own token rate, its accept length (accepted drafts + 1 per verify step), the acceptance per
 draft position and the share of decode steps the speculative policy ran plain; the client's
 CPU share of the window flags a point it may have bound (printed above 0.8). Each point's
-output tok/s is divided by the first configuration's at the same point. The JSON holds every
-point and text; a table closes the run; ``scripts/plot_serving.py RESULT.json`` draws the
-ratios; ``scripts/gpu_served_spec.sh`` runs plain / EAGLE3 / NGRAM on a GPU in one call.
+output tok/s is divided by the first configuration's at the same point. ``--rounds N``: the
+configurations take turns N times, each turn a server of its own (two servers of one
+configuration on one machine have served 20-30% apart), each ratio within its round, and a
+second table gives each point's median ratio over the rounds with its range (the JSON's
+``summary``). The JSON holds every point and text; a table closes the run;
+``scripts/plot_serving.py RESULT.json`` draws the ratios; ``scripts/gpu_served_spec.sh`` runs
+plain / EAGLE3 / NGRAM on a GPU in one call.
 
     python scripts/bench_serving.py --launch --server-args "--dtype float32" \\
         --num-prompts 32 --max-concurrency 8 --random-input-len 64 --random-output-len 32
@@ -605,6 +609,7 @@ SWEEP_DEFAULTS = {
     "duration": 30.0,
     "warmup_seconds": 5.0,
     "text_check": 16,
+    "rounds": 1,
 }
 
 
@@ -637,6 +642,13 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
         help="greedy texts of the first N requests per dataset, one at a time, "
         "compared with the first configuration's (default: 16; 0: none)",
     )
+    s.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="the configurations take turns N times, each turn its own server; ratios "
+        "within a round, and their median over the rounds (default: 1)",
+    )
 
 
 def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -648,6 +660,8 @@ def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--compare needs --launch (each configuration is its own server)")
     if args.compare_engine or args.repeats > 1:
         p.error("--compare-engine and --repeats belong to the single run, not the sweep")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.duration <= 0 or args.warmup_seconds < 0 or args.text_check < 0:
         p.error(
             f"--duration must be > 0, --warmup-seconds and --text-check >= 0; got "

@@ -17,7 +17,10 @@
 # drains ~20 s: about 8.5-9 minutes; the sweep prints the elapsed time before every phase. Two
 # temperatures in one call take about 16 minutes: pass one per call instead. --configs runs a
 # subset (plain should stay first: the ratios are against the first configuration), and
-# --concurrencies a subset of the points (default 1,4,16,64).
+# --concurrencies a subset of the points (default 1,4,16,64). --rounds N (default 1): the
+# configurations take turns N times, each turn its own server, and the ratios are taken within a
+# round and summarized by their median: two servers of one configuration on one H200 served
+# 20-30% apart, more than most effects measured here.
 # Writes served_spec_smollm2_t<temps>_<label>.json, the servers' log and, with matplotlib,
 # the ratio plot (.png) under --out.
 #
@@ -32,10 +35,11 @@ CONFIGS=plain,eagle3,ngram
 DURATION=30
 CONCURRENCIES=1,4,16,64
 TREE=5,4,16
+ROUNDS=1
 usage() {
   echo "usage: $0 [--out DIR] [--device-label NAME] [--temperatures 0[,0.7]]" \
        "[--configs plain,eagle3,eagle3-tree,ngram] [--duration SECONDS]" \
-       "[--concurrencies 1,4,16,64] [--tree DEPTH,TOPK,N]" >&2
+       "[--concurrencies 1,4,16,64] [--tree DEPTH,TOPK,N] [--rounds N]" >&2
   exit 2
 }
 while [[ $# -gt 0 ]]; do
@@ -47,6 +51,7 @@ while [[ $# -gt 0 ]]; do
     --duration) DURATION=$2; shift 2 ;;
     --concurrencies) CONCURRENCIES=$2; shift 2 ;;
     --tree) TREE=$2; shift 2 ;;
+    --rounds) ROUNDS=$2; shift 2 ;;
     *) usage ;;
   esac
 done
@@ -76,15 +81,16 @@ fi
 name=served_spec_smollm2_t${TEMPS//,/-}_${LABEL}
 ntemps=$(tr ',' '\n' <<<"$TEMPS" | grep -c .)
 npoints=$(tr ',' '\n' <<<"$CONCURRENCIES" | grep -c .)
-windows=$(( (${#COMPARE[@]} * npoints + ${#REPEAT[@]}) * ntemps ))
-echo "=== $name: ${#COMPARE[@]} server starts, $windows windows of ${DURATION} s" \
-     "(estimate $(( ${#COMPARE[@]} * 30 + windows * (DURATION + 1) + 20 )) s)"
+windows=$(( (${#COMPARE[@]} * npoints + ${#REPEAT[@]}) * ntemps * ROUNDS ))
+starts=$(( ${#COMPARE[@]} * ROUNDS ))
+echo "=== $name: $starts server starts, $windows windows of ${DURATION} s" \
+     "(estimate $(( starts * 30 + windows * (DURATION + 1) + 20 )) s)"
 
 start=$SECONDS
 python scripts/bench_serving.py --launch --base-url http://127.0.0.1:30023 \
   --server-args "--dtype bfloat16" --compare "${COMPARE[@]}" --datasets "${DATASETS[@]}" \
   --concurrencies "$CONCURRENCIES" --temperatures "$TEMPS" --duration "$DURATION" \
-  --warmup-seconds 1 --text-check 8 --max-tokens 128 --device-label "$LABEL" \
+  --warmup-seconds 1 --text-check 8 --max-tokens 128 --rounds "$ROUNDS" --device-label "$LABEL" \
   --server-log "$OUT/$name.server.log" --out "$OUT/$name.json"
 echo "=== sweep done in $((SECONDS - start)) s"
 python scripts/plot_serving.py "$OUT/$name.json"

@@ -1,7 +1,8 @@
 """Plot a served speculative-decoding sweep of ``bench_serving.py``: each configuration's output
 tok/s over the first configuration's against concurrency, one line per configuration, dataset
-and temperature. Writes ``RESULT.png`` beside ``RESULT.json``; needs matplotlib (the ``bench``
-extra: ``pip install -e '.[bench]'``) and says so, exiting 0, without it.
+and temperature (the median over ``--rounds``). Writes ``RESULT.png`` beside ``RESULT.json``;
+needs matplotlib (the ``bench`` extra: ``pip install -e '.[bench]'``) and says so, exiting 0,
+without it.
 
     python scripts/plot_serving.py bench/results/served_spec_smollm2_h100.json
 """
@@ -10,19 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 
 def ratio_lines(record: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     """Label -> (concurrency, tok/s ratio) points, ascending, of every configuration but the
-    first (the reference, 1.0 everywhere)."""
+    first (the reference, 1.0 everywhere); over several rounds, the median ratio."""
     first = record["configs"][0]["name"]
-    lines: dict[str, list[tuple[int, float]]] = {}
+    ratios: dict[tuple[str, int], list[float]] = {}
     for p in record["points"]:
         if p["config"] != first and p.get("tok_s_ratio") is not None:
             label = f"{p['config']} {p['dataset']} T={p['temperature']:g}"
-            lines.setdefault(label, []).append((p["concurrency"], p["tok_s_ratio"]))
+            ratios.setdefault((label, p["concurrency"]), []).append(p["tok_s_ratio"])
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for (label, concurrency), values in ratios.items():
+        lines.setdefault(label, []).append((concurrency, statistics.median(values)))
     return {label: sorted(points) for label, points in lines.items()}
 
 

@@ -1,6 +1,13 @@
 """``bench_serving.py``'s sweep over configurations: per configuration (with ``--launch`` its
 own server) the greedy text check and every load point of every dataset; then the ratios
-against the first configuration, the table and the JSON record."""
+against the first configuration, the table and the JSON record.
+
+With ``--rounds N`` the configurations take turns N times (a, b, a, b, ...), each turn its own
+server: two servers of one configuration on one machine have served 20-30% apart, so a ratio
+from one pair of servers can be an artefact of the pair. Each point's ratio is against the first
+configuration in its own round, and the summary gives each point's median ratio over the rounds
+with its least and greatest; the greedy text check runs in the first round only.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import json
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -143,9 +151,10 @@ async def _config_run(
     plans: list[Plan],
     clock: Clock,
     save: Callable[[list[dict[str, Any]], dict[str, list[str]]], None],
+    round_: int = 0,
 ) -> tuple[list[dict[str, Any]], dict[str, list[str]], dict[str, Any]]:
-    """One configuration's points and greedy texts against the server at ``--base-url``,
-    handed to ``save`` after each."""
+    """One configuration's points (of round ``round_``) and greedy texts (in round 0) against
+    the server at ``--base-url``, handed to ``save`` after each."""
     points: list[dict[str, Any]] = []
     texts: dict[str, list[str]] = {}
     async with open_session(args.api_key) as session:
@@ -160,7 +169,7 @@ async def _config_run(
                 args.seed,
                 args.ignore_eos,
             )
-            if args.text_check:
+            if args.text_check and round_ == 0:
                 texts[plan.dataset] = await text_check(session, work, args.text_check)
                 save(points, texts)
                 clock.log(
@@ -178,13 +187,14 @@ async def _config_run(
                             "dataset": plan.dataset,
                             "temperature": temperature,
                             "concurrency": concurrency,
+                            "round": round_,
                             **row,
                         }
                     )
                     save(points, texts)
                     accept = row["server"]["accept_length"]
                     clock.log(
-                        f"{config.name}: {plan.dataset} T={temperature:g} "
+                        f"{config.name}{_round_tag(round_)}: {plan.dataset} T={temperature:g} "
                         f"C={concurrency}: {row['output_tok_s']:.1f} tok/s, "
                         f"{row['requests_completed']} done"
                         + (f", accept {accept:.2f}" if accept else "")
@@ -208,44 +218,50 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
 def run_configs(
     args: argparse.Namespace, launch: Callable[..., subprocess.Popen]
 ) -> dict[str, Any]:
-    """Every configuration in turn (with ``--launch`` on its own server, stopped after)."""
+    """Every configuration in turn, ``--rounds`` times (with ``--launch`` each turn on its own
+    server, stopped after)."""
     clock, configs, results = Clock(), [], {"points": [], "text_check": {}}
-    for config in args.configs:
-        clock.log(f"{config.name}: starting" if args.launch else f"{config.name}: running")
-        began = time.perf_counter()
-        flags = [*shlex.split(args.server_args), *shlex.split(config.args)]
-        try:
-            server = launch(args, shlex.split(config.args)) if args.launch else None
-        except RuntimeError as e:  # NOTE: the other configurations still run
-            clock.log(f"{config.name}: {e}")
-            configs.append(
-                {"name": config.name, "args": config.args, "server_args": flags, "error": str(e)}
-            )
-            continue
-        up = time.perf_counter() - began
-        if args.launch:
-            clock.log(f"{config.name}: server up in {up:.1f} s")
-        save = functools.partial(_save_partial, args.out, results, configs, config.name)
-        try:
-            points, texts, info = asyncio.run(_config_run(args, config, args.plans, clock, save))
-        finally:
-            _stop(server)
-        configs.append(
-            {
+    for round_ in range(getattr(args, "rounds", 1)):
+        for config in args.configs:
+            name = f"{config.name}{_round_tag(round_)}"
+            clock.log(f"{name}: starting" if args.launch else f"{name}: running")
+            began = time.perf_counter()
+            flags = [*shlex.split(args.server_args), *shlex.split(config.args)]
+            entry = {
                 "name": config.name,
+                "round": round_,
                 "args": config.args,
                 "server_args": flags,
-                "start_s": up if args.launch else None,
-                **info,
             }
-        )
-        results["points"] += points
-        results["text_check"][config.name] = texts
-        save([], texts)
+            try:
+                server = launch(args, shlex.split(config.args)) if args.launch else None
+            except RuntimeError as e:  # NOTE: the other configurations still run
+                clock.log(f"{name}: {e}")
+                configs.append({**entry, "error": str(e)})
+                continue
+            up = time.perf_counter() - began
+            if args.launch:
+                clock.log(f"{name}: server up in {up:.1f} s")
+            save = functools.partial(_save_partial, args.out, results, configs, config.name)
+            try:
+                points, texts, info = asyncio.run(
+                    _config_run(args, config, args.plans, clock, save, round_)
+                )
+            finally:
+                _stop(server)
+            configs.append({**entry, "start_s": up if args.launch else None, **info})
+            results["points"] += points
+            if round_ == 0:
+                results["text_check"][config.name] = texts
+            save([], results["text_check"].get(config.name, {}))
     clock.log("done")
     results["configs"] = configs
     results["elapsed_s"] = time.perf_counter() - clock.start
     return results
+
+
+def _round_tag(round_: int) -> str:
+    return f" (round {round_ + 1})" if round_ else ""
 
 
 def _save_partial(
@@ -259,25 +275,52 @@ def _save_partial(
     """Write what ran so far, with configuration ``name``'s ``points`` and ``texts`` yet to
     join ``results``, to ``<out>.partial``: a run cut short keeps every point it finished."""
     if out:
+        text_check = {**results["text_check"], **({name: texts} if texts else {})}
         partial = {
             "points": results["points"] + points,
-            "text_check": {**results["text_check"], name: texts},
+            "text_check": text_check,
             "configs": configs,
         }
         Path(f"{out}.partial").write_text(json.dumps(partial, default=str) + "\n")
 
 
 def add_ratios(points: list[dict[str, Any]], first: str) -> None:
-    """Each point's output tok/s over the first configuration's at the same point (None where
-    that one did not run it)."""
+    """Each point's output tok/s over the first configuration's at the same point of the same
+    round (None where that one did not run it)."""
     base = {_key(p): p["output_tok_s"] for p in points if p["config"] == first}
     for p in points:
         b = base.get(_key(p))
         p["tok_s_ratio"] = p["output_tok_s"] / b if b else None
 
 
-def _key(point: dict[str, Any]) -> tuple[str, float, int]:
-    return point["dataset"], point["temperature"], point["concurrency"]
+def _key(point: dict[str, Any]) -> tuple[str, float, int, int]:
+    return point["dataset"], point["temperature"], point["concurrency"], point.get("round", 0)
+
+
+def summarize_rounds(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration and point (over its rounds): the median, least and greatest ratio and
+    each round's output tok/s, in the order the points first ran."""
+    groups: dict[tuple[str, str, float, int], list[dict[str, Any]]] = {}
+    for p in points:
+        key = (p["config"], p["dataset"], p["temperature"], p["concurrency"])
+        groups.setdefault(key, []).append(p)
+    summary = []
+    for (config, dataset, temperature, concurrency), runs in groups.items():
+        ratios = [r["tok_s_ratio"] for r in runs if r.get("tok_s_ratio") is not None]
+        summary.append(
+            {
+                "config": config,
+                "dataset": dataset,
+                "temperature": temperature,
+                "concurrency": concurrency,
+                "rounds": len(runs),
+                "tok_s": [r["output_tok_s"] for r in runs],
+                "ratio_median": statistics.median(ratios) if ratios else None,
+                "ratio_min": min(ratios, default=None),
+                "ratio_max": max(ratios, default=None),
+            }
+        )
+    return summary
 
 
 def first_difference(a: str, b: str) -> int | None:
@@ -324,8 +367,9 @@ def print_table(points: list[dict[str, Any]], text_check: dict[str, Any]) -> Non
     print(f"{' Served speculative decoding ':=^{len(head)}}\n{head}")
     for p in points:
         spec, lengths, tpot, ttft = p["server"], p["output_len"], p["tpot"], p["ttft"]
+        name = p["config"] + (f"#{p['round'] + 1}" if p.get("round") else "")
         print(
-            f"{p['config']:<12}{p['dataset']:<12}{p['temperature']:>5g}{p['concurrency']:>5}"
+            f"{name:<12}{p['dataset']:<12}{p['temperature']:>5g}{p['concurrency']:>5}"
             f"{p['output_tok_s']:>10.1f}{_fmt(p['tok_s_ratio'], '.3f'):>8}"
             f"{_fmt(spec['accept_length'], '.2f'):>8}{_fmt(spec['plain_step_share'], '.2f'):>7}"
             f"{_fmt(tpot.get('p50_ms'), '.2f'):>10}{_fmt(ttft.get('p50_ms'), '.1f'):>10}"
@@ -351,6 +395,19 @@ def print_table(points: list[dict[str, Any]], text_check: dict[str, Any]) -> Non
     print("=" * len(head))
 
 
+def print_rounds(summary: list[dict[str, Any]]) -> None:
+    """The median ratio of each point over the rounds, with its range."""
+    head = f"{'config':<12}{'dataset':<12}{'T':>5}{'C':>5}{'rounds':>8}{'ratio median':>14}  range"
+    print(f"{' Over the rounds ':=^{len(head) + 14}}\n{head}")
+    for s in summary:
+        spread = "-" if s["ratio_median"] is None else f"{s['ratio_min']:.3f}-{s['ratio_max']:.3f}"
+        print(
+            f"{s['config']:<12}{s['dataset']:<12}{s['temperature']:>5g}{s['concurrency']:>5}"
+            f"{s['rounds']:>8}{_fmt(s['ratio_median'], '.3f'):>14}  {spread}"
+        )
+    print("=" * (len(head) + 14))
+
+
 def sweep(args: argparse.Namespace, launch: Callable[..., subprocess.Popen]) -> dict[str, Any]:
     """The whole sweep: the runs, the ratios against the first configuration, the text check's
     differences and the table."""
@@ -367,5 +424,9 @@ def sweep(args: argparse.Namespace, launch: Callable[..., subprocess.Popen]) -> 
         }
         for p in args.plans
     }
+    results["rounds"] = getattr(args, "rounds", 1)
+    results["summary"] = summarize_rounds(results["points"])
     print_table(results["points"], results["text_check"])
+    if results["rounds"] > 1:
+        print_rounds(results["summary"])
     return results

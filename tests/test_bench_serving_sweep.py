@@ -129,6 +129,7 @@ def test_window_arithmetic(bench):
         (["--concurrencies", "1,0"], "--concurrencies: expected positive"),
         (["--datasets", "chat:temperatures=x"], "temperatures: expected comma-separated floats"),
         (["--duration", "0"], "--duration must be > 0"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
     ],
 )
 def test_sweep_options_are_checked(bench, capsys, argv, message):
@@ -151,6 +152,55 @@ def test_sweep_defaults(bench):
     )
     single = bench.parse_args([])
     assert not single.sweep and (single.max_tokens, single.ignore_eos) == (32, True)
+
+
+def test_rounds_take_turns_and_ratios_stay_within_a_round(bench, tmp_path, capsys, monkeypatch):
+    """With --rounds the configurations take turns (a, b, a, b), each turn its own server; a
+    ratio is against the first configuration of its own round, the text check runs in the
+    first round only, and the summary gives the median ratio over the rounds with its range."""
+    import serving_compare
+
+    rates = {("a", 0): 100.0, ("b", 0): 150.0, ("a", 1): 80.0, ("b", 1): 80.0}
+    launched, checked = [], []
+
+    async def fake_run(args, config, plans, clock, save, round_=0):
+        checked.append((config.name, round_, bool(args.text_check and round_ == 0)))
+        row = {"output_tok_s": rates[(config.name, round_)], "server": {}}
+        point = {"config": config.name, "dataset": "chat", "temperature": 0.0}
+        points = [{**point, "concurrency": 1, "round": round_, **row}]
+        texts = {"chat": [config.name]} if round_ == 0 else {}
+        save(points, texts)
+        return points, texts, {"model": "m"}
+
+    monkeypatch.setattr(serving_compare, "_config_run", fake_run)
+    monkeypatch.setattr(serving_compare, "_stop", lambda server: None)
+    monkeypatch.setattr(serving_compare, "print_table", lambda points, text_check: None)
+    args = bench.parse_args(
+        ["--launch", "--compare", "a=", "b=--x", "--rounds", "2", "--concurrencies", "1"]
+    )
+    args.out = str(tmp_path / "sweep.json")
+    record = serving_compare.sweep(args, lambda a, extra: launched.append(extra) or object())
+    assert launched == [[], ["--x"], [], ["--x"]]
+    assert checked == [("a", 0, True), ("b", 0, True), ("a", 1, False), ("b", 1, False)]
+    assert [(c["name"], c["round"]) for c in record["configs"]] == [
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+    ]
+    assert [p["tok_s_ratio"] for p in record["points"]] == [1.0, 1.5, 1.0, 1.0]
+    b = next(s for s in record["summary"] if s["config"] == "b")
+    assert (b["rounds"], b["tok_s"], b["ratio_min"], b["ratio_max"]) == (2, [150.0, 80.0], 1.0, 1.5)
+    assert b["ratio_median"] == pytest.approx(1.25)
+    assert record["rounds"] == 2 and record["text_check"]["chat"]["b"]["texts"] == ["b"]
+    partial = json.loads(Path(f"{args.out}.partial").read_text())
+    assert partial["text_check"] == {"a": {"chat": ["a"]}, "b": {"chat": ["b"]}}
+    assert "Over the rounds" in capsys.readouterr().out
+
+    plot = importlib.util.spec_from_file_location("plot_serving", SCRIPTS / "plot_serving.py")
+    module = importlib.util.module_from_spec(plot)
+    plot.loader.exec_module(module)
+    assert module.ratio_lines(record) == {"b chat T=0": [(1, pytest.approx(1.25))]}
 
 
 def test_compare_two_servers(bench, tmp_path, capsys, monkeypatch):
