@@ -259,3 +259,20 @@ def test_engine_death_is_an_error_line_but_a_stop_is_not(caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == ["the engine process was killed by SIGKILL"]
     assert not dead.alive and not stopped.alive
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("with_usage", [True, False])
+def test_a_stream_chunk_is_the_generic_event_byte_for_byte(chat, with_usage):
+    """A stream's per-token chunk, its constant part encoded once per response, is exactly the
+    server-sent event of the whole chunk object (non-ASCII text and a finish reason too)."""
+    from pcgspec.server.responses import ResponseHeader, chunk_choice, sse
+
+    header = ResponseHeader("cmpl-ü1", 1764400000, "Smol\u00e9-\U0001f600", chat)
+    for choice in (
+        chunk_choice(chat, 0, " the", None, None),
+        chunk_choice(chat, 3, 'naïve \u4e2d\n"q"', {"content": []}, "stop"),
+        chunk_choice(chat, 1, None, None, "length"),
+    ):
+        want = sse(header.chunk([choice], with_usage_field=with_usage))
+        assert header.chunk_event(choice, with_usage) == want

@@ -168,7 +168,7 @@ async def _stream(
             chunk_choice(True, i, "", None, None, role=True) for i in range(n * len(gen.streams))
         ]
         for choice in roles:
-            await resp.write(sse(header.chunk([choice], with_usage_field=with_usage)))
+            await resp.write(header.chunk_event(choice, with_usage))
     offsets: dict[int, TextOffsets] = {}  # completions logprobs: text so far per choice
     num_tokens = 0
     try:
@@ -181,7 +181,7 @@ async def _stream(
                     continue  # text held back (an incomplete character or a stop string)
                 text = d.text if d.text or not chat else None
                 choice = chunk_choice(chat, index, text, lps, d.finish_reason)
-                await resp.write(sse(header.chunk([choice], with_usage_field=with_usage)))
+                await resp.write(header.chunk_event(choice, with_usage))
     except EngineDeadError as e:
         await resp.write(sse(ApiError(500, str(e), type="internal_error").body()))
     if with_usage:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,27 @@ class ResponseHeader:
         if usage is not None or with_usage_field:
             out["usage"] = usage
         return out
+
+    def chunk_event(self, choice: dict[str, Any], with_usage_field: bool = False) -> bytes:
+        """``sse(self.chunk([choice], with_usage_field=...))``, byte for byte, with the part
+        every chunk of the response repeats encoded once: a stream sends one per token."""
+        usage_field = b', "usage": null' if with_usage_field else b""
+        return (
+            b"".join(
+                (
+                    self._chunk_prefix,
+                    json.dumps(choice, ensure_ascii=False).encode(),
+                    b"]",
+                    usage_field,
+                )
+            )
+            + b"}\n\n"
+        )
+
+    @functools.cached_property
+    def _chunk_prefix(self) -> bytes:
+        """``data: {"id": ..., "choices": [`` of this response's chunks."""
+        return sse(self.chunk([]))[: -len(b"]}\n\n")]
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
