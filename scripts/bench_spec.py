@@ -47,6 +47,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,6 +97,16 @@ PROMPT_SETS = {
 }
 CHAT_SETS = {"chat"}
 PHASES = ("propose", "verify")
+
+
+def prompt_pool(prompt_set: str, tokenizer: Any) -> list[str]:
+    """The prompts of ``PROMPT_SETS[prompt_set]``, a chat set's through the chat template."""
+    pool = PROMPT_SETS[prompt_set]
+    if prompt_set not in CHAT_SETS:
+        return pool
+    from pcgspec.llm import chat_text
+
+    return [chat_text(tokenizer, [{"role": "user", "content": q}]) for q in pool]
 
 
 def _sync() -> None:
@@ -489,11 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     tokenizer = engines["none"].engine.tokenizer
     for prompt_set in args.prompts.split(","):
-        pool = PROMPT_SETS[prompt_set]
-        if prompt_set in CHAT_SETS:
-            from pcgspec.llm import chat_text
-
-            pool = [chat_text(tokenizer, [{"role": "user", "content": q}]) for q in pool]
+        pool = prompt_pool(prompt_set, tokenizer)
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             batches = _batches(pool, bs)
             rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, batches, args)]

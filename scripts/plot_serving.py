@@ -11,23 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
+
+from serving_compare import summarize_rounds
 
 
 def ratio_lines(record: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     """Label -> (concurrency, tok/s ratio) points, ascending, of every configuration but the
     first (the reference, 1.0 everywhere); over several rounds, the median ratio."""
     first = record["configs"][0]["name"]
-    ratios: dict[tuple[str, int], list[float]] = {}
-    for p in record["points"]:
-        if p["config"] != first and p.get("tok_s_ratio") is not None:
-            label = f"{p['config']} {p['dataset']} T={p['temperature']:g}"
-            ratios.setdefault((label, p["concurrency"]), []).append(p["tok_s_ratio"])
     lines: dict[str, list[tuple[int, float]]] = {}
-    for (label, concurrency), values in ratios.items():
-        lines.setdefault(label, []).append((concurrency, statistics.median(values)))
+    for s in summarize_rounds(record["points"]):
+        if s["config"] != first and s["ratio_median"] is not None:
+            label = f"{s['config']} {s['dataset']} T={s['temperature']:g}"
+            lines.setdefault(label, []).append((s["concurrency"], s["ratio_median"]))
     return {label: sorted(points) for label, points in lines.items()}
 
 

@@ -40,11 +40,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spec import PROMPT_SETS, StepTimes, _sync  # noqa: E402
+from bench_spec import StepTimes, _sync, prompt_pool  # noqa: E402
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
 from pcgspec.engine import engine, overlap, scheduler  # noqa: E402
-from pcgspec.llm import chat_text  # noqa: E402
 from pcgspec.runners import model_runner  # noqa: E402
 from pcgspec.sampling import slots  # noqa: E402
 from pcgspec.speculative import model_proposer, ngram, worker  # noqa: E402
@@ -213,10 +212,7 @@ def _busy_ms(events: list) -> float:
 
 
 def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> dict:
-    pool = PROMPT_SETS[args.prompts]
-    if args.prompts == "chat":
-        pool = [chat_text(llm.get_tokenizer(), [{"role": "user", "content": q}]) for q in pool]
-    prompts = (pool * batch)[:batch]
+    prompts = (prompt_pool(args.prompts, llm.get_tokenizer()) * batch)[:batch]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
     for _ in range(2):

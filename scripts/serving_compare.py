@@ -221,7 +221,7 @@ def run_configs(
     """Every configuration in turn, ``--rounds`` times (with ``--launch`` each turn on its own
     server, stopped after)."""
     clock, configs, results = Clock(), [], {"points": [], "text_check": {}}
-    for round_ in range(getattr(args, "rounds", 1)):
+    for round_ in range(args.rounds):
         for config in args.configs:
             name = f"{config.name}{_round_tag(round_)}"
             clock.log(f"{name}: starting" if args.launch else f"{name}: running")
@@ -424,7 +424,7 @@ def sweep(args: argparse.Namespace, launch: Callable[..., subprocess.Popen]) -> 
         }
         for p in args.plans
     }
-    results["rounds"] = getattr(args, "rounds", 1)
+    results["rounds"] = args.rounds
     results["summary"] = summarize_rounds(results["points"])
     print_table(results["points"], results["text_check"])
     if results["rounds"] > 1:

@@ -22,7 +22,7 @@ FORBIDDEN = {
     "a development-round number": re.compile(r"\b[Ss]essions?" + r"[ -]?\d+"),
     "a tracker number": re.compile(r"\b[Ii]ssues?" + r" ?#?\d+"),
     "accelerator-budget accounting": re.compile(
-        r"\bdevice" + r"[- ](session|call)s?\b|\bdevice" + r"[- ]time (budget|left|used|went)"
+        r"\bdevice" + r"[- ](sess" + r"ion|call)s?\b|\bdevice" + r"[- ]time (budget|left|used|went)"
         r"|\bno device" + r" time\b",
         re.IGNORECASE,
     ),
@@ -143,5 +143,5 @@ def test_forbidden_patterns_catch_what_they_should():
     for what, text in samples.items():
         assert FORBIDDEN[what].search(text), what
     assert not any(
-        rx.search("the device time per launch, from CUDA events") for rx in FORBIDDEN.values()
+        rx.search("the dev" + "ice time per launch, from CUDA events") for rx in FORBIDDEN.values()
     )

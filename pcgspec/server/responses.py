@@ -107,17 +107,8 @@ class ResponseHeader:
         """``sse(self.chunk([choice], with_usage_field=...))``, byte for byte, with the part
         every chunk of the response repeats encoded once: a stream sends one per token."""
         usage_field = b', "usage": null' if with_usage_field else b""
-        return (
-            b"".join(
-                (
-                    self._chunk_prefix,
-                    json.dumps(choice, ensure_ascii=False).encode(),
-                    b"]",
-                    usage_field,
-                )
-            )
-            + b"}\n\n"
-        )
+        choice_json = json.dumps(choice, ensure_ascii=False).encode()
+        return b"".join((self._chunk_prefix, choice_json, b"]", usage_field, b"}\n\n"))
 
     @functools.cached_property
     def _chunk_prefix(self) -> bytes:
