@@ -21,6 +21,7 @@ from pcgspec.kernels.extend_attention import extend_attention, plan_extend
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
+from pcgspec.kernels.sample_tokens import sample_tokens
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.kernels.warmup import (
     AttentionShape,
@@ -31,6 +32,8 @@ from pcgspec.kernels.warmup import (
 )
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.forward_batch import ForwardMode
+from pcgspec.sampling.batch import GREEDY_EPS
+from pcgspec.sampling.rng import STREAM_TOKEN
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
 
@@ -259,7 +262,17 @@ def _serve_sampling_like(page: int) -> None:
         ngram_propose(
             slots.token_history, slots.slot_indices(batch_reqs), slots.seq_lens(batch_reqs), *NGRAM
         )
-        slots.rows(batch_reqs)
+        sampled = slots.rows(batch_reqs)  # a decode step's rows, and their draw (as on CUDA)
+        logits = torch.randn(b, VOCAB)
+        sample_tokens(
+            logits.softmax(-1),
+            logits,
+            sampled.temperature,
+            sampled.seed,
+            sampled.position,
+            STREAM_TOKEN,
+            GREEDY_EPS,
+        )
     for b in (1, 2, 3, 5):  # verify passes and draft catch-ups (build_padded_batch)
         starts = torch.arange(b, dtype=torch.int64) * 3
         table = torch.arange(b * (b + 1), dtype=torch.int32).view(b, b + 1)
@@ -287,10 +300,14 @@ def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> No
     shape, kinds = dataclasses.replace(TINY, sliding=sliding), 1 + sliding
     warmed = record()
     warmup = KernelWarmup(
-        attention=(shape,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB), ngram=NGRAM
+        attention=(shape,),
+        split_kv_tokens=(1, K + 1),
+        vocab_size=VOCAB,
+        verify=(K, VOCAB),
+        ngram=NGRAM,
     )
     attention = 3 * 3 * kinds + 2 * (1 + 2 * kinds)
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 3 + attention + 2 * 2 + 3 + 1
+    assert run_warmup(warmup, torch.device("cpu")) == 2 + 4 + attention + 2 * 2 + 3 + 1
     served = record()
     _serve_like(shape)
     assert (
@@ -300,6 +317,7 @@ def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> No
             "_pad_batch_kernel",
             "_build_kernel",
             "_advance_kernel",
+            "_sample_kernel",
             "_extend_kernel",
             "_store_kv_kernel",
             "_split_kv_kernel",
@@ -319,6 +337,7 @@ def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> No
         "_pad_batch_kernel": 2,
         "_build_kernel": 1,
         "_advance_kernel": 2,
+        "_sample_kernel": 1,
         "_extend_kernel": 6 * kinds,
         "_store_kv_kernel": 1,
         "_split_kv_kernel": 2 * kinds,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from pcgspec.kernels.build_sampling_params import (
     SamplingTensors,
@@ -14,14 +16,16 @@ from pcgspec.kernels.build_sampling_params import (
     advance_positions_ref,
     build_sampling_params,
     build_sampling_params_ref,
-    uniform_triton,
+    rng_uniform,
 )
+from pcgspec.kernels.sample_tokens import sample_tokens
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyStrategy,
     _draw,
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
+from pcgspec.sampling import GREEDY_EPS, sample_from_probs
 from pcgspec.sampling.rng import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TOKEN, uniform
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,14 +36,62 @@ def _int64(n: int, gen: torch.Generator, lo: int = -(2**63), hi: int = 2**63 - 1
     return torch.randint(lo, hi, (n,), generator=gen, dtype=torch.int64).to(DEVICE)
 
 
+@triton.jit
+def _uniform_kernel(Seed, Pos, Out, n, STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    seed = tl.load(Seed + i, mask=mask, other=0)
+    pos = tl.load(Pos + i, mask=mask, other=0)
+    tl.store(Out + i, rng_uniform(seed, pos, STREAM), mask=mask)
+
+
 @pytest.mark.parametrize("stream", [STREAM_TOKEN, STREAM_ACCEPT, STREAM_RESAMPLE, 7, 2**32 - 1])
 def test_triton_uniform_is_bit_exact(stream: int) -> None:
     gen = torch.Generator().manual_seed(stream % 1000)
-    seed, position = _int64(600, gen), _int64(600, gen, -(2**40), 2**40)
+    n = 600
+    seed, position = _int64(n, gen), _int64(n, gen, -(2**40), 2**40)
     seed[:5] = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63)])
     position[:5] = torch.tensor([0, 1, 2**32, 2**32 + 1, -1])
-    got, want = uniform_triton(seed, position, stream), uniform(seed, position, stream)
+    got = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    _uniform_kernel[(triton.cdiv(n, 256),)](seed, position, got, n, STREAM=stream, BLOCK=256)
+    want = uniform(seed, position, stream)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("r, v, block_v", [(1, 8, None), (6, 37, 16), (9, 300, 64), (4, 129, None)])
+def test_sample_tokens_matches_the_torch_draw(r: int, v: int, block_v: int | None) -> None:
+    """The one-launch draw of a step's rows == ``sample``'s torch path: the argmax of greedy
+    rows' logits (ties: the first), a seeded inverse-CDF draw from the others' probabilities
+    (zero-weight tokens never drawn)."""
+    gen = torch.Generator().manual_seed(r * v)
+    logits = torch.randint(-4, 4, (r, v), generator=gen).float()  # ties in the argmax
+    probs = _probs((r, v), gen)
+    temperature = torch.rand(r, generator=gen) * (torch.rand(r, generator=gen) < 0.6)
+    seed, position = _int64(r, gen), _int64(r, gen, 0, 5000)
+    want = torch.where(
+        temperature.to(DEVICE) < GREEDY_EPS,
+        logits.to(DEVICE).argmax(-1),
+        sample_from_probs(probs.to(DEVICE), uniform(seed, position, STREAM_TOKEN)),
+    )
+    got = sample_tokens(
+        *(t.to(DEVICE) for t in (probs, logits, temperature)),
+        seed,
+        position,
+        STREAM_TOKEN,
+        GREEDY_EPS,
+        block_v=block_v,
+    )
+    assert torch.equal(got, want)
+    drawn = probs.gather(1, got.cpu()[:, None]).squeeze(1)[temperature >= GREEDY_EPS]
+    assert len(drawn) and bool((drawn > 0).all())
+
+
+def test_sample_tokens_checks_shapes() -> None:
+    rows, params = torch.rand(2, 8, device=DEVICE), torch.zeros(2, **I64)
+    with pytest.raises(ValueError, match="probs and logits"):
+        sample_tokens(rows, rows[:, :4], rows[:, 0], params, params, STREAM_TOKEN, GREEDY_EPS)
+    with pytest.raises(ValueError, match="temperature, seed and position"):
+        sample_tokens(rows, rows, rows[:1, 0], params, params, STREAM_TOKEN, GREEDY_EPS)
 
 
 def _request_table(n: int, gen: torch.Generator) -> SamplingTensors:

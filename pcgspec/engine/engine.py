@@ -166,6 +166,7 @@ class Engine:
         return KernelWarmup(
             attention=tuple(AttentionShape.of(r.attn_backend) for r in runners if triton),
             split_kv_tokens=(1,) if k is None else (1, k + 1),
+            vocab_size=self.runner.vocab_size,
             verify=None if k is None else (k, self.runner.vocab_size),
             ngram=ngram,
             tree=None if spec is None or spec.topk == 1 else (k, spec.num_draft_tokens, spec.topk),

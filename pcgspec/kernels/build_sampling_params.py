@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from pcgspec.kernels.launches import CompiledLaunches
-from pcgspec.sampling.rng import STREAM_TOKEN
 
 # The constants of pcgspec.sampling.rng (its docstring has the math).
 _SEED_SALT = tl.constexpr(0x9E3779B9)
@@ -62,15 +61,6 @@ def rng_uniform(seed, position, stream):
     """``pcgspec.sampling.rng.uniform``: float32 in (0, 1), bit-exact with the torch version."""
     h = rng_hash32(seed, position, stream)
     return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-
-
-@triton.jit(do_not_specialize=["n"])  # NOTE: a per-batch size (see pad_batch.py)
-def _uniform_kernel(Seed, Pos, Out, n, STREAM: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    seed = tl.load(Seed + i, mask=mask, other=0)
-    pos = tl.load(Pos + i, mask=mask, other=0)
-    tl.store(Out + i, rng_uniform(seed, pos, STREAM), mask=mask)
 
 
 # NOTE: the request table's rows are views at offsets of num_slots entries; the per-batch index
@@ -252,27 +242,6 @@ def _check_index(name: str, x: torch.Tensor | None, n: int, device: torch.device
     ok = x.shape == (n,) and x.dtype in (torch.int32, torch.int64) and x.is_contiguous()
     _require(ok, f"{name} must be contiguous [{n}] int32/int64, got {tuple(x.shape)} {x.dtype}")
     _require(x.device == device, f"{name} is on {x.device}, the request table on {device}")
-
-
-def uniform_triton(
-    seed: torch.Tensor, position: torch.Tensor, stream: int = STREAM_TOKEN
-) -> torch.Tensor:
-    """``pcgspec.sampling.rng.uniform`` through the Triton hash; seed/position [N] int64."""
-    _require(seed.shape == position.shape and seed.dim() == 1, "seed, position must be [N]")
-    _require(seed.dtype == position.dtype == torch.int64, "seed and position must be int64")
-    out = torch.empty(seed.shape, dtype=torch.float32, device=seed.device)
-    n = seed.numel()
-    if n:
-        block = 256
-        _uniform_kernel[(triton.cdiv(n, block),)](
-            seed.contiguous(),
-            position.contiguous(),
-            out,
-            n,
-            STREAM=stream & 0xFFFFFFFF,
-            BLOCK=block,
-        )
-    return out
 
 
 def build_sampling_params(

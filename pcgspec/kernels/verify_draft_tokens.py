@@ -41,6 +41,7 @@ import triton.language as tl
 
 from pcgspec.kernels.build_sampling_params import rng_uniform
 from pcgspec.kernels.launches import CompiledLaunches
+from pcgspec.kernels.sample_tokens import argmax_row, sample_row
 from pcgspec.kernels.tree_walk import check_tree, walk_trees, walk_trees_ref
 from pcgspec.sampling.rng import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TOKEN, uniform
 from pcgspec.sampling.sampler import sample_from_probs
@@ -79,58 +80,6 @@ class VerifyOutput:
 
 
 @triton.jit
-def _argmax_row(P, V, BLOCK_V: tl.constexpr):
-    """First index of the row's maximum (``P`` may hold logits)."""
-    best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), 0)
-    best_idx = tl.min(tl.zeros([BLOCK_V], tl.int32), 0)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(P + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, 0)
-        idx = tl.min(tl.where(x == m, offs, V), 0)
-        best_idx = tl.where(m > best, idx, best_idx)
-        best = tl.maximum(m, best)
-    return best_idx
-
-
-@triton.jit
-def _weights(P, Q, offs, mask, q_scale, HAS_Q: tl.constexpr):
-    """p, or the residual max(p - q_scale * q, 0) when ``HAS_Q``."""
-    w = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_Q:
-        q = tl.load(Q + offs, mask=mask, other=0.0).to(tl.float32)
-        w = tl.maximum(w - q_scale * q, 0.0)
-    return w
-
-
-@triton.jit
-def _sample_row(P, Q, q_scale, u, V, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Inverse CDF over the row's weights: the first positive-weight token whose cumulative weight
-    exceeds u * total, else the first mode. Returns (token, total).
-    """
-    total = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
-    best = total - 1.0
-    mode = tl.min(tl.zeros([BLOCK_V], tl.int32), 0)
-    for v0 in range(0, V, BLOCK_V):  # pass 1: the total (as the running CDF ends) and the mode
-        offs = v0 + tl.arange(0, BLOCK_V)
-        w = _weights(P, Q, offs, offs < V, q_scale, HAS_Q)
-        m = tl.max(w, 0)
-        mode = tl.where(m > best, tl.min(tl.where(w == m, offs, V), 0), mode)
-        best = tl.maximum(m, best)
-        total = tl.max(total + tl.cumsum(w, 0), 0)
-    target = u * total
-    token = mode * 0 + V
-    carry = total * 0.0
-    for v0 in range(0, V, BLOCK_V):  # pass 2: the first CDF entry above the target
-        offs = v0 + tl.arange(0, BLOCK_V)
-        w = _weights(P, Q, offs, offs < V, q_scale, HAS_Q)
-        cdf = carry + tl.cumsum(w, 0)
-        token = tl.minimum(token, tl.min(tl.where((cdf > target) & (w > 0), offs, V), 0))
-        carry = tl.max(cdf, 0)
-    return tl.where(token < V, token, mode), total
-
-
-@triton.jit
 def _rejection_row(p_row, q_row, draft, seed, pos, is_draft, V, BLOCK_V: tl.constexpr):
     """(token if this row ends the accepted run, draft accepted) for REJECTION."""
     if is_draft:
@@ -139,11 +88,11 @@ def _rejection_row(p_row, q_row, draft, seed, pos, is_draft, V, BLOCK_V: tl.cons
         q_d = tl.load(q_row + draft).to(tl.float32)
         ok = rng_uniform(seed, pos, _ACCEPT) * q_d < p_d
         u = rng_uniform(seed, pos, _RESAMPLE)
-        token, total = _sample_row(p_row, q_row, 1.0, u, V, True, BLOCK_V)
+        token, total = sample_row(p_row, q_row, 1.0, u, V, True, BLOCK_V)
         if total == 0.0:  # NOTE: an empty residual only comes from rounding: fall back to p
-            token, _ = _sample_row(p_row, q_row, 0.0, u, V, False, BLOCK_V)
+            token, _ = sample_row(p_row, q_row, 0.0, u, V, False, BLOCK_V)
     else:  # the bonus after the last proposed draft
-        token, _ = _sample_row(p_row, q_row, 0.0, rng_uniform(seed, pos, _TOKEN), V, False, BLOCK_V)
+        token, _ = sample_row(p_row, q_row, 0.0, rng_uniform(seed, pos, _TOKEN), V, False, BLOCK_V)
         ok = token < 0  # i.e. False: this row has no draft
     return token, ok
 
@@ -190,11 +139,11 @@ def _verify_rows_kernel(
     if HAS_GREEDY:
         greedy = tl.load(Greedy + b) != 0
     if greedy:
-        token = _argmax_row(p_row, V, BLOCK_V)
+        token = argmax_row(p_row, V, BLOCK_V)
         ok = token == draft
     elif STRATEGY == _TARGET_MATCH:
         u = rng_uniform(tl.load(Seed + row), tl.load(Pos + row), _TOKEN)
-        token, _ = _sample_row(p_row, q_row, 0.0, u, V, False, BLOCK_V)
+        token, _ = sample_row(p_row, q_row, 0.0, u, V, False, BLOCK_V)
         ok = token == draft
     else:
         seed = tl.load(Seed + row)

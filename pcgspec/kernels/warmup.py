@@ -12,10 +12,10 @@ cache) and loads all of them. Every launch writes no KV (slots -1) and no engine
 Per family: ``warm_extend`` (per ``BLOCK_M`` that ``plan_extend`` can choose for the head config,
 one launch whole and one with its prefix split, and its merge), ``warm_split_kv`` (KV store +
 split-KV decode and reduce per tokens per request), ``warm_pad_batch`` (with and without request
-starts), ``warm_sampling`` (build_sampling_params, advance_positions), ``warm_verify`` (GREEDY and
-TARGET_MATCH verification, the strategies the speculative worker uses, the accept kernel, and the
-padded rows of verify passes, in place for a verify graph or not, and of draft catch-ups) and
-``warm_ngram`` (prompt lookup).
+starts), ``warm_sampling`` (build_sampling_params, advance_positions, the token draw),
+``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the speculative worker
+uses, the accept kernel, and the padded rows of verify passes, in place for a verify graph or
+not, and of draft catch-ups) and ``warm_ngram`` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
+from pcgspec.kernels.sample_tokens import sample_tokens
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
+from pcgspec.sampling.batch import GREEDY_EPS
+from pcgspec.sampling.rng import STREAM_TOKEN
 
 if TYPE_CHECKING:
     from pcgspec.attention.base import AttentionBackend
@@ -92,6 +95,7 @@ class KernelWarmup:
 
     attention: tuple[AttentionShape, ...] = ()
     split_kv_tokens: tuple[int, ...] = (1,)
+    vocab_size: int | None = None  # of sampled rows' token draw (None: this process samples none)
     verify: tuple[int, int] | None = None
     ngram: tuple[int, int, int] | None = None
     tree: tuple[int, int, int] | None = None  # draft trees: (depth k, nodes N, topk)
@@ -234,12 +238,24 @@ def warm_pad_batch(device: torch.device) -> int:
     return 2
 
 
-def warm_sampling(device: torch.device, num_steps: int | None = None, history: bool = False) -> int:
+def warm_sampling(
+    device: torch.device,
+    num_steps: int | None = None,
+    history: bool = False,
+    vocab_size: int | None = None,
+) -> int:
     """``build_sampling_params`` and ``advance_positions`` as ``SamplingSlots`` calls them: the
     commit of a decode step's one token per request and, with speculation, of a verify step's
-    k+1, into a token history where prompt lookup keeps one.
+    k+1, into a token history where prompt lookup keeps one; with ``vocab_size`` the token
+    draw of sampled rows (``sample_tokens``) over float32 rows.
     """
     s = _Scratch(device)
+    drew = 0
+    if vocab_size is not None:
+        rows = s.zeros(1, vocab_size, dtype=torch.float32)
+        f32 = s.zeros(1, dtype=torch.float32)
+        sample_tokens(rows, rows, f32, s.zeros(1), s.zeros(1), STREAM_TOKEN, GREEDY_EPS)
+        drew = 1
     table = SamplingTensors(*(t.zero_() for t in SamplingTensors.empty(1, device).tensors()))
     slots = s.zeros(1)
     build_sampling_params(table, torch.ones_like(slots), 1, req_slots=slots)
@@ -254,7 +270,7 @@ def warm_sampling(device: torch.device, num_steps: int | None = None, history: b
             history=s.zeros(1, 2, dtype=torch.int32) if history else None,
             prompt_len=s.zeros(1) if history else None,
         )
-    return 1 + len(rows)
+    return drew + 1 + len(rows)
 
 
 def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
@@ -319,7 +335,9 @@ def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.d
 def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
     """Every family ``warmup`` names; returns the number of kernel launches (variants)."""
     k = None if warmup.verify is None else warmup.verify[0]
-    count = warm_pad_batch(device) + warm_sampling(device, k, history=warmup.ngram is not None)
+    count = warm_pad_batch(device) + warm_sampling(
+        device, k, history=warmup.ngram is not None, vocab_size=warmup.vocab_size
+    )
     for shape in _unique(warmup.attention):
         count += warm_extend(shape, device)
         count += sum(warm_split_kv(shape, n, device) for n in sorted(set(warmup.split_kv_tokens)))

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pcgspec.sampling.batch import SamplingBatch
+from pcgspec.kernels.sample_tokens import sample_tokens
+from pcgspec.sampling.batch import GREEDY_EPS, SamplingBatch
 from pcgspec.sampling.penalties import apply_penalties
 from pcgspec.sampling.rng import STREAM_TOKEN, uniform
 
@@ -96,12 +97,18 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SamplerOutput:
     """Next token per row for ``logits`` [R, V]; greedy rows take the argmax, sampled rows one
     draw from ``uniform(seed, position, STREAM_TOKEN)``, so a row's token depends only on its
-    own logits, parameters, seed and position.
+    own logits, parameters, seed and position. On CUDA the draw and the argmax are one kernel
+    (``sample_tokens``, whose reference this is).
     """
     logits = logits.float()
     processed = process_logits(logits, sb)
     if sb.all_greedy:
         tokens = processed.argmax(dim=-1)
+    elif processed.is_cuda:
+        probs = probs_from_logits(processed)
+        tokens = sample_tokens(
+            probs, processed, sb.temperature, sb.seed, sb.position, STREAM_TOKEN, GREEDY_EPS
+        )
     else:
         u = uniform(sb.seed, sb.position, STREAM_TOKEN)
         drawn = sample_from_probs(probs_from_logits(processed), u)
