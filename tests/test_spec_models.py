@@ -25,6 +25,7 @@ from pcgspec.models.eagle3 import write_eagle3_checkpoint
 from pcgspec.models.loader import load_config
 from pcgspec.models.mtp import write_mtp_checkpoint
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
+from pcgspec.speculative.model_proposer import ModelProposer
 
 K = 3
 NEW_TOKENS = 64
@@ -250,8 +251,9 @@ def test_logprobs_requests_fall_back_and_the_draft_keeps_up(llm, spec):
 def test_overlapped_plain_steps_between_speculative_ones_equal_plain(
     smollm2_path, drafts, llm, hf_model, algorithm
 ):
-    """Under the overlap schedule the policy's plain steps are launched ahead of their tokens;
-    a speculative step first reads them.
+    """Under the overlap schedule the policy's plain steps are launched ahead of their tokens,
+    and a speculative step after one is launched before the host read it (a drafter catches
+    up with the newest tokens from the device).
     """
     draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
     spec = LLM(
@@ -278,6 +280,7 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
     verification keeps the output right), and greedy (with a stop string and a repetition
     penalty) and seeded output equal plain decoding; nothing is left held.
     """
+
     prompts = PROMPTS[-4:] + PROMPTS[:2]
     params = [
         _greedy(32),
@@ -325,6 +328,27 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
         assert drafted[True][request_id][: len(rows)] == rows, request_id
 
 
+def test_pending_rows_gather_each_request_s_rows_from_its_passes():
+    """A catch-up through the host reads each request's pending target rows, one chunk per
+    pass (a plain step's rows, a read verify step's), in one gather; a DRAFT_EXTEND over the
+    first rows advances past them, within a chunk or across chunks."""
+    from pcgspec.speculative.model_proposer import DraftState, pending_rows
+
+    passes = [torch.arange(i * 100, i * 100 + 8).float()[:, None] for i in range(3)]
+    a, b = DraftState(), DraftState()
+    a.add(passes[0], 2, 3)  # rows 2..4 of a verify pass
+    for step in (1, 2):  # two plain steps, one row each
+        a.add(passes[step], 0, 1)
+        b.add(passes[step], 1, 1)
+    got = pending_rows([a, b], [a.num_pending, 1])
+    assert got[:, 0].tolist() == [2, 3, 4, 100, 200, 101]
+    a.advance(2)  # within the first chunk: its rest stays
+    assert (a.computed, a.num_pending, a.rows, a.nums) == (2, 3, [4, 0, 0], [1, 1, 1])
+    a.advance(2)  # across chunks
+    assert (a.computed, a.num_pending, a.rows, a.nums) == (4, 1, [0], [1])
+    assert pending_rows([a, b], [1, 2])[:, 0].tolist() == [200, 101, 201]
+
+
 def test_verify_rows_carry_only_requests_that_run_again():
     """A verify step that ran some of the last one's requests keeps the others' rows for their
     next catch-up, except a request finished or whose launched tokens reach its length (no
@@ -336,7 +360,8 @@ def test_verify_rows_carry_only_requests_that_run_again():
     from pcgspec.speculative.tree import TreeShape
 
     k1, hidden_size = 3, 4
-    proposer = ModelProposer(SimpleNamespace(uses_target_hidden=True), TreeShape(depth=k1 - 1))
+    draft = SimpleNamespace(uses_target_hidden=True)
+    proposer = ModelProposer(draft, TreeShape(depth=k1 - 1), slots=None)
 
     def request(name: str, max_tokens: int) -> Request:
         params = SamplingParams(max_tokens=max_tokens)
@@ -366,13 +391,35 @@ def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
     """A fixed pattern of the policy's choices covers every switch (plain after speculative,
     speculative after a run of launched plain steps, after a prefill), with stops and
     max_tokens landing on pending tokens: output equals plain decoding, nothing is left held.
+    A model drafter's catch-up rows through the host hold the requests' tokens, the newest
+    taken from the device while the plain step that sampled it is in flight.
     """
     engine, pattern = spec.engine, itertools.cycle([True, False, False, True, True, False, False])
     assert engine.overlap
     engine.spec_worker.policy.choose = lambda reqs: next(pattern)
     params = [_greedy(NEW_TOKENS), _greedy(9), _greedy(NEW_TOKENS, stop=[" the"])] * 3
     prompts = PROMPTS[: len(params)]
+    proposer, rows, pending = engine.spec_worker.proposer, [], []
+    if isinstance(proposer, ModelProposer):
+        catch_up = proposer._catch_up_batch
+
+        def recorded(batch, states):
+            pending.append(sum(r.num_pending_tokens for r, s in zip(batch.requests, states) if s))
+            out = catch_up(batch, states)
+            k1 = out[0].spec_num_draft_tokens
+            ids, pos, kv = (
+                t.view(-1, k1).tolist()
+                for t in (out[0].input_ids, out[0].positions, out[0].out_cache_loc)
+            )
+            for req, *row in zip(batch.requests, ids, pos, kv):
+                rows.extend((req, t, p) for t, p, slot in zip(*row) if slot >= 0)  # valid rows
+            return out
+
+        proposer._catch_up_batch = recorded
     outs = spec.generate(prompts, params, use_tqdm=False)
+    if isinstance(proposer, ModelProposer):
+        assert sum(pending) > 0  # catch-ups with a plain step in flight
+        assert all(token == r.token_ids[p + proposer.lag] for r, token, p in rows)
     want = plain.generate(prompts, params, use_tqdm=False)
     _assert_same_greedy(plain, hf_model, prompts, want, outs)
     assert [o.text for o in outs] == [w.text for w in want]

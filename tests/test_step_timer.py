@@ -26,7 +26,7 @@ def test_a_decode_step_lasts_until_the_next_decode_or_prefill_step(timed):
     # a mixed step waits 1 ms for the speculative step in flight from 7 ms, then runs to 10 ms
     # with the read of its first tokens: neither kind's time
     t.prefill_step(ready=0.008)
-    t.decode_step(True, 16, waited=True, caught_up=False, start=0.010)  # its wait is its own
+    t.decode_step(True, 16, False, False, start=0.010)  # no wait: built from the device
     t.decode_step(False, 16, False, False, start=0.013)
     t.prefill_step(ready=0.014)
     t.finish(now=0.020)

@@ -303,7 +303,7 @@ class Engine:
         took: list[Request] = []
         waited = self._waits_for_host(batch, speculate)
         if waited:
-            took, batch = self.drain(), _drained(batch, speculate)  # type: ignore[arg-type]
+            took, batch = self.drain(), _drained(batch)  # type: ignore[arg-type]
         ready = time.perf_counter()
         running, self.in_flight = self.in_flight, []
         try:
@@ -357,16 +357,11 @@ class Engine:
     def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
         """Whether ``batch`` must wait for the host to read the steps in flight: a plain step's
         decode rows (a decode or mixed step) take their positions from the host's token counts,
-        which a speculative step in flight leaves unknown; a speculative step needs the host's
-        tokens only where its drafter reads them after plain steps
-        (``Proposer.reads_host_tokens``).
+        which a speculative step in flight leaves unknown. A speculative step builds its batch
+        from what the device holds, a drafter's catch-up too, so it waits for nothing.
         """
-        if batch is None or not self.in_flight or not batch.num_decode:
+        if batch is None or speculate or not self.in_flight or not batch.num_decode:
             return False
-        if speculate:
-            return self.spec_worker.proposer.reads_host_tokens and any(  # type: ignore[union-attr]
-                isinstance(s, LaunchedStep) for s in self.in_flight
-            )
         return any(isinstance(s, LaunchedSpecStep) for s in self.in_flight)
 
     def drain(self) -> list[Request]:
@@ -462,12 +457,12 @@ class Engine:
         return dataclasses.replace(built, input_ids=ids)
 
 
-def _drained(batch: ScheduledBatch, speculate: bool) -> ScheduledBatch | None:
-    """``batch`` once the steps in flight were read: without the requests they finished, and
-    for a plain step with which requests sample as of the lengths now known.
+def _drained(batch: ScheduledBatch) -> ScheduledBatch | None:
+    """A plain step's ``batch`` once the steps in flight were read: without the requests they
+    finished, and with which requests sample as of the lengths now known.
     """
     batch = batch.unfinished()
-    if batch is None or speculate:
+    if batch is None:
         return batch
     return ScheduledBatch.of(batch.mode, batch.requests, batch.num_new_tokens, batch.num_decode)
 

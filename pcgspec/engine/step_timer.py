@@ -8,11 +8,9 @@ device and the read of its results land there (``StepCosts``), so a kind is pric
 run of it delivers, not at its launches alone. A step with prefill work runs whichever kind the
 policy chooses, so its own time is neither kind's.
 
-A step is not steady, and its excess is a switch's, when it waited for the steps in flight of
-the other kind (a plain step after a speculative one), or when it speculated after a plain step
-and its drafter first caught up over the positions of the plain steps. A speculative step that
-waited for a step with prefill work (its drafter reads that step's tokens on the host) pays
-that wait as a speculative step: plain steps do not wait there.
+A step is not steady, and its excess is a switch's, when it waited for the steps in flight
+(a plain step after a speculative one), or when it speculated after a plain step and its
+drafter first caught up over the positions of the plain steps.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ class DecodeStepTimer:
         self.policy = policy
         self._open: _Step | None = None  # its time ends at the next decode step's start
         self._last_kind: bool | None = None  # whether the last decode step speculated
-        self._after_prefill = False  # a step with prefill work ran since the last decode step
 
     def decode_step(
         self, speculative: bool, batch_size: int, waited: bool, caught_up: bool, start: float
@@ -45,19 +42,17 @@ class DecodeStepTimer:
         """A decode step that started at ``start`` (host clock) ran: the open step's time ends
         there, and this one's runs until the next decode step starts."""
         self._close(start)
-        after_prefill, self._after_prefill = self._after_prefill, False
         if not self.policy.recording:
             return
         last, self._last_kind = self._last_kind, speculative
         switched = last is not None and last is not speculative
-        steady = not ((waited and not after_prefill) or (caught_up and switched))
+        steady = not (waited or (caught_up and switched))
         self._open = _Step(speculative, batch_size, steady, switched, start)
 
     def prefill_step(self, ready: float) -> None:
         """A step with prefill work was ready to launch at ``ready`` (host clock, after its
         wait for the steps in flight): the open step's time ends there."""
         self._close(ready)
-        self._after_prefill = True
 
     def finish(self, now: float | None = None) -> None:
         """The engine ran out of work at ``now`` (default: the present): the open step's time

@@ -83,9 +83,6 @@ class Proposer(ABC):
     # Whether the last ``propose`` first caught requests up over positions of plain steps or a
     # new prompt (model drafters): a step that switched to speculation, not a steady one.
     caught_up: bool = False
-    # Whether drafting for a request whose last target pass was a plain step reads its tokens
-    # on the host (model drafters catch up over them): the engine then reads those steps first.
-    reads_host_tokens: bool = False
 
     @abstractmethod
     def propose(self, batch: ProposeInput) -> DraftProposal:

@@ -24,9 +24,11 @@ plain decode steps, or a verify step the host read before the next speculative s
 state ``DraftState`` says how far the draft's K/V are valid (``computed``) and holds the target
 hidden states of the positions after it (``pending``, from ``observe``); a request further than
 k+1 rows behind first runs a DRAFT_EXTEND over all but its last k+1 rows (the draft's piecewise
-graphs where it has them, else eagerly). The host reads those requests' tokens, so the engine
-reads the plain steps in flight first (``reads_host_tokens``). Reading a verify step turns its
-rows into host state for the requests the next step did not take them for.
+graphs where it has them, else eagerly). Those rows' tokens come from the host, but for the
+newest one, which a plain step still in flight may have sampled (the overlap schedule): the
+device takes it from the sampling slots (``SamplingSlots.last_tokens``), so a speculative step
+after a plain one waits for nothing. Reading a verify step turns its rows into host state for
+the requests the next step did not take them for.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pcgspec.engine.overlap import PENDING_TOKEN, resolve_pending
 from pcgspec.runners.batch_builder import (
     SeqChunk,
     build_forward_batch,
@@ -45,6 +48,7 @@ from pcgspec.runners.batch_builder import (
 )
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.draft_runner import DraftRunner
 from pcgspec.speculative.tree import TreeShape
@@ -53,35 +57,66 @@ from pcgspec.speculative.tree import TreeShape
 @dataclass
 class DraftState:
     computed: int = 0  # positions whose draft K/V are valid
-    # target hidden states of positions computed.., per target pass a chunk (tensor, first
-    # row, rows): a pass's rows are sliced out only when a catch-up reads them
-    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
-    num_pending: int = 0  # NOTE: rows in ``pending``, kept so a plain step's check is O(1)
+    # target hidden states of positions computed.., per target pass a chunk: rows
+    # ``rows[i] .. rows[i] + nums[i]`` of ``passes[i]``. NOTE: parallel lists, not a tuple per
+    # chunk: a plain step adds a chunk to every request, and objects that outlive the step
+    # drive the garbage collector's full collections (a catch-up gathers the rows:
+    # ``pending_rows``)
+    passes: list[torch.Tensor] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    nums: list[int] = field(default_factory=list)
+    num_pending: int = 0  # NOTE: sum(nums), kept so a plain step's check is O(1)
 
     def add(self, hidden: torch.Tensor, row: int = 0, num: int | None = None) -> None:
         """Rows ``row .. row + num`` of ``hidden`` (all by default) are the next positions'."""
         num = len(hidden) - row if num is None else num
-        self.pending.append((hidden, row, num))
+        self.passes.append(hidden)
+        self.rows.append(row)
+        self.nums.append(num)
         self.num_pending += num
-
-    def rows(self) -> torch.Tensor:
-        """The pending rows as one tensor ``[num_pending, Hh]`` (kept as the one chunk)."""
-        if len(self.pending) > 1:
-            merged = torch.cat([t[r : r + n] for t, r, n in self.pending])
-            self.pending = [(merged, 0, len(merged))]
-        t, r, n = self.pending[0]
-        return t[r : r + n]
 
     def advance(self, n: int) -> None:
         """The draft computed the next ``n`` positions (and consumed their pending rows)."""
         self.computed += n
-        if self.pending:
-            rest = self.rows()[n:]
-            self.pending = [(rest, 0, len(rest))]
-            self.num_pending -= n
+        if not self.passes:  # NOTE: a draft that reads no target hidden states
+            return
+        self.num_pending -= n
+        done = 0
+        for i, num in enumerate(self.nums):
+            if num > n:
+                self.rows[i] += n
+                self.nums[i] = num - n
+                break
+            n -= num
+            done += 1
+        del self.passes[:done], self.rows[:done], self.nums[:done]
 
-    def restart(self, computed: int) -> None:
-        self.computed, self.pending, self.num_pending = computed, [], 0
+
+def pending_rows(states: Sequence[DraftState], counts: Sequence[int]) -> torch.Tensor:
+    """The first ``counts[i]`` pending rows of each of ``states``, concatenated in order
+    ``[sum(counts), Hh]``: one gather from the passes' tensors. (After a run of plain steps a
+    request holds one row of each pass: slicing them out one by one cost a launch each, 38 ms
+    for 64 requests 60 steps behind.)
+    """
+    base: dict[int, int] = {}  # id of a pass's tensor -> its first row in ``passes``
+    passes: list[torch.Tensor] = []
+    index: list[int] = []
+    total = 0  # rows in ``passes``
+    for state, count in zip(states, counts):
+        for hidden, row, num in zip(state.passes, state.rows, state.nums):
+            if count <= 0:
+                break
+            first = base.get(id(hidden))
+            if first is None:
+                first = base[id(hidden)] = total
+                passes.append(hidden)
+                total += len(hidden)
+            take = min(num, count)
+            index += range(first + row, first + row + take)
+            count -= take
+    (rows,) = upload(passes[0].device, int64=(index,))
+    source = passes[0] if len(passes) == 1 else torch.cat(passes)
+    return source.index_select(0, rows)
 
 
 @dataclass(frozen=True)
@@ -96,10 +131,9 @@ class VerifiedRows:
 
 
 class ModelProposer(Proposer):
-    reads_host_tokens = True
-
-    def __init__(self, runner: DraftRunner, shape: TreeShape) -> None:
+    def __init__(self, runner: DraftRunner, shape: TreeShape, slots: SamplingSlots) -> None:
         self.runner = runner
+        self.slots = slots  # the requests' last tokens, as of the device
         self.shape = shape
         self.num_steps = shape.depth
         self.uses_target_hidden = runner.uses_target_hidden
@@ -280,8 +314,9 @@ class ModelProposer(Proposer):
         )
 
     def _behind(self, req: object, state: DraftState) -> int:
-        """Catch-up rows of ``req``: positions ``computed .. len(tokens) - 1 - lag``."""
-        return len(req.token_ids) - self.lag - state.computed
+        """Catch-up rows of ``req``: positions ``computed .. num_tokens - 1 - lag`` (its tokens
+        sampled by a step in flight included)."""
+        return req.num_tokens - self.lag - state.computed
 
     def _check_pending(self, host: Sequence[tuple[object, DraftState]]) -> None:
         """Every request is >= 1 row behind (its newest token is new to the draft), and a head
@@ -321,7 +356,7 @@ class ModelProposer(Proposer):
         )
         hidden = None
         if self.uses_target_hidden:
-            hidden = torch.cat([s.rows()[:n] for _, s, n in far])
+            hidden = pending_rows([s for _, s, _ in far], [n for _, _, n in far])
         self.runner.extend(batch, hidden)
         for _, state, n in far:
             state.advance(n)
@@ -368,6 +403,7 @@ class ModelProposer(Proposer):
         k1, page, device = self.num_steps + 1, self.runner.page_size, self.runner.device
         ids, starts, nums, src, on_device, verified_rows, bounds = [], [], [], [], [], [], []
         have = 0  # host hidden rows so far
+        pending = False  # a row's token is still on the device (sampled by a step in flight)
         for b, (req, state) in enumerate(zip(reqs, states)):
             if state is None:  # placeholders, replaced on the device
                 ids += [FILLER_TOKEN] * k1
@@ -379,10 +415,14 @@ class ModelProposer(Proposer):
                 bounds.append(req.num_tokens + k1)  # NOTE: start <= the worst-case length
                 continue
             n, start = self._behind(req, state), state.computed
-            ids += [
-                *req.token_ids[start + self.lag : start + self.lag + n],
-                *[FILLER_TOKEN] * (k1 - n),
-            ]
+            known = req.token_ids[start + self.lag : start + self.lag + n]
+            if len(known) < n - 1:
+                raise RuntimeError(
+                    f"request {req.request_id}: {n - len(known)} catch-up tokens still on the "
+                    "device; only the newest may be"
+                )
+            pending = pending or len(known) < n
+            ids += [*known, *[PENDING_TOKEN] * (n - len(known)), *[FILLER_TOKEN] * (k1 - n)]
             starts.append(start)
             nums.append(n)
             src += [have + min(j, n - 1) for j in range(k1)]
@@ -393,6 +433,8 @@ class ModelProposer(Proposer):
         )
         b = len(reqs)
         input_ids, src_rows = input_ids.view(b, k1), src_rows.view(b, k1)
+        if pending:
+            input_ids = resolve_pending(input_ids, self.slots.last_tokens(reqs)[:, None])
         if on_device:
             v = self._verified
             n = v.num.index_select(0, device_rows)
@@ -413,7 +455,8 @@ class ModelProposer(Proposer):
         )
         if not self.uses_target_hidden:
             return catch_up, None
-        sources = [s.rows() for s in states if s is not None and s.num_pending]
+        host = [s for s in states if s is not None]
+        sources = [pending_rows(host, [s.num_pending for s in host])] if host else []
         if on_device:
             sources.append(self._verified.hidden)
         return catch_up, torch.cat(sources)[src_rows.view(-1)]

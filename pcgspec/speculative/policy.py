@@ -17,7 +17,7 @@ average that dips under break-even would switch speculation off for a request th
 
 A switch costs more than either kind of step: a plain step first waits for the speculative
 step in flight (its positions come from host lengths), and a model drafter's speculative step
-waits for the plain steps in flight and catches up over their positions. Such steps are timed
+catches up over the positions of the plain steps. Such steps are timed
 as switches, not as steps, or the catch-up after every run of plain steps would make
 speculation look dearer than it is. The switch cost shapes two choices:
 
@@ -41,7 +41,7 @@ speculation look dearer than it is. The switch cost shapes two choices:
   less than ``RETIME_PLAIN_GAIN`` for the typical request: a close call is made on fresh costs.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
-ones are still on the device, and only a speculative step waits for them). Prompt lookup (NGRAM)
+ones are still on the device). Prompt lookup (NGRAM)
 finds no match for some requests: a request's expected gain is ``1 + match_rate * (accept -
 1)``, with its match rate and its accept estimate over steps with a match, both learned from
 the verify steps' results. A step in which no request matched still verifies, for one token per
@@ -279,7 +279,7 @@ class SpecPolicy:
         switched: bool = False,
     ) -> None:
         """A decode step of ``batch_size`` requests cost ``seconds`` (None: not measured). A
-        step that is not ``steady`` (it waited for the steps in flight of the other kind, or a
+        step that is not ``steady`` (it waited for the speculative step in flight, or a
         model drafter first caught up over the positions of plain steps or a new prompt) is
         counted but not timed as a step: that cost comes with switching or admission, not with
         each step. One that ``switched`` (the last decode step was of the other kind) is timed

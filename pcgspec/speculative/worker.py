@@ -102,7 +102,7 @@ class SpecWorker:
         self.proposer: Proposer = (
             NgramProposer.from_config(config, slots)
             if draft is None
-            else ModelProposer(draft, self.shape)
+            else ModelProposer(draft, self.shape, slots)
         )
         self.policy = SpecPolicy(
             config.speculative_policy,
