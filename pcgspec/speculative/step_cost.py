@@ -24,6 +24,7 @@ through as requests arrive and finish are priced before they were ever timed.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import defaultdict, deque
@@ -45,6 +46,7 @@ class StepCosts:
             lambda: deque(maxlen=WINDOW)
         )
         self._lines: dict[bool, tuple[float, float] | None] = {}  # per kind, None: no bucket
+        self._switch_costs: dict[int, float] = {}  # ``switch_cost`` per bucket, until a switch
 
     def record(self, speculative: bool, bucket: int, seconds: float) -> None:
         times = self._times[(speculative, bucket)]
@@ -59,6 +61,7 @@ class StepCosts:
         steady = self.cost(speculative, bucket)
         if steady is not None:
             self._switch[(speculative, bucket)].append(max(0.0, seconds - steady))
+            self._switch_costs.clear()
 
     def own(self, speculative: bool, bucket: int) -> float | None:
         """The bucket's own cost of this kind; None before ``MIN_TIMED`` times."""
@@ -92,13 +95,18 @@ class StepCosts:
     def switch_cost(self, bucket: int) -> float:
         """Seconds a switch to a speculative step and back costs beyond the two steady steps:
         per kind the median excess of the bucket's switches, else of the nearest bucket's (by
-        batch-size ratio) that has some (a catch-up grows with the batch)."""
+        batch-size ratio) that has some (a catch-up grows with the batch). Kept until the
+        next switch is recorded: the policy asks every step."""
+        cost = self._switch_costs.get(bucket)
+        if cost is not None:
+            return cost
         cost = 0.0
         for speculative in (True, False):
             timed = [b for (kind, b), ts in self._switch.items() if kind is speculative and ts]
             if timed:
                 near = min(timed, key=lambda b: abs(math.log(b / bucket)))
                 cost += statistics.median(self._switch[(speculative, near)])
+        self._switch_costs[bucket] = cost
         return cost
 
     def buckets(self) -> list[int]:
@@ -107,11 +115,15 @@ class StepCosts:
 
 def _price(times: deque[float]) -> float:
     """The median of ``times`` while fewer than ``MEAN_AFTER``, then their mean, each clipped
-    at ``CLIP`` times the median."""
-    median = statistics.median(times)
-    if len(times) < MEAN_AFTER:
+    at ``CLIP`` times the median (one sort: it runs after every decode step)."""
+    ordered = sorted(times)
+    n, mid = len(ordered), len(ordered) // 2
+    median = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    if n < MEAN_AFTER:
         return median
-    return statistics.fmean(min(t, CLIP * median) for t in times)
+    cap = CLIP * median
+    kept = bisect.bisect_right(ordered, cap)
+    return math.fsum(ordered[:kept] + [cap] * (n - kept)) / n
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
