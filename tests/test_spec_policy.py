@@ -438,3 +438,22 @@ def test_a_close_call_is_the_typical_requests_not_one_batchs():
         p.record_accept(other, 2.6)  # the other requests: 1.9 on average with it, 1.6x
         chosen.append(spec)
     assert all(chosen)
+
+
+def test_the_batch_s_expected_tokens_follow_every_new_sample():
+    """The expected tokens of a batch are summed from per-request estimates kept between
+    verify steps: a new sample (any request's) or a new batch sums them afresh."""
+    p = SpecPolicy("auto", 3, [1, 2, 4])
+    a, b, c = Req(), Req(), Req()
+
+    def fresh(reqs: list[Req]) -> float:
+        return sum(p.expected_accept(r) for r in reqs)
+
+    p.record_accept(a, 4)
+    before = p._expected_sum([a, b])
+    assert before == fresh([a, b])
+    p.record_accept(b, 1)  # a sample under the same batch: both estimates move
+    assert p._expected_sum([a, b]) == fresh([a, b]) != before
+    assert p._expected_sum([b, c]) == fresh([b, c])  # another batch
+    p.record_drafted(c, False)  # prompt lookup: no match for c
+    assert p._expected_sum([a, b, c]) == fresh([a, b, c])

@@ -126,6 +126,9 @@ class SpecPolicy:
         self._recording = True
         self._samples = 0  # accept and match samples so far: a batch's sum is valid until one
         self._sum: tuple[tuple[object, ...], int, float] = ((), 0, 0.0)  # (batch, _samples, sum)
+        # per request its expected_accept, valid while _samples is _expected_at
+        self._expected: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+        self._expected_at = 0
 
     def _bucket(self, batch_size: int) -> int:
         return pad_to_bucket(batch_size, self.batch_sizes) or self.batch_sizes[-1]
@@ -158,16 +161,27 @@ class SpecPolicy:
 
     def _expected_sum(self, requests: Sequence[object]) -> float:
         """``sum(expected_accept)`` over the batch, kept while the batch and every estimate
-        stay the same (a run of plain steps: no verify step, so no new sample).
+        stay the same (a run of plain steps: no verify step, so no new sample), and per request
+        while the estimates do (under continuous batching the batch changes every few steps:
+        64 requests' estimates cost 0.1 ms a step on a 2-core CPU).
         """
         batch, samples, total = self._sum
         if (
-            samples != self._samples
-            or len(batch) != len(requests)
-            or any(a is not b for a, b in zip(batch, requests))
+            samples == self._samples
+            and len(batch) == len(requests)
+            and all(a is b for a, b in zip(batch, requests))
         ):
-            total = sum(self.expected_accept(r) for r in requests)
-            self._sum = (tuple(requests), self._samples, total)
+            return total
+        if self._expected_at != self._samples:
+            self._expected.clear()
+            self._expected_at = self._samples
+        known, total = self._expected, 0.0
+        for request in requests:
+            expected = known.get(request)
+            if expected is None:
+                expected = known[request] = self.expected_accept(request)
+            total += expected
+        self._sum = (tuple(requests), self._samples, total)
         return total
 
     def choose(self, requests: Sequence[object]) -> bool:
