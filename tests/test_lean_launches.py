@@ -191,6 +191,7 @@ def _all_launchers() -> dict[str, CompiledLaunches]:
         "ngram_propose",
         "pad_batch",
         "padded_rows",
+        "sample_tokens",
         "verify_draft_tokens",
     )
     modules = [importlib.import_module(f"{kernels.__name__}.{name}") for name in names]
@@ -312,6 +313,22 @@ def _sampling_case() -> list[torch.Tensor]:
     return [*built.tensors(), table.position, last, history]
 
 
+def _token_draw_case() -> list[torch.Tensor]:
+    from test_spec_kernels import DEVICE, _int64, _probs
+
+    from pcgspec.kernels.sample_tokens import sample_tokens
+    from pcgspec.sampling import GREEDY_EPS
+    from pcgspec.sampling.rng import STREAM_TOKEN
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 300, generator=gen).to(DEVICE)
+    probs = _probs((6, 300), gen).to(DEVICE)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 0.3, 2.0], device=DEVICE)
+    seed, position = _int64(6, gen), _int64(6, gen, 0, 5000)
+    args = (STREAM_TOKEN, GREEDY_EPS)
+    return [sample_tokens(probs, logits, temperature, seed, position, *args, block_v=128)]
+
+
 def _verify_case() -> list[torch.Tensor]:
     from test_spec_kernels import _verify_inputs
 
@@ -377,6 +394,7 @@ GPU_CASES = {  # case -> (run it on fixed random inputs: what it wrote, the kern
     "padded_rows": (_padded_rows_case, {"_padded_rows_kernel"}),
     "sampling": (_sampling_case, {"_build_kernel", "_advance_kernel"}),
     "verify": (_verify_case, {"_verify_rows_kernel", "_accept_kernel"}),
+    "token_draw": (_token_draw_case, {"_sample_kernel"}),
     "ngram": (_ngram_case, {"_ngram_kernel"}),
     "extend": (_extend_case, {"_extend_kernel", "_merge_kernel"}),
 }
