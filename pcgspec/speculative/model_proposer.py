@@ -22,13 +22,13 @@ state), else gathered on the device (a request left the batch); rows past a requ
 tokens hold its rejected drafts, write no KV and are read by nothing. Otherwise (a new prompt,
 plain decode steps, or a verify step the host read before the next speculative step) the host
 state ``DraftState`` says how far the draft's K/V are valid (``computed``) and holds the target
-hidden states of the positions after it (``pending``, from ``observe``); a request further than
-k+1 rows behind first runs a DRAFT_EXTEND over all but its last k+1 rows (the draft's piecewise
-graphs where it has them, else eagerly). Those rows' tokens come from the host, but for the
-newest one, which a plain step still in flight may have sampled (the overlap schedule): the
-device takes it from the sampling slots (``SamplingSlots.last_tokens``), so a speculative step
-after a plain one waits for nothing. Reading a verify step turns its rows into host state for
-the requests the next step did not take them for.
+hidden states of the positions after it (its pending chunks, from ``observe``); a request
+further than k+1 rows behind first runs a DRAFT_EXTEND over all but its last k+1 rows (the
+draft's piecewise graphs where it has them, else eagerly). Those rows' tokens come from the
+host, but for the newest one, which a plain step still in flight may have sampled (the overlap
+schedule): the device takes it from the sampling slots (``SamplingSlots.last_tokens``), so a
+speculative step after a plain one waits for nothing. Reading a verify step turns its rows
+into host state for the requests the next step did not take them for.
 """
 
 from __future__ import annotations
