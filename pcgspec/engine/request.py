@@ -93,6 +93,9 @@ class Request:
     # a model drafter's progress on this request (``ModelProposer``'s ``DraftState``), kept
     # here so that the drafter's bookkeeping of every plain step is an attribute access
     draft_state: Any = field(default=None, repr=False)
+    # the speculation policy's estimates of this request (its accept length, how often it had
+    # drafts), kept here for the same reason (``SpecPolicy``)
+    spec_estimates: dict[object, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

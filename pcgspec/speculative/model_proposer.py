@@ -33,7 +33,6 @@ into host state for the requests the next step did not take them for.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -126,8 +125,10 @@ class VerifiedRows:
     tokens: torch.Tensor  # [B, k+1] int64: the step's emitted tokens, then FILLER_TOKEN
     num: torch.Tensor  # [B] int64: how many (accepted drafts + 1)
     hidden: torch.Tensor | None  # [B * (k+1), Hh] the verify pass's target states (a copy)
-    # the requests that catch up from these rows (row in the step), until read or taken
-    rows: weakref.WeakKeyDictionary[object, int]
+    # the requests that catch up from these rows (row in the step), until read or taken.
+    # NOTE: a plain dict: the rows live a step or two (weak keys cost 4x a step's lookups);
+    # a request that finishes meanwhile is not carried into the next step's rows
+    rows: dict[object, int]
 
 
 class ModelProposer(Proposer):
@@ -187,9 +188,7 @@ class ModelProposer(Proposer):
         if self.uses_target_hidden and hidden is None:
             raise ValueError("this draft needs the target's hidden states of verify passes")
         # NOTE: ``hidden`` is the runner's copy of the graph's rows (FULL capture), kept as is
-        rows: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary(
-            (r, b) for b, r in enumerate(requests)
-        )
+        rows = {r: b for b, r in enumerate(requests)}
         tokens = torch.where(out.tokens < 0, FILLER_TOKEN, out.tokens)  # catch-up input ids
         new = VerifiedRows(tokens, out.accept_len + 1, hidden, rows)
         self._verified = self._carried(new, self._verified)
@@ -208,7 +207,7 @@ class ModelProposer(Proposer):
             if old is None
             else [
                 (r, b)
-                for r, b in list(old.rows.items())
+                for r, b in old.rows.items()
                 if r not in new.rows and not r.finished and not r.length_reached
             ]
         )

@@ -16,10 +16,17 @@ steady step is the switch cost). Per kind and bucket the cost is the mean of the
 ``WINDOW`` times, each clipped at ``CLIP`` times their median (a compile or a long garbage
 collection is no cost of the kind, but a prefill step after a short plain step, several times
 as long, counts whole, as it does after a longer speculative step), and their median while
-fewer than ``MEAN_AFTER`` are in (one slow first step alone would set the cost). A bucket
-without ``MIN_TIMED`` times takes the kind's least-squares line ``a + b * batch_size`` over
-the buckets that have them (a single bucket: its cost), so that the sizes a batch passes
-through as requests arrive and finish are priced before they were ever timed.
+fewer than ``MEAN_AFTER`` are in (one slow first step alone would set the cost).
+
+Per kind, a least-squares line ``a + b * batch_size`` over the buckets with ``MIN_TIMED``
+times, each weighted by its number of times (a single bucket: its cost), prices a bucket
+without times of its own, so that the sizes a batch passes through as requests arrive and
+finish are priced before they were ever timed. It also steadies the buckets that have a few:
+a bucket's cost is its own shrunk toward the line with the weight of ``LINE_TIMES`` times. At
+high concurrency the batch wanders over several buckets as requests arrive and finish, each
+timed a handful of times between other steps; priced by their own times alone, two
+neighbouring buckets of 64 requests came out at 3.8 and 5.8 ms a speculative step, and the
+choice flipped (paying a switch each time) as the batch moved between them.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ WINDOW = 64  # step times kept per kind and bucket
 MIN_TIMED = 3  # times of a kind and bucket before its own cost counts
 MEAN_AFTER = 8  # times before the cost is their (clipped) mean, not their median
 CLIP = 10.0  # a time counts at most this many times the median
+LINE_TIMES = 8  # the weight of the kind's line in a bucket's cost, in step times
 
 
 class StepCosts:
@@ -40,7 +48,8 @@ class StepCosts:
         self._times: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
         )
-        self._costs: dict[tuple[bool, int], float] = {}
+        # per kind and bucket: its own price and the number of times it is of
+        self._costs: dict[tuple[bool, int], tuple[float, int]] = {}
         # the excess of a step that switched kinds over a steady one, per kind and bucket
         self._switch: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
@@ -52,7 +61,7 @@ class StepCosts:
         times = self._times[(speculative, bucket)]
         times.append(seconds)
         if len(times) >= MIN_TIMED:
-            self._costs[(speculative, bucket)] = _price(times)
+            self._costs[(speculative, bucket)] = (_price(times), len(times))
             self._lines.pop(speculative, None)
 
     def record_switch(self, speculative: bool, bucket: int, seconds: float) -> None:
@@ -65,7 +74,8 @@ class StepCosts:
 
     def own(self, speculative: bool, bucket: int) -> float | None:
         """The bucket's own cost of this kind; None before ``MIN_TIMED`` times."""
-        return self._costs.get((speculative, bucket))
+        own = self._costs.get((speculative, bucket))
+        return None if own is None else own[0]
 
     def forget(self, speculative: bool, bucket: int) -> None:
         """Drop the bucket's times of this kind (its cost stays until ``MIN_TIMED`` new)."""
@@ -75,20 +85,22 @@ class StepCosts:
         return any(kind is speculative for kind, _ in self._costs)
 
     def cost(self, speculative: bool, bucket: int) -> float | None:
-        """Seconds a steady step of this kind and bucket costs: the bucket's own, else the
-        kind's line; None while no bucket of the kind has its own."""
-        own = self._costs.get((speculative, bucket))
-        if own is not None:
-            return own
+        """Seconds a steady step of this kind and bucket costs: the bucket's own shrunk toward
+        the kind's line, else the line; None while no bucket of the kind has its own."""
         line = self._line(speculative)
         if line is None:
             return None
         intercept, slope = line
-        return intercept + slope * bucket
+        fitted = intercept + slope * bucket
+        own = self._costs.get((speculative, bucket))
+        if own is None:
+            return fitted
+        price, n = own
+        return (n * price + LINE_TIMES * fitted) / (n + LINE_TIMES)
 
     def _line(self, speculative: bool) -> tuple[float, float] | None:
         if speculative not in self._lines:
-            points = [(b, t) for (kind, b), t in self._costs.items() if kind is speculative]
+            points = [(b, t, n) for (kind, b), (t, n) in self._costs.items() if kind is speculative]
             self._lines[speculative] = _fit(points) if points else None
         return self._lines[speculative]
 
@@ -126,14 +138,16 @@ def _price(times: deque[float]) -> float:
     return math.fsum(ordered[:kept] + [cap] * (n - kept)) / n
 
 
-def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares ``t = a + b * x`` over the points, the slope kept >= 0 (a larger batch
-    never costs less); one distinct x: a flat line through their mean."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    var = sum((x - mean_x) ** 2 for x, _ in points)
+def _fit(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """Weighted least squares ``t = a + b * x`` over the points ``(x, t, weight)``, the slope
+    kept >= 0 (a larger batch never costs less); one distinct x: a flat line through their
+    weighted mean."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_t = sum(w * t for _, t, w in points) / total
+    var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
     if var == 0:
         return mean_t, 0.0
-    slope = max(0.0, sum((x - mean_x) * (t - mean_t) for x, t in points) / var)
+    cov = sum(w * (x - mean_x) * (t - mean_t) for x, t, w in points)
+    slope = max(0.0, cov / var)
     return mean_t - slope * mean_x, slope
