@@ -252,8 +252,8 @@ def test_a_bucket_that_borrows_times_measures_its_own_switches():
 
 
 def test_a_switch_must_repay_its_cost():
-    """Speculation starts only for a gain that repays a switch, and stops once it loses: near
-    break-even the policy keeps plain steps, not flipping every few steps."""
+    """Near break-even the policy keeps the kind of its last step: flipping would pay a
+    switch every few steps. A gain past the margin switches."""
     p, reqs = measured(policy(), 2, 1.25, 1.0), [Req(), Req()]
     p.record_step(False, 2, 1.0 + 0.8, steady=False, switched=True)  # a plain step waits 0.8
     margin = min(0.8 / HYSTERESIS_STEPS, MAX_MARGIN)
@@ -265,9 +265,10 @@ def test_a_switch_must_repay_its_cost():
         return p.choose(reqs)
 
     assert chosen_at(1 + margin / 2)  # the last step speculated: it goes on
-    assert not chosen_at(1 - margin / 2)  # it loses: plain
+    assert chosen_at(1 - margin / 2)
+    assert not chosen_at(1 - 2 * margin)  # clearly worse: plain
     assert not chosen_at(1 + margin / 2)  # plain now: it goes on
-    assert chosen_at(1 + 2 * margin)  # a gain that repays the switch
+    assert chosen_at(1 + 2 * margin)
 
 
 def test_always_speculates():
@@ -424,8 +425,8 @@ def test_a_bucket_timed_a_few_times_leans_on_the_line():
 def test_a_batch_wandering_over_buckets_does_not_flip_on_their_noise():
     """At high concurrency the batch moves between buckets as requests come and go, and the
     buckets it visits least have a few times each. Measured on one H200 (64 streams, EAGLE3):
-    a speculative step took 4.6 ms at 57-64 requests against 2.0 ms plain (2.2 tokens a
-    request do not pay), and the three times of 41-48 requests said 3.8 against 2.9 ms. The
+    a speculative step took 4.6-7.0 ms at 57-64 requests against 2.0-3.3 ms plain (2.2
+    tokens a request do not pay), and the three times of 41-48 requests said 3.8 against 2.9 ms. The
     choice must follow the well-timed buckets' line there, not flip to speculation (and back,
     paying two switches) whenever the batch shrinks to 48."""
     buckets = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
@@ -433,14 +434,14 @@ def test_a_batch_wandering_over_buckets_does_not_flip_on_their_noise():
     for r in reqs:
         for _ in range(20):
             p.record_accept(r, 2.2)
-    for b, t_spec, t_plain in [(16, 2.07e-3, 1.6e-3), (56, 5.8e-3, 2.1e-3), (64, 4.6e-3, 2.0e-3)]:
+    for b, t_spec, t_plain in [(16, 2.07e-3, 1.6e-3), (56, 5.8e-3, 2.1e-3), (64, 5.0e-3, 2.0e-3)]:
         for _ in range(64):
             p.record_step(True, b, t_spec)
             p.record_step(False, b, t_plain)
     for _ in range(MIN_TIMED):
         p.record_step(True, 48, 3.8e-3)
         p.record_step(False, 48, 2.88e-3)
-    p.record_step(True, 64, 4.6e-3 + 8e-3, steady=False, switched=True)
+    p.record_step(True, 64, 5.0e-3 + 8e-3, steady=False, switched=True)
     assert not p.choose(reqs)  # 64 requests: plain
     assert not p.choose(reqs[:45])  # 45: still plain, not the noise of bucket 48
     assert p.choose(reqs[:16])  # 16 requests: speculation pays

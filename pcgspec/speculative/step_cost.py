@@ -40,7 +40,7 @@ WINDOW = 64  # step times kept per kind and bucket
 MIN_TIMED = 3  # times of a kind and bucket before its own cost counts
 MEAN_AFTER = 8  # times before the cost is their (clipped) mean, not their median
 CLIP = 10.0  # a time counts at most this many times the median
-LINE_TIMES = 8  # the weight of the kind's line in a bucket's cost, in step times
+LINE_TIMES = 32  # the weight of the kind's line in a bucket's cost, in step times
 
 
 class StepCosts:
