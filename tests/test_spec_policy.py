@@ -447,6 +447,36 @@ def test_a_batch_wandering_over_buckets_does_not_flip_on_their_noise():
     assert p.choose(reqs[:16])  # 16 requests: speculation pays
 
 
+def test_a_bucket_priced_by_the_line_alone_times_its_own_speculative_steps():
+    """A probe's step is a switch, never a step time: a bucket priced only by a line drawn
+    through a few slow steps of smaller batches would stay on plain steps for good. After
+    ``RETIME_AFTER`` plain steps a probe speculates ``MEAN_AFTER`` steps to time it."""
+    p, reqs = SpecPolicy("auto", K, [1, 2, 4, 8, 16]), [Req() for _ in range(16)]
+    for r in reqs:
+        for _ in range(20):
+            p.record_accept(r, 2.2)
+    for _ in range(64):
+        p.record_step(True, 1, 1.5e-3)
+        p.record_step(False, 1, 1.0e-3)
+    for _ in range(MIN_TIMED):  # a ramp of arrivals: slow speculative steps at 8
+        p.record_step(True, 8, 3.8e-3)
+        p.record_step(False, 8, 1.3e-3)
+    assert p.costs.cost(True, 16) > 2.2 * 1.3e-3  # the line says: no gain at 16
+    chosen: list[bool] = []
+    for _ in range(4 * RETIME_AFTER):  # measured at 16: 2.1 ms speculative, 1.3 ms plain
+        spec = p.choose(reqs)
+        if spec and chosen and not chosen[-1]:
+            p.record_step(True, 16, 2.1e-3 + 4e-3, steady=False, switched=True)
+        else:
+            p.record_step(spec, 16, 2.1e-3 if spec else 1.3e-3)
+        if spec:
+            for r in reqs:
+                p.record_accept(r, 2.2)
+        chosen.append(spec)
+    assert p.costs.own(True, 16) == pytest.approx(2.1e-3)
+    assert all(chosen[-RETIME_AFTER:])  # 2.2 tokens for 1.6x a plain step's time
+
+
 def test_a_close_call_times_plain_steps_again():
     """Plain steps timed long ago at 2 ms (a slow start) make speculation at 2.4 ms look 1.1x
     faster: after RETIME_PLAIN_AFTER speculative steps the policy times plain steps again (a
