@@ -12,6 +12,7 @@ from pcgspec.speculative.policy import (
     HYSTERESIS_STEPS,
     MAX_MARGIN,
     MAX_PROBE_INTERVAL,
+    MAX_RETIME_AFTER,
     MIN_PROBE_INTERVAL,
     MIN_TIMED,
     PROBE_SHARE,
@@ -368,6 +369,27 @@ def test_speculative_times_of_a_slow_stretch_are_measured_again():
     assert RETIME_AFTER <= chosen.count(False) <= 2 * RETIME_AFTER  # single-step probes before
     assert [True, True] not in [chosen[i : i + 2] for i in range(resumed)]
     assert all(chosen[resumed:]) and p.costs.own(True, 1) == pytest.approx(1.4)
+
+
+def test_re_timings_that_do_not_pay_back_off():
+    """Speculative steps that stay dear (3 ms against 1 ms plain, 2.2 tokens a request) are
+    re-timed after RETIME_AFTER plain steps, then after twice as many each time, up to
+    MAX_RETIME_AFTER: each re-timing is MEAN_AFTER losing steps."""
+    p, r = measured(policy(), 1, 3.0, 1.0), Req()
+    for _ in range(20):
+        p.record_accept(r, 2.2)
+    chosen = _run(p, r, 12 * MAX_PROBE_INTERVAL, 3.0, 2.2)
+    # re-timings: runs of speculative steps (a probe alone is one)
+    starts = [
+        i for i in range(1, len(chosen) - 1) if chosen[i] and chosen[i + 1] and not chosen[i - 1]
+    ]
+    assert len(starts) >= 4
+    plain_between = [chosen[a:b].count(False) for a, b in zip(starts, starts[1:])]
+    # NOTE: a re-timing comes with a probe, so the gaps are whole probe intervals (<= 512)
+    assert plain_between[0] >= RETIME_AFTER
+    assert all(b >= a for a, b in zip(plain_between, plain_between[1:]))
+    assert plain_between[-1] >= 4 * MAX_PROBE_INTERVAL  # sparser than the probes
+    assert max(plain_between) <= MAX_RETIME_AFTER + MAX_PROBE_INTERVAL
 
 
 def test_a_drafter_that_accepts_nothing_is_not_retimed():

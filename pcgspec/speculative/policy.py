@@ -38,14 +38,18 @@ speculation look dearer than it is. The switch cost shapes two choices:
   ``RETIME_AFTER`` plain steps without a timed speculative one, for requests that would gain
   ``RETIME_GAIN`` if a speculative step cost no more than a plain one, drops the bucket's
   speculative times and speculates ``MEAN_AFTER`` more steps to measure them again (enough for
-  a mean, which counts the prefill steps between them). A bucket priced by the line alone is
-  measured so too: a probe's step is a switch, never timed as a step, so without it a line
-  drawn through a few slow steps of small batches (a ramp of arrivals, each catching the
-  drafter up over a new prompt) priced 16 requests' speculative step at 6.3 ms, against 2.1
-  ms measured, and kept 16 streams on plain steps for good. The other way round, a bucket that
-  speculated ``RETIME_PLAIN_AFTER`` steps without a timed plain one (its plain cost is old, or
-  only the line's) takes ``MEAN_AFTER`` plain steps after a switch when speculation wins by
-  less than ``RETIME_PLAIN_GAIN`` for the typical request: a close call is made on fresh costs.
+  a mean, which counts the prefill steps between them); a re-timing that does not pay doubles
+  the plain steps before the next (up to ``MAX_RETIME_AFTER``): at 64 requests in flight each
+  is ``MEAN_AFTER`` steps that cost twice a plain one for 2.2 tokens a request, and a catch-up
+  over the batch, every few hundred steps in each bucket the batch visits. A bucket priced by
+  the line alone is measured so too: a probe's step is a switch, never timed as a step, so
+  without it a line drawn through a few slow steps of small batches (a ramp of arrivals, each
+  catching the drafter up over a new prompt) priced 16 requests' speculative step at 6.3 ms,
+  against 2.1 ms measured, and kept 16 streams on plain steps for good. The other way round,
+  a bucket that speculated ``RETIME_PLAIN_AFTER`` steps without a timed plain one (its plain
+  cost is old, or only the line's) takes ``MEAN_AFTER`` plain steps after a switch when
+  speculation wins by less than ``RETIME_PLAIN_GAIN`` for the typical request: a close call is
+  made on fresh costs.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device). Prompt lookup (NGRAM)
@@ -73,6 +77,7 @@ MAX_PROBE_INTERVAL = 512
 PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain steps between probes
 RETIME_AFTER = 64  # plain steps of a bucket before a probe measures speculative steps again
 RETIME_GAIN = 1.1  # ... when its requests would gain this much at a plain step's time
+MAX_RETIME_AFTER = 4096  # ... doubled after every re-timing that does not pay, up to this
 RETIME_PLAIN_AFTER = 256  # speculative steps of a bucket before plain steps are timed again
 RETIME_PLAIN_GAIN = 1.25  # ... when speculation wins by less than this for the typical request
 HYSTERESIS_STEPS = 16  # a switch of kind must repay its cost within this many steps
@@ -129,6 +134,9 @@ class SpecPolicy:
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: dict[int, int] = {}  # buckets awaiting a probe's verdict: _samples then
         self._retiming: dict[int, int] = {}  # per bucket speculative steps left to re-time
+        self._retimed: dict[int, bool] = {}  # buckets whose probe re-times: its verdict pending
+        # per bucket plain steps before a probe re-times, doubled by every re-timing that loses
+        self._retime_after: dict[int, int] = defaultdict(lambda: RETIME_AFTER)
         self._retiming_plain: dict[int, int] = {}  # per bucket plain steps left to re-time
         # per bucket: speculative_steps when a plain step was last timed, or re-timed
         self._plain_timed: dict[int, int] = {}
@@ -219,7 +227,8 @@ class SpecPolicy:
             self._retiming_plain[bucket] -= 1
             return self._chose(False, bucket)
         if self._probed.get(bucket, self._samples) < self._samples:
-            # the probe's results are in: probe again after 8 plain steps, or twice as many
+            # the probe's results are in: probe again after 8 plain steps, or twice as many;
+            # a re-timing probe's: re-time after RETIME_AFTER plain steps, or twice as many
             del self._probed[bucket]
             interval = (
                 MIN_PROBE_INTERVAL
@@ -227,6 +236,9 @@ class SpecPolicy:
                 else 2 * self.probe_interval(bucket, t_plain, switch_cost)
             )
             self._interval[bucket] = min(interval, MAX_PROBE_INTERVAL)
+            if self._retimed.pop(bucket, False):
+                after = RETIME_AFTER if pays else 2 * self._retime_after[bucket]
+                self._retime_after[bucket] = min(after, MAX_RETIME_AFTER)
         if pays:
             return self._chose(True, bucket)
         if bucket not in self._probed and self._plain_run[bucket] >= self.probe_interval(
@@ -243,10 +255,11 @@ class SpecPolicy:
         self._plain_run[bucket] = 0
         if (
             self._expected_sum(requests) > RETIME_GAIN * len(requests)
-            and self.plain_steps - self._spec_timed.get(bucket, 0) >= RETIME_AFTER
+            and self.plain_steps - self._spec_timed.get(bucket, 0) >= self._retime_after[bucket]
         ):
             self.costs.forget(True, bucket)
             self._retiming[bucket] = MEAN_AFTER
+            self._retimed[bucket] = True
             self._spec_timed[bucket] = self.plain_steps
 
     def _plain_is_old(self, bucket: int, t_spec: float, t_plain: float) -> bool:
