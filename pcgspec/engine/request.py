@@ -95,7 +95,7 @@ class Request:
     draft_state: Any = field(default=None, repr=False)
     # the speculation policy's estimates of this request (its accept length, how often it had
     # drafts), kept here for the same reason (``SpecPolicy``)
-    spec_estimates: dict[object, Any] | None = field(default=None, repr=False)
+    spec_estimates: dict[int, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

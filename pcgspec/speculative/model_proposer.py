@@ -126,8 +126,8 @@ class VerifiedRows:
     num: torch.Tensor  # [B] int64: how many (accepted drafts + 1)
     hidden: torch.Tensor | None  # [B * (k+1), Hh] the verify pass's target states (a copy)
     # the requests that catch up from these rows (row in the step), until read or taken.
-    # NOTE: a plain dict: the rows live a step or two (weak keys cost 4x a step's lookups);
-    # a request that finishes meanwhile is not carried into the next step's rows
+    # NOTE: a plain dict: the rows live a step or two (weak keys cost several times as much per
+    # lookup); a request that finishes meanwhile is not carried into the next step's rows
     rows: dict[object, int]
 
 

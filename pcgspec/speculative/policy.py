@@ -2,8 +2,8 @@
 
 A speculative step of a batch emits the accept lengths (accepted drafts + 1) of its requests;
 a plain step emits one token per request. The policy prices both kinds of step with a cost
-model learned from every step (``StepCosts``: per kind and batch-size bucket, a line over the
-buckets where a bucket has no times of its own), keeps per request an estimate of its accept
+model learned from every step (``StepCosts``: per kind and batch-size bucket, leaning on a line
+over the buckets where a bucket has few times or none), keeps per request an estimate of its accept
 length, and speculates when
 
     sum_b accept_b / t_spec(B)  >  B / t_plain(B)
@@ -37,19 +37,20 @@ speculation look dearer than it is. The switch cost shapes two choices:
   stretch in which steps ran slow could keep it on plain steps for good. A probe after
   ``RETIME_AFTER`` plain steps without a timed speculative one, for requests that would gain
   ``RETIME_GAIN`` if a speculative step cost no more than a plain one, drops the bucket's
-  speculative times and speculates ``MEAN_AFTER`` more steps to measure them again (enough for
-  a mean, which counts the prefill steps between them); a re-timing that does not pay doubles
-  the plain steps before the next (up to ``MAX_RETIME_AFTER``): at 64 requests in flight each
-  is ``MEAN_AFTER`` steps that cost twice a plain one for 2.2 tokens a request, and a catch-up
-  over the batch, every few hundred steps in each bucket the batch visits. A bucket priced by
-  the line alone is measured so too: a probe's step is a switch, never timed as a step, so
-  without it a line drawn through a few slow steps of small batches (a ramp of arrivals, each
-  catching the drafter up over a new prompt) priced 16 requests' speculative step at 6.3 ms,
-  against 2.1 ms measured, and kept 16 streams on plain steps for good. The other way round,
-  a bucket that speculated ``RETIME_PLAIN_AFTER`` steps without a timed plain one (its plain
-  cost is old, or only the line's) takes ``MEAN_AFTER`` plain steps after a switch when
-  speculation wins by less than ``RETIME_PLAIN_GAIN`` for the typical request: a close call is
-  made on fresh costs.
+  speculative times and speculates ``MEAN_AFTER`` + 2 more steps to measure them again (the
+  first is a switch, and a step's time comes in after the next choice: the verdict sees
+  ``MEAN_AFTER`` times, enough for a mean, which counts the prefill steps between them); a
+  re-timing that does not pay doubles the plain steps before the next (up to
+  ``MAX_RETIME_AFTER``): at 64 requests in flight each is ten steps that cost twice a plain one
+  for 2.2 tokens a request, and a catch-up over the batch, every few hundred steps in each
+  bucket the batch visits. A bucket priced by the line alone is measured so too: a probe's step
+  is a switch, never timed as a step, so without it a line drawn through a few slow steps of
+  small batches (a ramp of arrivals, each catching the drafter up over a new prompt) priced 16
+  requests' speculative step at 6.3 ms, against 2.1 ms measured, and kept 16 streams on plain
+  steps for good. The other way round, a bucket that speculated ``RETIME_PLAIN_AFTER`` steps
+  without a timed plain one (its plain cost is old, or only the line's) takes ``MEAN_AFTER``
+  plain steps after a switch when speculation wins by less than ``RETIME_PLAIN_GAIN`` for the
+  typical request: a close call is made on fresh costs.
 
 The choice comes before the step's tokens are on the host (under the overlap schedule the last
 ones are still on the device). Prompt lookup (NGRAM)
@@ -62,6 +63,7 @@ request; the falling match rates then keep such batches on plain steps, but for 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -75,13 +77,16 @@ _PRIOR_EMA = 0.05  # weight of one verify step in the mean over all requests (at
 MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
 PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain steps between probes
-RETIME_AFTER = 64  # plain steps of a bucket before a probe measures speculative steps again
+RETIME_AFTER = (
+    64  # plain steps of a bucket before a probe measures speculative steps again (at first)
+)
 RETIME_GAIN = 1.1  # ... when its requests would gain this much at a plain step's time
 MAX_RETIME_AFTER = 4096  # ... doubled after every re-timing that does not pay, up to this
 RETIME_PLAIN_AFTER = 256  # speculative steps of a bucket before plain steps are timed again
 RETIME_PLAIN_GAIN = 1.25  # ... when speculation wins by less than this for the typical request
 HYSTERESIS_STEPS = 16  # a switch of kind must repay its cost within this many steps
 MAX_MARGIN = 0.05  # ... and needs at most this relative gain
+_ESTIMATORS = itertools.count()  # keys of the estimators' entries in a request's estimates
 
 __all__ = ["MIN_TIMED", "RunningAverage", "SpecPolicy"]
 
@@ -95,29 +100,31 @@ class RunningAverage:
 
     A request's ``sum`` and ``n`` live on the request (``_estimates``), so they go with it when it
     finishes; every verify step adds a sample per request, and a weak dictionary's lookups cost
-    six times an attribute's (0.15 ms a step at 64 requests on a 2-core CPU).
+    six times an attribute's (0.15 ms a step at 64 requests on a 2-core CPU). Keyed by a number
+    per estimator, so that a request refers to no policy object.
     """
 
     def __init__(self, start: float) -> None:
         self.prior = start
         self._count = 0  # samples averaged into the prior
+        self._key = next(_ESTIMATORS)  # its entry in a request's estimates
 
     def get(self, request: object) -> float:
-        total, n = _estimates(request).get(self, (0.0, 0.0))
+        total, n = _estimates(request).get(self._key, (0.0, 0.0))
         return (self.prior * _PRIOR_WEIGHT + total) / (_PRIOR_WEIGHT + n)
 
     def add(self, request: object, value: float) -> None:
         own = _estimates(request)
-        total, n = own.get(self, (0.0, 0.0))
-        own[self] = (_DECAY * total + value, _DECAY * n + 1)
+        total, n = own.get(self._key, (0.0, 0.0))
+        own[self._key] = (_DECAY * total + value, _DECAY * n + 1)
         self._count += 1
         weight = max(_PRIOR_EMA, 1 / (self._count + 1))
         self.prior = (1 - weight) * self.prior + weight * value
 
 
-def _estimates(request: object) -> dict[object, object]:
+def _estimates(request: object) -> dict[int, tuple]:
     """What the policy's estimators keep of ``request`` (``Request.spec_estimates``), keyed by
-    the estimator."""
+    the estimator's number."""
     own = getattr(request, "spec_estimates", None)
     if own is None:
         own = request.spec_estimates = {}  # type: ignore[attr-defined]
@@ -150,6 +157,7 @@ class SpecPolicy:
         self._recording = True
         self._samples = 0  # accept and match samples so far: a batch's sum is valid until one
         self._sum: tuple[tuple[object, ...], int, float] = ((), 0, 0.0)  # (batch, _samples, sum)
+        self._key = next(_ESTIMATORS)  # its expected tokens' entry in a request's estimates
 
     def _bucket(self, batch_size: int) -> int:
         return pad_to_bucket(batch_size, self.batch_sizes) or self.batch_sizes[-1]
@@ -196,10 +204,10 @@ class SpecPolicy:
         total, samples = 0.0, self._samples
         for request in requests:  # per request (samples, expected_accept) on the request
             own = _estimates(request)
-            at, expected = own.get(self, (-1, 0.0))
+            at, expected = own.get(self._key, (-1, 0.0))
             if at != samples:
                 expected = self.expected_accept(request)
-                own[self] = (samples, expected)
+                own[self._key] = (samples, expected)
             total += expected
         self._sum = (tuple(requests), self._samples, total)
         return total
@@ -250,7 +258,7 @@ class SpecPolicy:
 
     def _probe(self, requests: Sequence[object], bucket: int) -> None:
         """Mark a probe of ``bucket``; time its speculative steps (again) where they would pay
-        at a plain step's cost and none was timed for ``RETIME_AFTER`` plain steps."""
+        at a plain step's cost and none was timed for ``_retime_after[bucket]`` plain steps."""
         self._probed[bucket] = self._samples
         self._plain_run[bucket] = 0
         if (
@@ -258,7 +266,9 @@ class SpecPolicy:
             and self.plain_steps - self._spec_timed.get(bucket, 0) >= self._retime_after[bucket]
         ):
             self.costs.forget(True, bucket)
-            self._retiming[bucket] = MEAN_AFTER
+            # NOTE: a step's time is recorded after the next choice, and the first re-timed
+            # step is a switch: two more steps, and the verdict sees MEAN_AFTER times (a mean)
+            self._retiming[bucket] = MEAN_AFTER + 2
             self._retimed[bucket] = True
             self._spec_timed[bucket] = self.plain_steps
 
@@ -282,6 +292,7 @@ class SpecPolicy:
         self._speculating = speculate
         if speculate:
             self._plain_run[bucket] = 0
+            self._retime_after.pop(bucket, None)  # it pays: re-time after RETIME_AFTER again
         else:
             self._plain_run[bucket] += 1
             self.plain_steps += 1

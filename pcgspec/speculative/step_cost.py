@@ -19,14 +19,16 @@ as long, counts whole, as it does after a longer speculative step), and their me
 fewer than ``MEAN_AFTER`` are in (one slow first step alone would set the cost).
 
 Per kind, a least-squares line ``a + b * batch_size`` over the buckets with ``MIN_TIMED``
-times, each weighted by its number of times (a single bucket: its cost), prices a bucket
-without times of its own, so that the sizes a batch passes through as requests arrive and
-finish are priced before they were ever timed. It also steadies the buckets that have a few:
-a bucket's cost is its own shrunk toward the line with the weight of ``LINE_TIMES`` times. At
-high concurrency the batch wanders over several buckets as requests arrive and finish, each
-timed a handful of times between other steps; priced by their own times alone, two
-neighbouring buckets of 64 requests came out at 3.8 and 5.8 ms a speculative step, and the
-choice flipped (paying a switch each time) as the batch moved between them.
+times, each weighted by its number of times (a single bucket: its cost), and never below the
+kind's cheapest bucket, prices a bucket without times of its own, so that the sizes a batch
+passes through as requests arrive and finish are priced before they were ever timed. It also
+steadies a bucket with fewer than ``MEAN_AFTER`` times (priced by their median): its own price
+is shrunk toward the line with the weight of ``LINE_TIMES`` times. At high concurrency the
+batch wanders over several buckets as requests arrive and finish, the rarer ones timed a
+handful of times between other steps; priced by those alone, two neighbouring buckets of 64
+requests came out at 3.8 and 5.8 ms a speculative step, and the choice flipped (paying a switch
+each time) as the batch moved between them. From ``MEAN_AFTER`` times on a bucket's own cost
+stands: a bucket re-timed after a slow stretch must not be held back by neighbours timed in it.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class StepCosts:
         self._switch: dict[tuple[bool, int], deque[float]] = defaultdict(
             lambda: deque(maxlen=WINDOW)
         )
-        self._lines: dict[bool, tuple[float, float] | None] = {}  # per kind, None: no bucket
+        # per kind (intercept, slope, floor), None: no bucket
+        self._lines: dict[bool, tuple[float, float, float] | None] = {}
         self._switch_costs: dict[int, float] = {}  # ``switch_cost`` per bucket, until a switch
 
     def record(self, speculative: bool, bucket: int, seconds: float) -> None:
@@ -85,23 +88,29 @@ class StepCosts:
         return any(kind is speculative for kind, _ in self._costs)
 
     def cost(self, speculative: bool, bucket: int) -> float | None:
-        """Seconds a steady step of this kind and bucket costs: the bucket's own shrunk toward
-        the kind's line, else the line; None while no bucket of the kind has its own."""
+        """Seconds a steady step of this kind and bucket costs: the bucket's own (shrunk toward
+        the kind's line while it has fewer than ``MEAN_AFTER`` times), else the line; None
+        while no bucket of the kind has its own."""
+        own = self._costs.get((speculative, bucket))
+        if own is not None and own[1] >= MEAN_AFTER:
+            return own[0]
         line = self._line(speculative)
         if line is None:
             return None
-        intercept, slope = line
-        fitted = intercept + slope * bucket
-        own = self._costs.get((speculative, bucket))
+        intercept, slope, floor = line
+        fitted = max(floor, intercept + slope * bucket)
         if own is None:
             return fitted
         price, n = own
         return (n * price + LINE_TIMES * fitted) / (n + LINE_TIMES)
 
-    def _line(self, speculative: bool) -> tuple[float, float] | None:
+    def _line(self, speculative: bool) -> tuple[float, float, float] | None:
+        """The kind's line (intercept, slope) and its floor, the cheapest bucket's price."""
         if speculative not in self._lines:
             points = [(b, t, n) for (kind, b), (t, n) in self._costs.items() if kind is speculative]
-            self._lines[speculative] = _fit(points) if points else None
+            self._lines[speculative] = (
+                (*_fit(points), min(t for _, t, _ in points)) if points else None
+            )
         return self._lines[speculative]
 
     def switch_cost(self, bucket: int) -> float:
