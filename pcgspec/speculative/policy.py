@@ -2,9 +2,9 @@
 
 A speculative step of a batch emits the accept lengths (accepted drafts + 1) of its requests;
 a plain step emits one token per request. The policy prices both kinds of step with a cost
-model learned from every step (``StepCosts``: per kind and batch-size bucket, leaning on a line
-over the buckets where a bucket has few times or none), keeps per request an estimate of its accept
-length, and speculates when
+model learned from every step (``StepCosts``: per kind and batch-size bucket, leaning on a
+line over the buckets where a bucket has few times or none), keeps per request an estimate of
+its accept length, and speculates when
 
     sum_b accept_b / t_spec(B)  >  B / t_plain(B)
 
@@ -77,9 +77,7 @@ _PRIOR_EMA = 0.05  # weight of one verify step in the mean over all requests (at
 MIN_PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 512
 PROBE_SHARE = 0.02  # the most a probe's switches may cost, against the plain steps between probes
-RETIME_AFTER = (
-    64  # plain steps of a bucket before a probe measures speculative steps again (at first)
-)
+RETIME_AFTER = 64  # plain steps before a probe measures speculative steps again (at first)
 RETIME_GAIN = 1.1  # ... when its requests would gain this much at a plain step's time
 MAX_RETIME_AFTER = 4096  # ... doubled after every re-timing that does not pay, up to this
 RETIME_PLAIN_AFTER = 256  # speculative steps of a bucket before plain steps are timed again
