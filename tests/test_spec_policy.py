@@ -340,19 +340,28 @@ def test_a_batch_sum_is_reused_only_for_the_same_requests_and_samples():
     assert p.choose([a])
 
 
-def _run(p: SpecPolicy, r: Req, steps: int, t_spec: float, accept: float) -> list[bool]:
-    """``steps`` choices for one request, each step recorded as the engine would: a switch to
-    speculation is timed as a switch, other steps as steady ones (speculative: ``t_spec``,
-    plain: 1.0)."""
-    chosen: list[bool] = []
+def _run(
+    p: SpecPolicy,
+    reqs: list[Req],
+    steps: int,
+    t_spec: float,
+    accept: float,
+    t_plain: float = 1.0,
+    switch: float = 2.0,
+) -> list[bool]:
+    """``steps`` choices for a batch of ``reqs``, each step recorded as the engine would: a
+    switch to speculation is timed as a switch (``t_spec + switch``), other steps as steady
+    ones (speculative: ``t_spec``, plain: ``t_plain``)."""
+    batch, chosen = len(reqs), []
     for _ in range(steps):
-        spec = p.choose([r])
+        spec = p.choose(reqs)
         if spec and chosen and not chosen[-1]:
-            p.record_step(True, 1, t_spec + 2.0, steady=False, switched=True)
+            p.record_step(True, batch, t_spec + switch, steady=False, switched=True)
         else:
-            p.record_step(spec, 1, t_spec if spec else 1.0)
+            p.record_step(spec, batch, t_spec if spec else t_plain)
         if spec:
-            p.record_accept(r, accept)
+            for r in reqs:
+                p.record_accept(r, accept)
         chosen.append(spec)
     return chosen
 
@@ -364,7 +373,7 @@ def test_speculative_times_of_a_slow_stretch_are_measured_again():
     p, r = measured(policy(), 1, 3.0, 1.0), Req()
     for _ in range(20):
         p.record_accept(r, 2.4)
-    chosen = _run(p, r, 3 * RETIME_AFTER, 1.4, 2.4)
+    chosen = _run(p, [r], 3 * RETIME_AFTER, 1.4, 2.4)
     resumed = max(i for i, spec in enumerate(chosen) if not spec) + 1
     assert RETIME_AFTER <= chosen.count(False) <= 2 * RETIME_AFTER  # single-step probes before
     assert [True, True] not in [chosen[i : i + 2] for i in range(resumed)]
@@ -378,7 +387,7 @@ def test_re_timings_that_do_not_pay_back_off():
     p, r = measured(policy(), 1, 3.0, 1.0), Req()
     for _ in range(20):
         p.record_accept(r, 2.2)
-    chosen = _run(p, r, 12 * MAX_PROBE_INTERVAL, 3.0, 2.2)
+    chosen = _run(p, [r], 12 * MAX_PROBE_INTERVAL, 3.0, 2.2)
     # re-timings: runs of speculative steps (a probe alone is one)
     starts = [
         i for i in range(1, len(chosen) - 1) if chosen[i] and chosen[i + 1] and not chosen[i - 1]
@@ -396,7 +405,7 @@ def test_a_drafter_that_accepts_nothing_is_not_retimed():
     p, r = measured(policy(), 1, 3.0, 1.0), Req()
     for _ in range(20):
         p.record_accept(r, 1.0)
-    chosen = _run(p, r, 2 * RETIME_AFTER, 1.4, 1.0)
+    chosen = _run(p, [r], 2 * RETIME_AFTER, 1.4, 1.0)
     assert 0 < chosen.count(True) <= 4 and p.costs.own(True, 1) == 3.0  # single-step probes
 
 
@@ -462,17 +471,7 @@ def test_a_re_timed_bucket_is_not_held_back_by_neighbours_timed_in_a_slow_stretc
     for r in reqs:
         for _ in range(20):
             p.record_accept(r, 2.4)
-    chosen: list[bool] = []
-    for _ in range(4 * RETIME_AFTER):
-        spec = p.choose(reqs)
-        if spec and chosen and not chosen[-1]:
-            p.record_step(True, 16, 1.4 * 1.25 + 2.0, steady=False, switched=True)
-        else:
-            p.record_step(spec, 16, (1.4 if spec else 1.0) * 1.25)
-        if spec:
-            for r in reqs:
-                p.record_accept(r, 2.4)
-        chosen.append(spec)
+    chosen = _run(p, reqs, 4 * RETIME_AFTER, 1.4 * 1.25, 2.4, t_plain=1.0 * 1.25)
     assert p.costs.cost(True, 16) == pytest.approx(1.4 * 1.25)
     assert all(chosen[-RETIME_AFTER:])
 
@@ -517,17 +516,8 @@ def test_a_bucket_priced_by_the_line_alone_times_its_own_speculative_steps():
         p.record_step(True, 8, 3.8e-3)
         p.record_step(False, 8, 1.3e-3)
     assert p.costs.cost(True, 16) > 2.2 * 1.3e-3  # the line says: no gain at 16
-    chosen: list[bool] = []
-    for _ in range(4 * RETIME_AFTER):  # measured at 16: 2.1 ms speculative, 1.3 ms plain
-        spec = p.choose(reqs)
-        if spec and chosen and not chosen[-1]:
-            p.record_step(True, 16, 2.1e-3 + 4e-3, steady=False, switched=True)
-        else:
-            p.record_step(spec, 16, 2.1e-3 if spec else 1.3e-3)
-        if spec:
-            for r in reqs:
-                p.record_accept(r, 2.2)
-        chosen.append(spec)
+    # measured at 16: 2.1 ms speculative, 1.3 ms plain
+    chosen = _run(p, reqs, 4 * RETIME_AFTER, 2.1e-3, 2.2, t_plain=1.3e-3, switch=4e-3)
     assert p.costs.own(True, 16) == pytest.approx(2.1e-3)
     assert all(chosen[-RETIME_AFTER:])  # 2.2 tokens for 1.6x a plain step's time
 

@@ -139,7 +139,7 @@ class SpecPolicy:
         self._interval: dict[int, int] = defaultdict(lambda: MIN_PROBE_INTERVAL)
         self._probed: dict[int, int] = {}  # buckets awaiting a probe's verdict: _samples then
         self._retiming: dict[int, int] = {}  # per bucket speculative steps left to re-time
-        self._retimed: dict[int, bool] = {}  # buckets whose probe re-times: its verdict pending
+        self._retimed: set[int] = set()  # buckets whose probe re-times: its verdict pending
         # per bucket plain steps before a probe re-times, doubled by every re-timing that loses
         self._retime_after: dict[int, int] = defaultdict(lambda: RETIME_AFTER)
         self._retiming_plain: dict[int, int] = {}  # per bucket plain steps left to re-time
@@ -242,7 +242,8 @@ class SpecPolicy:
                 else 2 * self.probe_interval(bucket, t_plain, switch_cost)
             )
             self._interval[bucket] = min(interval, MAX_PROBE_INTERVAL)
-            if self._retimed.pop(bucket, False):
+            if bucket in self._retimed:
+                self._retimed.discard(bucket)
                 after = RETIME_AFTER if pays else 2 * self._retime_after[bucket]
                 self._retime_after[bucket] = min(after, MAX_RETIME_AFTER)
         if pays:
@@ -267,7 +268,7 @@ class SpecPolicy:
             # NOTE: a step's time is recorded after the next choice, and the first re-timed
             # step is a switch: two more steps, and the verdict sees MEAN_AFTER times (a mean)
             self._retiming[bucket] = MEAN_AFTER + 2
-            self._retimed[bucket] = True
+            self._retimed.add(bucket)
             self._spec_timed[bucket] = self.plain_steps
 
     def _plain_is_old(self, bucket: int, t_spec: float, t_plain: float) -> bool:
