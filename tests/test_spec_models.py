@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -264,6 +264,7 @@ def test_overlapped_plain_steps_between_speculative_ones_equal_plain(
         speculative_num_steps=K,
         disable_overlap_schedule=False,
         disable_piecewise_cuda_graph=True,
+        max_running_requests=4,
         **draft,
     )
     _assert_mixed_steps_equal_plain(spec, llm, hf_model)
@@ -390,13 +391,16 @@ def test_verify_rows_carry_only_requests_that_run_again():
 def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
     """A fixed pattern of the policy's choices covers every switch (plain after speculative,
     speculative after a run of launched plain steps, after a prefill), with stops and
-    max_tokens landing on pending tokens: output equals plain decoding, nothing is left held.
-    A model drafter's catch-up rows through the host hold the requests' tokens, the newest
-    taken from the device while the plain step that sampled it is in flight.
+    max_tokens landing on pending tokens, and requests joining (``spec`` runs 4 at a time):
+    output equals plain decoding, nothing is left held. Decode and mixed steps are launched
+    over a speculative step the host has not read (their decode rows' lengths come from the
+    device). A model drafter's catch-up rows through the host hold the requests' tokens, the
+    newest taken from the device while the plain step that sampled it is in flight.
     """
     engine, pattern = spec.engine, itertools.cycle([True, False, False, True, True, False, False])
-    assert engine.overlap
+    assert engine.overlap and engine.config.max_running_requests == 4
     engine.spec_worker.policy.choose = lambda reqs: next(pattern)
+    over_spec = _count_plain_steps_over_spec(engine)
     params = [_greedy(NEW_TOKENS), _greedy(9), _greedy(NEW_TOKENS, stop=[" the"])] * 3
     prompts = PROMPTS[: len(params)]
     proposer, rows, pending = engine.spec_worker.proposer, [], []
@@ -420,12 +424,31 @@ def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
     if isinstance(proposer, ModelProposer):
         assert sum(pending) > 0  # catch-ups with a plain step in flight
         assert all(token == r.token_ids[p + proposer.lag] for r, token, p in rows)
+    assert over_spec["decode"] > 0, over_spec
     want = plain.generate(prompts, params, use_tqdm=False)
     _assert_same_greedy(plain, hf_model, prompts, want, outs)
     assert [o.text for o in outs] == [w.text for w in want]
     assert engine.spec_worker.policy.speculative_steps > 0 and not engine.in_flight
     assert engine.slots.num_free == engine.slots.num_slots
     assert_all_pages_free(spec)
+
+
+def _count_plain_steps_over_spec(engine) -> Counter:
+    """Counts, by kind (decode, mixed), the plain steps ``engine`` launches while a speculative
+    step is launched and not read."""
+    worker, over_spec, forward_and_sample = (
+        engine.spec_worker,
+        Counter(),
+        engine._forward_and_sample,
+    )
+
+    def plain_step(batch, after_spec):
+        if worker._unread:
+            over_spec["decode" if batch.mode.is_decode() else "mixed"] += 1
+        forward_and_sample(batch, after_spec)
+
+    engine._forward_and_sample = plain_step
+    return over_spec
 
 
 def test_standalone_vocabulary_must_match(smollm2_path, tmp_path):
@@ -499,6 +522,7 @@ def test_cuda_overlapped_plain_steps_between_speculative_ones_equal_plain(
         str(smollm2_path),
         speculative_algorithm=algorithm,
         speculative_draft_model_path=draft,
+        max_running_requests=4,
         **SPEC_KW,
         **GPU_KW,
     )
@@ -611,7 +635,9 @@ def test_tiny_targets_greedy_equal_plain(smollm2_path, tmp_path, algorithm):
 def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts, llm, algorithm):
     """Under the overlap schedule requests join, finish and are aborted while speculative steps
     are in flight (an abort drops the results of its step in flight): the others' greedy
-    output equals plain decoding, and at the end every sampling slot and page is free.
+    output equals plain decoding, and at the end every sampling slot and page is free. A
+    joining prompt's prefill runs in a mixed step launched over the speculative step in flight
+    (the decode rows' lengths come from the device).
     """
     draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
     spec = LLM(
@@ -627,6 +653,7 @@ def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts,
         **draft,
     )
     engine, tok = spec.engine, spec.get_tokenizer()
+    over_spec = _count_plain_steps_over_spec(engine)
     prompts = PROMPTS[:8]
     params = [_greedy(12 + 4 * (i % 3)) for i in range(len(prompts))]
     want = {p: w.token_ids for p, w in zip(prompts, llm.generate(prompts, params, use_tqdm=False))}
@@ -644,7 +671,7 @@ def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts,
             break
         engine.step()
     assert len(aborted) == 3 and in_flight_aborts > 0
-    assert engine.spec_stats()["speculative_steps"] > 0
+    assert engine.spec_stats()["speculative_steps"] > 0 and over_spec["mixed"] > 0, over_spec
     for req, prompt in added.items():
         assert req.finished
         if req not in aborted:

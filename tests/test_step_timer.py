@@ -41,7 +41,7 @@ def test_a_decode_step_lasts_until_the_next_decode_or_prefill_step(timed):
 def test_switches_and_catch_ups(timed):
     t, records = timed
     t.decode_step(True, 4, False, caught_up=True, start=0.0)  # a new prompt: steady
-    t.decode_step(False, 4, waited=True, caught_up=False, start=1.0)  # waited: a switch
+    t.decode_step(False, 4, after_spec=True, caught_up=False, start=1.0)  # over a spec step
     t.decode_step(False, 4, False, False, start=2.0)
     t.decode_step(True, 4, False, caught_up=True, start=3.0)  # caught up over plain steps
     t.decode_step(True, 4, False, caught_up=True, start=4.0)  # a new prompt again

@@ -26,7 +26,7 @@ from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.engine.step_timer import DecodeStepTimer
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.models.loader import load_model, load_tokenizer, load_vocab_modules, resolve_model_dir
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, page_slots
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner
@@ -300,22 +300,23 @@ class Engine:
             return took
         batch = self.scheduler.schedule()
         speculate = self.spec_worker is not None and self.spec_worker.chooses(batch)
-        took: list[Request] = []
-        waited = self._waits_for_host(batch, speculate)
-        if waited:
-            took, batch = self.drain(), _drained(batch)  # type: ignore[arg-type]
         ready = time.perf_counter()
         running, self.in_flight = self.in_flight, []
+        # NOTE: a plain step over a speculative step in flight takes its decode rows' lengths
+        # from the device (``_build_forward_batch``) and pays for the rest of it when reading it
+        after_spec = any(isinstance(s, LaunchedSpecStep) for s in running)
         try:
             if batch is not None:
-                run = functools.partial(self._run, speculate=speculate)
+                run = functools.partial(self._run, speculate=speculate, after_spec=after_spec)
                 run_isolated(batch, run, self.scheduler.release, self._rollbacks)
         finally:
-            took += self._read(running)
+            took = self._read(running)
+            if after_spec and batch is not None and not batch.mode.is_decode():
+                ready = time.perf_counter()  # the speculative step's time ends once read
             if not self.overlap:
                 took += self.drain()
         if self.step_timer is not None:
-            self._time_step(batch, speculate, waited, start, ready)
+            self._time_step(batch, speculate, after_spec and not speculate, start, ready)
         if batch is not None:
             kind = _step_kind(batch, speculate)
             self._count_step(kind, start)
@@ -354,16 +355,6 @@ class Engine:
         """
         return any(isinstance(s, LaunchedStep) and s.first_tokens for s in self.in_flight)
 
-    def _waits_for_host(self, batch: ScheduledBatch | None, speculate: bool) -> bool:
-        """Whether ``batch`` must wait for the host to read the steps in flight: a plain step's
-        decode rows (a decode or mixed step) take their positions from the host's token counts,
-        which a speculative step in flight leaves unknown. A speculative step builds its batch
-        from what the device holds, a drafter's catch-up too, so it waits for nothing.
-        """
-        if batch is None or speculate or not self.in_flight or not batch.num_decode:
-            return False
-        return any(isinstance(s, LaunchedSpecStep) for s in self.in_flight)
-
     def drain(self) -> list[Request]:
         """Commit the tokens of every launched step, launching none."""
         steps, self.in_flight = self.in_flight, []
@@ -375,35 +366,38 @@ class Engine:
         self.scheduler.retire(took)
         return took
 
-    def _run(self, batch: ScheduledBatch, speculate: bool) -> None:
-        """Launch a speculative step where chosen, else a plain step."""
+    def _run(self, batch: ScheduledBatch, speculate: bool, after_spec: bool) -> None:
+        """Launch a speculative step where chosen, else a plain step (``after_spec``: over a
+        speculative step in flight)."""
         if speculate:
             self.in_flight.append(self.spec_worker.launch(batch))  # type: ignore[union-attr]
         else:
-            self._forward_and_sample(batch)
+            self._forward_and_sample(batch, after_spec)
             self.scheduler.launched(batch)
 
     def _time_step(
         self,
         batch: ScheduledBatch | None,
         speculated: bool,
-        waited: bool,
+        after_spec: bool,
         start: float,
         ready: float,
     ) -> None:
-        """Hand a step to the step timer (``ready``: when it was ready to launch, after any
-        wait for the steps in flight); once no work is left, end the last one."""
+        """Hand a step to the step timer (``after_spec``: a plain step that paid for the rest
+        of a speculative step in flight; ``ready``: when a step with prefill work was ready to
+        launch, or read the speculative step in flight); once no work is left, end the last
+        one."""
         timer, proposer = self.step_timer, self.spec_worker.proposer  # type: ignore[union-attr]
         if batch is not None and batch.mode.is_decode():
             caught_up = speculated and proposer.caught_up
-            timer.decode_step(speculated, len(batch.requests), waited, caught_up, start)  # type: ignore[union-attr]
+            timer.decode_step(speculated, len(batch.requests), after_spec, caught_up, start)  # type: ignore[union-attr]
         elif batch is not None:
             timer.prefill_step(ready)  # type: ignore[union-attr]
         if not self.has_unfinished:
             timer.finish()  # type: ignore[union-attr]
 
-    def _forward_and_sample(self, batch: ScheduledBatch) -> None:
-        forward_batch = self._build_forward_batch(batch)
+    def _forward_and_sample(self, batch: ScheduledBatch, after_spec: bool = False) -> None:
+        forward_batch = self._build_forward_batch(batch, after_spec)
         out = self.runner.forward(forward_batch)
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
         rows = batch.sampled_requests
@@ -430,12 +424,21 @@ class Engine:
             "step_costs_ms": worker.policy.step_times(),
         }
 
-    def _build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+    def _build_forward_batch(self, batch: ScheduledBatch, after_spec: bool) -> ForwardBatch:
         """Input tokens from the host, but for a pending token (overlap.py), which only a
-        decode row can have: the device takes it from the sampling slots.
+        decode row can have: the device takes it from the sampling slots. Over a speculative
+        step in flight (``after_spec``) the host knows its requests' lengths only up to its
+        worst case: the decode rows are built there, at the worst case's positions (a bound
+        for sizing), and take their positions, KV slots and lengths from the slots on the
+        device (``_decode_rows_from_device``).
         """
         chunks = []
-        for req, n, sample in zip(batch.requests, batch.num_new_tokens, batch.samples):
+        for row, (req, n, sample) in enumerate(
+            zip(batch.requests, batch.num_new_tokens, batch.samples)
+        ):
+            if after_spec and row < batch.num_decode:
+                chunks.append(SeqChunk([PENDING_TOKEN], req.num_tokens - 1, req.pages))
+                continue
             start = req.num_computed_tokens
             ids = req.token_ids[start : start + n]
             ids += [PENDING_TOKEN] * (n - len(ids))  # NOTE: decode rows only: one token
@@ -449,6 +452,8 @@ class Engine:
             sampling=self.slots.rows(batch.sampled_requests),
         )
         decoding = batch.requests[: batch.num_decode]  # NOTE: one token each, the first rows
+        if after_spec and decoding:
+            self._decode_rows_from_device(built, decoding)
         if not any(r.num_pending_tokens for r in decoding):
             return built
         ids = resolve_pending(built.input_ids[: len(decoding)], self.slots.last_tokens(decoding))
@@ -456,15 +461,17 @@ class Engine:
             ids = torch.cat([ids, built.input_ids[len(decoding) :]])
         return dataclasses.replace(built, input_ids=ids)
 
-
-def _drained(batch: ScheduledBatch) -> ScheduledBatch | None:
-    """A plain step's ``batch`` once the steps in flight were read: without the requests they
-    finished, and with which requests sample as of the lengths now known.
-    """
-    batch = batch.unfinished()
-    if batch is None:
-        return batch
-    return ScheduledBatch.of(batch.mode, batch.requests, batch.num_new_tokens, batch.num_decode)
+    def _decode_rows_from_device(self, built: ForwardBatch, decoding: list[Request]) -> None:
+        """Rewrite the leading decode rows of ``built`` in place on the device: each at its
+        request's last token (as of the device's lengths, ``SamplingSlots.seq_lens``), its KV
+        slot through its page-table row, its length."""
+        n = len(decoding)
+        lens = self.slots.seq_lens(decoding)
+        positions = lens - 1
+        built.positions[:n].copy_(positions)
+        slots = page_slots(built.page_table[:n], positions[:, None], self.page_size)
+        built.out_cache_loc[:n].copy_(slots[:, 0])
+        built.seq_lens[:n].copy_(lens)
 
 
 def _step_kind(batch: ScheduledBatch, speculate: bool) -> str:

@@ -15,8 +15,11 @@ order.
 A speculative step is launched and read the same way (``LaunchedSpecStep`` in
 speculative/worker.py): its verify batch is built from the lengths and last tokens the sampling
 slots hold on the device, and until it is read each of its requests counts k+1 pending tokens,
-the most it can emit. A plain decode step builds its positions from host lengths, so it first
-reads a speculative step in flight (``Engine._waits_for_host``).
+the most it can emit. A plain step launched over it (a decode or mixed step) builds its decode
+rows at those worst-case lengths on the host and takes the real positions, KV slots and lengths
+from the slots on the device (``Engine._decode_rows_from_device``), so a switch between kinds
+never waits for the host; a model drafter hears of that pass once the speculative step is read
+(``SpecWorker.observe``).
 
 A step whose sampled rows are first tokens for a good share (``FIRST_TOKEN_SHARE``: a wave of
 new requests, or new requests beside few running ones) is read before anything else is

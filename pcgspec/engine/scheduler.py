@@ -60,7 +60,12 @@ class ScheduledBatch:
     def of(
         cls, mode: ForwardMode, requests: list[Request], sizes: list[int], num_decode: int = 0
     ) -> ScheduledBatch:
-        samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(requests, sizes)]
+        """A decode row always samples (its request's length may be unknown to the host: a
+        speculative step in flight); a prefill chunk samples when it reaches the last token."""
+        samples = [
+            i < num_decode or r.num_computed_tokens + n == r.num_tokens
+            for i, (r, n) in enumerate(zip(requests, sizes))
+        ]
         return cls(mode, requests, sizes, samples, num_decode)
 
     @classmethod
@@ -86,13 +91,6 @@ class ScheduledBatch:
     @property
     def sampled_requests(self) -> list[Request]:
         return [r for r, s in zip(self.requests, self.samples) if s]
-
-    def unfinished(self) -> ScheduledBatch | None:
-        """The batch without its finished requests (None if that leaves none)."""
-        if not any(r.finished for r in self.requests):
-            return self
-        keep = [i for i, r in enumerate(self.requests) if not r.finished]
-        return self.subset(keep) if keep else None
 
     def subset(self, rows: list[int]) -> ScheduledBatch:
         """The requests ``rows`` (ascending) as a batch of their own (their pages are reserved)."""

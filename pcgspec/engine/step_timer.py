@@ -8,9 +8,11 @@ device and the read of its results land there (``StepCosts``), so a kind is pric
 run of it delivers, not at its launches alone. A step with prefill work runs whichever kind the
 policy chooses, so its own time is neither kind's.
 
-A step is not steady, and its excess is a switch's, when it waited for the steps in flight
-(a plain step after a speculative one), or when it speculated after a plain step and its
-drafter first caught up over the positions of the plain steps.
+A step is not steady, and its excess is a switch's, when it is a plain step launched over a
+speculative step in flight (reading that step, it waits for the rest of it), or when it
+speculated after a plain step and its drafter first caught up over the positions of the plain
+steps. A step with prefill work launched over a speculative step ends that step's time when it
+has read it.
 """
 
 from __future__ import annotations
@@ -37,21 +39,22 @@ class DecodeStepTimer:
         self._last_kind: bool | None = None  # whether the last decode step speculated
 
     def decode_step(
-        self, speculative: bool, batch_size: int, waited: bool, caught_up: bool, start: float
+        self, speculative: bool, batch_size: int, after_spec: bool, caught_up: bool, start: float
     ) -> None:
-        """A decode step that started at ``start`` (host clock) ran: the open step's time ends
-        there, and this one's runs until the next decode step starts."""
+        """A decode step that started at ``start`` (host clock) ran (``after_spec``: a plain
+        step over a speculative step in flight): the open step's time ends there, and this
+        one's runs until the next decode step starts."""
         self._close(start)
         if not self.policy.recording:
             return
         last, self._last_kind = self._last_kind, speculative
         switched = last is not None and last is not speculative
-        steady = not (waited or (caught_up and switched))
+        steady = not (after_spec or (caught_up and switched))
         self._open = _Step(speculative, batch_size, steady, switched, start)
 
     def prefill_step(self, ready: float) -> None:
-        """A step with prefill work was ready to launch at ``ready`` (host clock, after its
-        wait for the steps in flight): the open step's time ends there."""
+        """A step with prefill work was ready to launch at ``ready`` (host clock), or read the
+        speculative step it was launched over: the open step's time ends there."""
         self._close(ready)
 
     def finish(self, now: float | None = None) -> None:

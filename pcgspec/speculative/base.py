@@ -91,13 +91,15 @@ class Proposer(ABC):
     def observe(
         self,
         requests: Sequence[Any],
+        starts: Sequence[int],
         nums: Sequence[int],
         hidden: torch.Tensor | None,
     ) -> None:
-        """A plain target pass computed ``nums[i]`` positions of each of ``requests`` from its
-        ``num_computed_tokens`` (not advanced yet), their rows consecutive in that order in
-        ``hidden`` (the pass's captured states, or None). Drafters that keep per-request state
-        update it here; one call per pass, so a drafter pays only for the loop it needs.
+        """A plain target pass computed ``nums[i]`` positions of each of ``requests`` from
+        position ``starts[i]``, their rows consecutive in that order in ``hidden`` (the pass's
+        captured states, or None); finished requests are skipped. Drafters that keep
+        per-request state update it here; one call per pass, so a drafter pays only for the
+        loop it needs.
         """
         return None
 

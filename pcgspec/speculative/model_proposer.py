@@ -147,27 +147,30 @@ class ModelProposer(Proposer):
     def observe(
         self,
         requests: Sequence[object],
+        starts: Sequence[int],
         nums: Sequence[int],
         hidden: torch.Tensor | None,
     ) -> None:
-        """A plain target pass computed ``nums[i]`` positions of each of ``requests`` from its
-        ``num_computed_tokens`` (not advanced yet); their rows of ``hidden`` (the pass's
-        captured states; None when this draft does not read them) are consecutive, in that
-        order. A pass from position 0 (a prefill, also after preemption) starts the draft over.
-        Runs every plain step of every request, so the loop is kept to a lookup and an append
-        per request.
+        """A plain target pass computed ``nums[i]`` positions of each of ``requests`` from
+        position ``starts[i]``; their rows of ``hidden`` (the pass's captured states; None when
+        this draft does not read them) are consecutive, in that order. A pass from position 0
+        (a prefill, also after preemption) starts the draft over; a finished request is
+        skipped (a speculative step read before this call may have finished it). Runs every
+        plain step of every request, so the loop is kept to a lookup and an append per request.
         """
         self._forget_verified(*requests)
         if not self.uses_target_hidden:
-            for request in requests:
-                if request.num_computed_tokens == 0 or request.draft_state is None:
+            for request, start in zip(requests, starts):
+                if start == 0 or request.draft_state is None:
                     request.draft_state = DraftState()
             return
         if hidden is None:
             raise ValueError("this draft needs the target's hidden states (CaptureHiddenMode.FULL)")
         row = 0
-        for request, num in zip(requests, nums):
-            start = request.num_computed_tokens
+        for request, start, num in zip(requests, starts, nums):
+            if request.finished:
+                row += num
+                continue
             state = request.draft_state
             if state is None or start == 0:
                 state = request.draft_state = DraftState()

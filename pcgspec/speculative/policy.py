@@ -15,8 +15,8 @@ A request's estimate is its mean accept length over its recent verify steps (dec
 steps: accept lengths of one request vary from step to step (1 to k+1), and a short noisy
 average that dips under break-even would switch speculation off for a request that pays.
 
-A switch costs more than either kind of step: a plain step first waits for the speculative
-step in flight (its positions come from host lengths), and a model drafter's speculative step
+A switch costs more than either kind of step: a plain step launched over the speculative step
+in flight waits for the rest of it when reading it, and a model drafter's speculative step
 catches up over the positions of the plain steps. Such steps are timed
 as switches, not as steps, or the catch-up after every run of plain steps would make
 speculation look dearer than it is. The switch cost shapes two choices:
@@ -327,7 +327,7 @@ class SpecPolicy:
         switched: bool = False,
     ) -> None:
         """A decode step of ``batch_size`` requests cost ``seconds`` (None: not measured). A
-        step that is not ``steady`` (it waited for the speculative step in flight, or a
+        step that is not ``steady`` (a plain step over the speculative step in flight, or a
         model drafter first caught up over the positions of plain steps or a new prompt) is
         counted but not timed as a step: that cost comes with switching or admission, not with
         each step. One that ``switched`` (the last decode step was of the other kind) is timed

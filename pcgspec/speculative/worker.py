@@ -36,8 +36,9 @@ speculation does not pay, when a request wants logprobs (not computed for accept
 when a request would pass the context length, or when the KV pool cannot hold k more slots per
 request. The choice comes before the tokens of the steps in flight are on the host, from
 host state one step late. Model drafters see every target pass: plain ones through
-``observe`` (the positions it computed and, for EAGLE3 / MTP, their hidden states), verify
-passes through ``verified`` and ``read``.
+``observe`` (the positions it computed and, for EAGLE3 / MTP, their hidden states; a plain
+pass launched over a speculative step in flight once that step is read), verify passes through
+``verified`` and ``read``.
 """
 
 from __future__ import annotations
@@ -115,12 +116,30 @@ class SpecWorker:
         # the last step's padded page table and its upload (``_page_table``)
         self._last_pages: tuple[list[int], int] | None = None
         self._last_table: torch.Tensor | None = None
+        self._unread = 0  # launched speculative steps not read yet
+        # plain passes launched over them: (requests, tokens each, hidden states)
+        self._observed: list[tuple[list[Request], list[int], torch.Tensor | None]] = []
 
     def observe(self, batch: ScheduledBatch, out: ForwardOutput) -> None:
         """A plain target pass ran ``batch`` (before ``Scheduler.launched``): tell the proposer
         which positions of each request it computed, with their hidden rows when captured.
+        Over a speculative step in flight those positions follow its accepted tokens, which
+        the host learns when it reads the step: the proposer hears of the pass then.
         """
-        self.proposer.observe(batch.requests, batch.num_new_tokens, out.hidden_states)
+        if self._unread:
+            self._observed.append((batch.requests, batch.num_new_tokens, out.hidden_states))
+            return
+        starts = [r.num_computed_tokens for r in batch.requests]
+        self.proposer.observe(batch.requests, starts, batch.num_new_tokens, out.hidden_states)
+
+    def _observe_deferred(self) -> None:
+        """The plain passes launched over speculative steps, now read: each request's pass
+        started where its progress now ends, less the pass's own tokens (``launched`` counted
+        them)."""
+        observed, self._observed = self._observed, []
+        for reqs, nums, hidden in observed:
+            starts = [r.num_computed_tokens - n for r, n in zip(reqs, nums)]
+            self.proposer.observe(reqs, starts, nums, hidden)
 
     def chooses(self, batch: ScheduledBatch | None) -> bool:
         """Whether ``batch`` takes a speculative step: a decode batch the policy chooses to
@@ -155,7 +174,9 @@ class SpecWorker:
         if not step.committed:
             self.slots.commit(reqs, step.out.tokens, step.out.accept_len + 1)
         drafter_rows = self.proposer.verified(reqs, step.out, step.hidden)
-        return LaunchedSpecStep.start(self, reqs, step.results, drafter_rows)
+        launched = LaunchedSpecStep.start(self, reqs, step.results, drafter_rows)
+        self._unread += 1
+        return launched
 
     def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
         """The requests' device page table, uploaded again only when it changed: a request
@@ -285,6 +306,7 @@ class SpecWorker:
         that finished meanwhile (its stop was read one step late, or it was aborted or
         failed) drops its results. Returns the requests that took tokens.
         """
+        self._unread -= 1
         k1, took = self.num_steps + 1, []
         for b, (req, (accept_len, drafted, *tokens)) in enumerate(zip(step.requests, rows)):
             req.num_pending_tokens -= k1
@@ -309,6 +331,8 @@ class SpecWorker:
                 self.scheduler.trim(req, req.num_tokens)
                 self.proposer.read(req, step.drafter_rows, b, start, n)
             took.append(req)
+        if not self._unread:
+            self._observe_deferred()
         return took
 
 
