@@ -431,10 +431,6 @@ def launch(args: argparse.Namespace, extra: list[str] | None = None) -> subproce
     finally:
         if args.server_log:
             log.close()
-    if args.cpu_sets is not None:
-        # NOTE: before the server spawns its engine process (it first imports torch), whose
-        # threads and processes inherit the set
-        os.sched_setaffinity(proc.pid, args.cpu_sets["server"])
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -444,30 +440,6 @@ def launch(args: argparse.Namespace, extra: list[str] | None = None) -> subproce
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"the server did not come up (log: {args.server_log}): {shlex.join(cmd)}")
-
-
-def cpu_sets(sysfs: Path = Path("/sys/devices/system/cpu")) -> dict[str, list[int]]:
-    """Logical CPUs for the launched servers and for this process that share no physical core:
-    one logical CPU of each core this process may use (its SMT siblings left idle), the first
-    half for the server, the rest for the load. On an H200 host two servers of one
-    configuration served 20-30% apart, and a server whose engine process shares a core with
-    the load generator through SMT runs its host work on half a core.
-    """
-    first: dict[tuple[str, str], int] = {}  # (package, core) -> its first allowed CPU
-    for cpu in sorted(os.sched_getaffinity(0)):
-        topology = sysfs / f"cpu{cpu}" / "topology"
-        try:
-            core = tuple(
-                (topology / f).read_text().strip() for f in ("physical_package_id", "core_id")
-            )
-        except OSError:
-            core = ("", str(cpu))
-        first.setdefault(core, cpu)  # type: ignore[arg-type]
-    cpus = list(first.values())
-    if len(cpus) < 4:
-        raise SystemExit(f"--pin-cpus needs 4 physical cores, this process may use {len(cpus)}")
-    half = len(cpus) // 2
-    return {"server": cpus[:half], "client": cpus[half:]}
 
 
 def random_weights_dir(args: argparse.Namespace) -> Path:
@@ -550,12 +522,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launch", action="store_true", help="start `pcgspec serve` first")
-    p.add_argument(
-        "--pin-cpus",
-        action="store_true",
-        help="with --launch (Linux): the launched servers on one half of the physical cores "
-        "and this process on the other, one logical CPU per core (see cpu_sets)",
-    )
     p.add_argument("--server-args", default="", help="flags for the launched server")
     p.add_argument(
         "--server-log",
@@ -587,9 +553,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="write the JSON summary here")
     args = p.parse_args(argv)
-    if args.pin_cpus and not args.launch:
-        p.error("--pin-cpus needs --launch")
-    args.cpu_sets = cpu_sets() if args.pin_cpus else None
     args.sweep = any(getattr(args, k) is not None for k in SWEEP_DEFAULTS)
     if args.sweep:
         _check_sweep(p, args)
@@ -822,8 +785,6 @@ def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, dict[str, floa
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.cpu_sets is not None:
-        os.sched_setaffinity(0, args.cpu_sets["client"])
     load_before = os.getloadavg()
     body = serving_compare.sweep(args, launch) if args.sweep else single_run(args)
     record = {

@@ -154,25 +154,6 @@ def test_sweep_defaults(bench):
     assert not single.sweep and (single.max_tokens, single.ignore_eos) == (32, True)
 
 
-def test_pinned_servers_and_load_share_no_physical_core(bench, tmp_path, monkeypatch, capsys):
-    """``--pin-cpus`` takes one logical CPU of each physical core (SMT siblings idle): the
-    first half for the server, the rest for the load; it needs --launch and 4 cores."""
-    # 4 cores of 2 threads: CPUs i and i + 4 are siblings; CPU 5 is not this process's
-    for cpu in range(8):
-        topology = tmp_path / f"cpu{cpu}" / "topology"
-        topology.mkdir(parents=True)
-        (topology / "physical_package_id").write_text("0\n")
-        (topology / "core_id").write_text(f"{cpu % 4}\n")
-    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 6, 7})
-    assert bench.cpu_sets(tmp_path) == {"server": [0, 1], "client": [2, 3]}
-    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 4, 1, 5})
-    with pytest.raises(SystemExit, match="needs 4 physical cores, this process may use 2"):
-        bench.cpu_sets(tmp_path)
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--pin-cpus"])
-    assert "--pin-cpus needs --launch" in capsys.readouterr().err
-
-
 def test_rounds_take_turns_and_ratios_stay_within_a_round(bench, tmp_path, capsys, monkeypatch):
     """With --rounds the configurations take turns (a, b, a, b), each turn its own server; a
     ratio is against the first configuration of its own round, the text check runs in the
