@@ -219,6 +219,40 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     assert policy.step_times()
 
 
+def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(smollm2_path, llm):
+    """A plain step launched over a speculative step in flight whose decode rows are all of
+    requests that step did not run (their tokens all read: here R, left out of A's
+    speculative step at its worst-case length, then decoding alone once A's worst case
+    reaches its limit) takes its input tokens from the device like the others: output equals
+    plain decoding."""
+    spec = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=3,
+        disable_overlap_schedule=False,
+        disable_piecewise_cuda_graph=True,
+    )
+    engine, prompt = spec.engine, spec.get_tokenizer().encode(PROMPTS[0])
+    (a,) = engine.add_request(prompt, _greedy(6))
+    (r,) = engine.add_request(prompt, _greedy(3))
+    engine.spec_worker.policy.choose = lambda reqs: a in reqs
+    alone, forward_and_sample = [], engine._forward_and_sample
+
+    def plain_step(batch, after_spec):
+        alone.append(after_spec and a not in batch.requests)
+        forward_and_sample(batch, after_spec)
+
+    engine._forward_and_sample = plain_step
+    while engine.has_unfinished:
+        engine.step()
+    assert any(alone)
+    want = llm.generate([PROMPTS[0]] * 2, [_greedy(6), _greedy(3)], use_tqdm=False)
+    assert [a.output_token_ids, r.output_token_ids] == [w.outputs[0].token_ids for w in want]
+    assert (a.finish_reason, r.finish_reason) == ("length", "length")
+
+
 def test_the_page_table_is_uploaded_again_only_when_it_changed():
     """A speculative step reuses the last step's device page table while every request's pages
     are the same, and uploads a new one when one gained a page or the batch changed."""

@@ -283,9 +283,9 @@ class Engine:
         """Schedule, run the model (a speculative step for decode batches when the policy
         chooses one), sample, commit. A request the step fails on finishes with "error" (see
         isolation.py). Under the overlap schedule the step is launched and the previous one's
-        tokens are committed while it runs (overlap.py), speculative steps included; a step
-        that needs the host to know tokens still on the device first reads every launched step
-        (``_waits_for_host``). A step whose sampled rows are first tokens for at least a fifth
+        tokens are committed while it runs (overlap.py), speculative steps included; a plain
+        step launched over a speculative step takes its decode rows' lengths from the device
+        (``_build_forward_batch``). A step whose sampled rows are first tokens for at least a fifth
         (``overlap.FIRST_TOKEN_SHARE``) is read by a step of its own, which launches nothing:
         those tokens go out before the next step's host work (``_first_tokens_in_flight``).
         Each decode step is timed for the speculation policy (step_timer.py). Returns the
@@ -305,14 +305,22 @@ class Engine:
         # NOTE: a plain step over a speculative step in flight takes its decode rows' lengths
         # from the device (``_build_forward_batch``) and pays for the rest of it when reading it
         after_spec = any(isinstance(s, LaunchedSpecStep) for s in running)
+        # a step with prefill work ends the open decode step's time when ready, or, over a
+        # speculative step still running then, once it has read that step
+        spec_running = (
+            after_spec
+            and batch is not None
+            and not batch.mode.is_decode()
+            and not all(s.done() for s in running if isinstance(s, LaunchedSpecStep))
+        )
         try:
             if batch is not None:
                 run = functools.partial(self._run, speculate=speculate, after_spec=after_spec)
                 run_isolated(batch, run, self.scheduler.release, self._rollbacks)
         finally:
             took = self._read(running)
-            if after_spec and batch is not None and not batch.mode.is_decode():
-                ready = time.perf_counter()  # the speculative step's time ends once read
+            if spec_running:
+                ready = time.perf_counter()
             if not self.overlap:
                 took += self.drain()
         if self.step_timer is not None:
@@ -453,8 +461,10 @@ class Engine:
         )
         decoding = batch.requests[: batch.num_decode]  # NOTE: one token each, the first rows
         if after_spec and decoding:
+            # NOTE: every decode row's input is pending then, also a request the speculative
+            # step did not run (its tokens all read)
             self._decode_rows_from_device(built, decoding)
-        if not any(r.num_pending_tokens for r in decoding):
+        elif not any(r.num_pending_tokens for r in decoding):
             return built
         ids = resolve_pending(built.input_ids[: len(decoding)], self.slots.last_tokens(decoding))
         if len(decoding) < len(built.input_ids):

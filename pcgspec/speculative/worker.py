@@ -304,9 +304,17 @@ class SpecWorker:
         max_tokens), advance the requests' progress, hand the drafter what it needs and keep
         only the pages of the committed tokens and of the steps still in flight. A request
         that finished meanwhile (its stop was read one step late, or it was aborted or
-        failed) drops its results. Returns the requests that took tokens.
+        failed) drops its results. Returns the requests that took tokens. Once no speculative
+        step is left unread, the drafter hears of the plain passes launched over them.
         """
         self._unread -= 1
+        try:
+            return self._commit(step, rows)
+        finally:
+            if not self._unread:
+                self._observe_deferred()
+
+    def _commit(self, step: LaunchedSpecStep, rows: list[list[int]]) -> list[Request]:
         k1, took = self.num_steps + 1, []
         for b, (req, (accept_len, drafted, *tokens)) in enumerate(zip(step.requests, rows)):
             req.num_pending_tokens -= k1
@@ -331,8 +339,6 @@ class SpecWorker:
                 self.scheduler.trim(req, req.num_tokens)
                 self.proposer.read(req, step.drafter_rows, b, start, n)
             took.append(req)
-        if not self._unread:
-            self._observe_deferred()
         return took
 
 
@@ -388,6 +394,10 @@ class LaunchedSpecStep:
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
+
+    def done(self) -> bool:
+        """Whether the results are on the host already (asks, does not wait)."""
+        return self.ready is None or self.ready.query()
 
     def read(self, eos_token_ids: frozenset[int]) -> list[Request]:
         """Wait for the results and commit them (``SpecWorker.read``)."""
