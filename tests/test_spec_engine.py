@@ -241,7 +241,8 @@ def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(smollm2_
     alone, forward_and_sample = [], engine._forward_and_sample
 
     def plain_step(batch, after_spec):
-        alone.append(after_spec and a not in batch.requests)
+        decoding = batch.requests[: batch.num_decode]
+        alone.append(after_spec and decoding and not any(r.num_pending_tokens for r in decoding))
         forward_and_sample(batch, after_spec)
 
     engine._forward_and_sample = plain_step

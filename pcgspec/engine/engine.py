@@ -393,8 +393,8 @@ class Engine:
     ) -> None:
         """Hand a step to the step timer (``after_spec``: a plain step that paid for the rest
         of a speculative step in flight; ``ready``: when a step with prefill work was ready to
-        launch, or read the speculative step in flight); once no work is left, end the last
-        one."""
+        launch, or read the speculative step still running then); once no work is left, end
+        the last one."""
         timer, proposer = self.step_timer, self.spec_worker.proposer  # type: ignore[union-attr]
         if batch is not None and batch.mode.is_decode():
             caught_up = speculated and proposer.caught_up

@@ -11,8 +11,9 @@ policy chooses, so its own time is neither kind's.
 A step is not steady, and its excess is a switch's, when it is a plain step launched over a
 speculative step in flight (reading that step, it waits for the rest of it), or when it
 speculated after a plain step and its drafter first caught up over the positions of the plain
-steps. A step with prefill work launched over a speculative step ends that step's time when it
-has read it.
+steps. A step with prefill work launched over a speculative step that still ran when it was
+ready ends that step's time once it has read it (so the step's own launch counts too, a small
+bias against speculation), else when ready.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class DecodeStepTimer:
 
     def prefill_step(self, ready: float) -> None:
         """A step with prefill work was ready to launch at ``ready`` (host clock), or read the
-        speculative step it was launched over: the open step's time ends there."""
+        speculative step still running when it was ready: the open step's time ends there."""
         self._close(ready)
 
     def finish(self, now: float | None = None) -> None:

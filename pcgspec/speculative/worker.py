@@ -297,9 +297,9 @@ class SpecWorker:
 
     # read: accept + commit / rollback on the host ----------------------------------------
 
-    def read(self, step: LaunchedSpecStep, rows: list[list[int]]) -> list[Request]:
-        """The host side of a launched step whose results arrived (``rows``: per request the
-        accepted length, the drafts it had, then its k+1 tokens): append the accepted drafts
+    def read(self, step: LaunchedSpecStep) -> list[Request]:
+        """The host side of a launched step: wait for its results (per request the accepted
+        length, the drafts it had, then its k+1 tokens), append the accepted drafts
         and the next token, stopping at the first finish (EOS, stop token or string,
         max_tokens), advance the requests' progress, hand the drafter what it needs and keep
         only the pages of the committed tokens and of the steps still in flight. A request
@@ -309,7 +309,8 @@ class SpecWorker:
         """
         self._unread -= 1
         try:
-            return self._commit(step, rows)
+            step.wait()
+            return self._commit(step, step.results.tolist())
         finally:
             if not self._unread:
                 self._observe_deferred()
@@ -401,8 +402,7 @@ class LaunchedSpecStep:
 
     def read(self, eos_token_ids: frozenset[int]) -> list[Request]:
         """Wait for the results and commit them (``SpecWorker.read``)."""
-        self.wait()
-        return self.worker.read(self, self.results.tolist())
+        return self.worker.read(self)
 
 
 def _target_rows(
