@@ -404,7 +404,7 @@ class Engine:
         if not self.has_unfinished:
             timer.finish()  # type: ignore[union-attr]
 
-    def _forward_and_sample(self, batch: ScheduledBatch, after_spec: bool = False) -> None:
+    def _forward_and_sample(self, batch: ScheduledBatch, after_spec: bool) -> None:
         forward_batch = self._build_forward_batch(batch, after_spec)
         out = self.runner.forward(forward_batch)
         sampled = self.runner.sample(out.logits, forward_batch.sampling)
