@@ -50,6 +50,19 @@ def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
     return greedy(max_tokens, **kw)
 
 
+def _overlapped_ngram(smollm2_path, num_steps: int) -> LLM:
+    """A prompt-lookup engine under the overlap schedule, with the default (auto) policy."""
+    return LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=num_steps,
+        disable_overlap_schedule=False,
+        disable_piecewise_cuda_graph=True,
+    )
+
+
 @pytest.mark.parametrize("repetition_penalty", [1.0, 1.2])
 def test_greedy_equals_plain_decoding(llm, spec_llm, hf_model, repetition_penalty):
     params = _greedy(repetition_penalty=repetition_penalty)
@@ -171,20 +184,12 @@ def test_config_validation(smollm2_path):
 
 def test_the_policy_times_every_step_but_switches(smollm2_path):
     """The policy's cost model learns from every decode step, whatever batch ran before it or
-    finished in it, but for a step that waited for the steps in flight: a plain step after a
-    speculative one waits for it (a switch); a speculative step after plain ones does not
-    (prompt lookup reads the device's history). A step's time is its whole cycle: the caller's
-    work before the next step counts.
+    finished in it, but for a switch: a plain step launched over a speculative one pays for
+    the rest of it when reading it (not steady); a speculative step after plain ones waits
+    for nothing (prompt lookup reads the device's history). A step's time is its whole cycle:
+    the caller's work before the next step counts.
     """
-    llm = LLM(
-        str(smollm2_path),
-        dtype="float32",
-        device="cpu",
-        speculative_algorithm="NGRAM",
-        speculative_num_steps=4,
-        disable_overlap_schedule=False,
-        disable_piecewise_cuda_graph=True,
-    )
+    llm = _overlapped_ngram(smollm2_path, num_steps=4)
     engine, records = llm.engine, []
     policy = engine.spec_worker.policy
     record = policy.record_step
@@ -225,15 +230,7 @@ def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(smollm2_
     speculative step at its worst-case length, then decoding alone once A's worst case
     reaches its limit) takes its input tokens from the device like the others: output equals
     plain decoding."""
-    spec = LLM(
-        str(smollm2_path),
-        dtype="float32",
-        device="cpu",
-        speculative_algorithm="NGRAM",
-        speculative_num_steps=3,
-        disable_overlap_schedule=False,
-        disable_piecewise_cuda_graph=True,
-    )
+    spec = _overlapped_ngram(smollm2_path, num_steps=3)
     engine, prompt = spec.engine, spec.get_tokenizer().encode(PROMPTS[0])
     (a,) = engine.add_request(prompt, _greedy(6))
     (r,) = engine.add_request(prompt, _greedy(3))
