@@ -116,7 +116,10 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("debug", "info", "warning", "error"),
     ),
     "speculative_algorithm": ("speculative decoding (default: none)", SUPPORTED_ALGORITHMS),
-    "speculative_num_steps": ("k: the draft depth, drafts per request and step (default: 3)", None),
+    "speculative_num_steps": (
+        "k: the draft depth, drafts per request and step (default: 4 for NGRAM, else 3)",
+        None,
+    ),
     "speculative_num_draft_tokens": (
         "tokens the target verifies per request: k+1 for a chain, the tree's nodes with "
         "--speculative-eagle-topk > 1 (default: num_steps + 1)",

@@ -316,9 +316,11 @@ def test_engine_history_equals_host_tokens_through_preemptions(smollm2_path, ove
 
 
 def test_speculative_config_defaults_and_normalization() -> None:
-    cfg = SpeculativeConfig("ngram")
-    assert cfg.algorithm == "NGRAM" and cfg.num_steps == 3
-    assert cfg.speculative_num_draft_tokens == 4
+    cfg = SpeculativeConfig("ngram")  # prompt lookup's k, measured served: 4; the heads': 3
+    assert cfg.algorithm == "NGRAM" and cfg.num_steps == 4
+    assert cfg.speculative_num_draft_tokens == 5
+    assert SpeculativeConfig("EAGLE3").num_steps == SpeculativeConfig("NextN").num_steps == 3
+    assert SpeculativeConfig("NGRAM", speculative_num_steps=2).num_draft_tokens == 3
     assert cfg.speculative_ngram_min_match_window_size == 1
     assert cfg.speculative_ngram_max_match_window_size == 12
     slots = SamplingSlots(1, VOCAB, DEVICE, history_len=4)
@@ -395,6 +397,6 @@ def test_speculative_config_messages_name_the_value() -> None:
         "EAGLE3", speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8
     )
     assert (tree.topk, tree.num_draft_tokens, tree.slots_ahead) == (4, 8, 8)
-    assert SpeculativeConfig("NGRAM").slots_ahead == 3
+    assert SpeculativeConfig("NGRAM").slots_ahead == 4
     with pytest.raises(ValueError, match="= 3 with speculative_eagle_topk 1, got 5"):
         SpeculativeConfig("NGRAM", speculative_num_steps=2, speculative_num_draft_tokens=5)

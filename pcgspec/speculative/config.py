@@ -9,6 +9,11 @@ SUPPORTED_ALGORITHMS = ("EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 POLICIES = ("auto", "always")
 TREE_ALGORITHMS = ("EAGLE3", "NEXTN")  # heads that expand top-k per depth
 _NEEDS_DRAFT_MODEL = ("STANDALONE",)  # EAGLE3 of the default model: its shipped head
+# k when not given, per method, from served chat on one H200 (SmolLM2-135M-Instruct, k = 2..5,
+# docs/speculative.md): the shipped EAGLE3 head served fastest at k=3 with 1 and 4 requests in
+# flight; prompt lookup at k=4 matched the best on chat and led on text that repeats. NEXTN and
+# STANDALONE (no head or pair of the default model to measure) keep the chain of 3.
+DEFAULT_NUM_STEPS = {"EAGLE3": 3, "NEXTN": 3, "STANDALONE": 3, "NGRAM": 4}
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,7 @@ class SpeculativeConfig:
 
     speculative_algorithm: str  # EAGLE3, NEXTN, STANDALONE or NGRAM (any case)
     speculative_draft_model_path: str | None = None  # NEXTN: None = the target's own MTP layers
-    speculative_num_steps: int = 3
+    speculative_num_steps: int | None = None  # None = DEFAULT_NUM_STEPS of the algorithm
     speculative_num_draft_tokens: int | None = None  # None = num_steps + 1
     speculative_eagle_topk: int = 1
     speculative_ngram_min_match_window_size: int = 1
@@ -39,6 +44,8 @@ class SpeculativeConfig:
                 f"{', '.join(SUPPORTED_ALGORITHMS)}, got {algorithm!r}"
             )
         object.__setattr__(self, "speculative_algorithm", algorithm.upper())
+        if self.speculative_num_steps is None:
+            object.__setattr__(self, "speculative_num_steps", DEFAULT_NUM_STEPS[self.algorithm])
         if self.speculative_num_draft_tokens is None and _is_int(self.speculative_num_steps):
             object.__setattr__(self, "speculative_num_draft_tokens", self.num_steps + 1)
         self._validate()
