@@ -9,7 +9,6 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 from oracle import PROMPTS, assert_all_pages_free, assert_greedy_match, greedy
-from test_spec_models import drafts  # noqa: F401
 
 import pcgspec.sampling.sampler as sampler
 import pcgspec.server.engine_loop as engine_loop
@@ -237,7 +236,7 @@ def test_a_step_failing_after_its_commit_advances_the_others_once(
     smollm2_path,
     plain_llm,
     hf_model,
-    drafts,  # noqa: F811
+    drafts,
     monkeypatch,
     algorithm,
     overlap,

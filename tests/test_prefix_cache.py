@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 from oracle import assert_all_pages_free, assert_greedy_match, greedy
-from test_spec_models import drafts  # noqa: F401 - fixture
 
 from pcgspec import LLM, SamplingParams
 
@@ -153,7 +152,7 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
 def test_model_drafter_hits_pages_with_its_draft_kv(
     smollm2_path,
-    drafts,  # noqa: F811
+    drafts,
     plain,
     hf_model,  # noqa: F811
     algorithm,
