@@ -10,7 +10,7 @@ from oracle import assert_greedy_match, greedy
 from pcgspec import LLM, SamplingParams
 
 K = 3
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 PROMPTS = ALL_PROMPTS[:8] + [
     "Repeat exactly: the old lighthouse keeper climbed the stairs every night to light the "
     "lamp. The old lighthouse keeper",

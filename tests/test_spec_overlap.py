@@ -55,8 +55,8 @@ def test_preemption_restarts_the_draft(smollm2_path, drafts, llm, hf_model, algo
         disable_overlap_schedule=not overlap,
     )
     prompts = PROMPTS[-4:]
-    want = llm.generate(prompts, _greedy(40), use_tqdm=False)
-    outs = small.generate(prompts, _greedy(40), use_tqdm=False)
+    want = llm.generate(prompts, _greedy(32), use_tqdm=False)
+    outs = small.generate(prompts, _greedy(32), use_tqdm=False)
     _assert_same_greedy(llm, hf_model, prompts, want, outs)
     assert small.engine.scheduler.num_preemptions > 0
     assert_all_pages_free(small)
@@ -99,11 +99,11 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
 
     prompts = PROMPTS[-4:] + PROMPTS[:2]
     params = [
-        _greedy(32),
-        _greedy(20, stop=[" the"]),
-        _greedy(24, repetition_penalty=1.2),
-        SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=30, ignore_eos=True),
+        _greedy(16),
+        _greedy(12, stop=[" the"]),
+        _greedy(16, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=14, ignore_eos=True),
         _greedy(K + 1),
     ]
     want = llm.generate(prompts, params, use_tqdm=False)
@@ -236,6 +236,7 @@ def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
 
         proposer._catch_up_batch = recorded
     outs = spec.generate(prompts, params, use_tqdm=False)
+    assert {o.finish_reason for o in outs} == {"stop", "length"}
     if isinstance(proposer, ModelProposer):
         assert sum(pending) > 0  # catch-ups with a plain step in flight
         assert all(token == r.token_ids[p + proposer.lag] for r, token, p in rows)
