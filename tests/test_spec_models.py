@@ -65,21 +65,21 @@ def test_greedy_equals_plain(llm, spec, plain_outputs, hf_model):
 
 
 def test_greedy_with_repetition_penalty_and_seeded_sampling(llm, spec, hf_model):
-    prompts, params = PROMPTS[-4:], _greedy(24, repetition_penalty=1.2)
+    prompts, params = PROMPTS[-4:], _greedy(16, repetition_penalty=1.2)
     want = llm.generate(prompts, params, use_tqdm=False)
-    _assert_same_greedy(
-        llm, hf_model, prompts, want, spec.generate(prompts, params, use_tqdm=False)
-    )
+    got = spec.generate(prompts, params, use_tqdm=False)
+    _assert_same_greedy(llm, hf_model, prompts, want, got)
+    assert all(o.metrics.spec_verify_steps > 0 for o in got)
     sampled = [
         SamplingParams(
             temperature=0.8,
             seed=100 + i,
-            max_tokens=24,
+            max_tokens=16,
             ignore_eos=True,
             **({"top_p": 0.9, "top_k": 40} if i % 2 else {}),
         )
         for i in range(3)
-    ] + [_greedy(24)]  # a greedy request in a sampled batch
+    ] + [_greedy(16)]  # a greedy request in a sampled batch
     want = llm.generate(prompts, sampled, use_tqdm=False)
     for w, g in zip(want, spec.generate(prompts, sampled, use_tqdm=False)):
         assert g.token_ids == w.token_ids
@@ -91,10 +91,10 @@ def test_self_draft_accepts_everything_and_stops_inside_runs(smollm2_path, llm):
     """
     spec = spec_llm(smollm2_path, "STANDALONE", smollm2_path)
     prompt = "1, 2, 3, 4, 5,"
-    base = llm.generate(prompt, _greedy(24), use_tqdm=False)[0]
-    out = spec.generate(prompt, _greedy(24), use_tqdm=False)[0]
+    base = llm.generate(prompt, _greedy(12), use_tqdm=False)[0]
+    out = spec.generate(prompt, _greedy(12), use_tqdm=False)[0]
     assert out.token_ids == base.token_ids and out.metrics.avg_spec_accept_length == K + 1
-    out = spec.generate(prompt, _greedy(24, stop=[" 8,"]), use_tqdm=False)[0]
+    out = spec.generate(prompt, _greedy(12, stop=[" 8,"]), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.text == base.text[: base.text.index(" 8,")]
     for max_tokens in (1, K, K + 1, K + 2, 2 * K + 1):
         out = spec.generate(prompt, _greedy(max_tokens), use_tqdm=False)[0]

@@ -216,7 +216,7 @@ def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
     assert engine.overlap and engine.config.max_running_requests == 4
     engine.spec_worker.policy.choose = lambda reqs: next(pattern)
     over_spec = _count_plain_steps_over_spec(engine)
-    params = [_greedy(NEW_TOKENS), _greedy(9), _greedy(NEW_TOKENS, stop=[" the"])] * 3
+    params = [_greedy(NEW_TOKENS), _greedy(9), _greedy(NEW_TOKENS, stop=[" the"])] * 2
     prompts = PROMPTS[: len(params)]
     proposer, rows, pending = engine.spec_worker.proposer, [], []
     if isinstance(proposer, ModelProposer):
