@@ -136,6 +136,7 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
         speculative_algorithm="NGRAM",
         speculative_num_steps=3,
         speculative_policy="always",
+        disable_piecewise_cuda_graph=True,
     )
     first = _ids(
         spec,
@@ -154,7 +155,7 @@ def test_model_drafter_hits_pages_with_its_draft_kv(
     smollm2_path,
     drafts,
     plain,
-    hf_model,  # noqa: F811
+    hf_model,
     algorithm,
     overlap,
 ):
@@ -170,6 +171,7 @@ def test_model_drafter_hits_pages_with_its_draft_kv(
         speculative_draft_model_path=drafts[algorithm],
         speculative_policy="always",
         disable_overlap_schedule=not overlap,
+        disable_piecewise_cuda_graph=True,
     )
     prompts = [_ids(spec, SYSTEM + q) for q in QUESTIONS[:3]]
     want = _gen(plain, prompts, 10)
