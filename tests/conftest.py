@@ -52,6 +52,38 @@ def hf_model(smollm2_path):
     return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def drafts(smollm2_path, tmp_path_factory) -> dict[str, str]:
+    """A draft folder for SmolLM2 per algorithm: STANDALONE is SmolLM2 cut to its first 2
+    layers (cheap, and it disagrees often); EAGLE3 (reduced draft vocabulary) and NEXTN are
+    untrained heads written in the published layouts.
+    """
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from pcgspec.models.eagle3 import write_eagle3_checkpoint
+    from pcgspec.models.loader import load_config
+    from pcgspec.models.mtp import write_mtp_checkpoint
+
+    root = tmp_path_factory.mktemp("drafts")
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    model.save_pretrained(root / "standalone")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2_path / name).is_file():
+            shutil.copy(smollm2_path / name, root / "standalone" / name)
+    config = load_config(smollm2_path)
+    write_eagle3_checkpoint(root / "eagle3", config, seed=0, draft_vocab_size=4096)
+    write_mtp_checkpoint(root / "mtp", config, seed=0, layout="deepseek")
+    return {
+        "STANDALONE": str(root / "standalone"),
+        "EAGLE3": str(root / "eagle3"),
+        "NEXTN": str(root / "mtp"),
+    }
+
+
 _dynamo_resets = [0]  # Dynamo resets in this process so far (a test of the compiler may reset)
 
 

@@ -500,9 +500,10 @@ def test_bench_spec_runs_tree_drafting(tmp_path, smollm2_path, monkeypatch):
     assert tree["avg_accept_length"] >= 1.0 and tree["speculative_steps"] > 0
 
 
-def test_check_spec_ties_finds_float32_equal(tmp_path):
+def test_check_spec_ties_finds_float32_equal(tmp_path, monkeypatch):
     """In float32 the shipped head's chain and tree give plain decoding's tokens: no divergence
     to explain, and the JSON says so."""
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")  # NOTE: the outputs, not the piecewise path
     check = load_script("check_spec_ties")
     out = tmp_path / "ties.json"
     argv = ["--dtype", "float32", "--num-requests", "2", "--max-tokens", "12", "--out", str(out)]

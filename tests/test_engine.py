@@ -10,7 +10,7 @@ from oracle import assert_greedy_match, assert_pool_whole, hf_greedy
 from pcgspec import LLM, SamplingParams
 
 PROMPTS = ALL_PROMPTS[:11]
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 from oracle import PROMPTS, assert_all_pages_free, assert_greedy_match, greedy
-from test_spec_models import drafts  # noqa: F401
 
 import pcgspec.sampling.sampler as sampler
 import pcgspec.server.engine_loop as engine_loop
@@ -115,7 +114,7 @@ def test_a_device_error_is_raised_without_bisecting() -> None:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(str(smollm2_path), dtype="float32", device="cpu")
+    return LLM(str(smollm2_path), dtype="float32", device="cpu", disable_piecewise_cuda_graph=True)
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +221,21 @@ def _fault_after_commit(monkeypatch, site: str) -> None:
     monkeypatch.setattr(spec_worker.LaunchedSpecStep, "start", classmethod(fail_then_start))
 
 
+LATE_PROMPTS = [PROMPTS[0], REPEATED, PROMPTS[2], PROMPTS[7]]
+LATE_PARAMS = [
+    greedy(LATE_TOKENS),
+    greedy(LATE_TOKENS),
+    SamplingParams(temperature=0.8, seed=7, max_tokens=LATE_TOKENS, ignore_eos=True),
+    greedy(LATE_TOKENS, seed=MARK),
+]
+
+
+@pytest.fixture(scope="module")
+def late_want(plain_llm) -> list:
+    """Plain decoding of the good requests of the cases below (the same in every case)."""
+    return plain_llm.generate(LATE_PROMPTS[:3], LATE_PARAMS[:3], use_tqdm=False)
+
+
 CASES = [
     *((a, o, "commit") for a in ("NGRAM", "EAGLE3", "STANDALONE", "NEXTN") for o in (False, True)),
     *((a, True, "drafter") for a in ("EAGLE3", "STANDALONE", "NEXTN")),
@@ -235,13 +249,13 @@ CASES = [
 )
 def test_a_step_failing_after_its_commit_advances_the_others_once(
     smollm2_path,
-    plain_llm,
+    late_want,
     hf_model,
-    drafts,  # noqa: F811
+    drafts,
     monkeypatch,
     algorithm,
     overlap,
-    site,  # noqa: F811
+    site,
 ):
     """The halves run again from the positions before the failed step (rolled back): the
     greedy requests equal plain decoding and the seeded one, whose random stream follows its
@@ -266,17 +280,14 @@ def test_a_step_failing_after_its_commit_advances_the_others_once(
         disable_overlap_schedule=not overlap,
         **draft,
     )
-    prompts = [PROMPTS[0], REPEATED, PROMPTS[2], PROMPTS[7]]
-    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=LATE_TOKENS, ignore_eos=True)
-    params = [greedy(LATE_TOKENS), greedy(LATE_TOKENS), sampled, greedy(LATE_TOKENS, seed=MARK)]
+    prompts, params = LATE_PROMPTS, LATE_PARAMS
     *outs, bad = spec.generate(prompts, params, use_tqdm=False)
     assert bad.finish_reason == "error" and LATE <= len(bad.token_ids) < LATE_TOKENS
-    want = plain_llm.generate(prompts[:3], params[:3], use_tqdm=False)
     tok = spec.get_tokenizer()
-    for prompt, w, got in zip(prompts[:2], want, outs):
+    for prompt, w, got in zip(prompts[:2], late_want, outs):
         assert got.finish_reason == "length" and got.metrics.spec_verify_steps > 0
         assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, w.token_ids)
-    assert outs[2].token_ids == want[2].token_ids
+    assert outs[2].token_ids == late_want[2].token_ids
     monkeypatch.undo()  # the same requests without the failing one: the same drafts accepted
     clean = spec.generate(prompts[:3], params[:3], use_tqdm=False)
     for got, ref in zip(outs, clean):

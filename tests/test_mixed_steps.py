@@ -45,7 +45,7 @@ def _staggered(llm: LLM, monkeypatch) -> tuple[list[Request], list[ScheduledBatc
         return batch
 
     monkeypatch.setattr(engine.scheduler, "schedule", recorded)
-    (stream,) = engine.add_request(tok.encode(PROMPTS[0]), greedy(48))
+    (stream,) = engine.add_request(tok.encode(PROMPTS[0]), greedy(32))
     while stream.num_output_tokens < 2:
         engine.step()
     (long,) = engine.add_request(tok.encode(LONG_PROMPT), greedy(8))

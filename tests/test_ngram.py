@@ -286,6 +286,7 @@ def test_engine_history_equals_host_tokens_through_preemptions(smollm2_path, ove
         page_size=4,
         max_total_tokens=48,
         max_running_requests=3,
+        disable_piecewise_cuda_graph=True,
         speculative_algorithm="NGRAM",
         speculative_num_steps=K,
         speculative_policy="always",

@@ -225,7 +225,14 @@ def test_abort_mid_flight(engines):
 def test_preemption_in_a_tiny_pool(smollm2_path):
     results = {}
     for overlap in (True, False):
-        llm = _llm(smollm2_path, overlap, page_size=4, max_total_tokens=64, chunked_prefill_size=8)
+        llm = _llm(
+            smollm2_path,
+            overlap,
+            page_size=4,
+            max_total_tokens=64,
+            chunked_prefill_size=8,
+            disable_piecewise_cuda_graph=True,
+        )
         params = [greedy(20), PARAMS[1], greedy(18, logprobs=2), PARAMS[3]]
         results[overlap] = _outputs(llm.generate(PROMPTS[4:8], params, use_tqdm=False))
         assert llm.engine.scheduler.num_preemptions > 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 from oracle import assert_all_pages_free, assert_greedy_match, greedy
-from test_spec_models import drafts  # noqa: F401 - fixture
 
 from pcgspec import LLM, SamplingParams
 
@@ -137,6 +136,7 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
         speculative_algorithm="NGRAM",
         speculative_num_steps=3,
         speculative_policy="always",
+        disable_piecewise_cuda_graph=True,
     )
     first = _ids(
         spec,
@@ -153,9 +153,9 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
 def test_model_drafter_hits_pages_with_its_draft_kv(
     smollm2_path,
-    drafts,  # noqa: F811
+    drafts,
     plain,
-    hf_model,  # noqa: F811
+    hf_model,
     algorithm,
     overlap,
 ):
@@ -171,6 +171,7 @@ def test_model_drafter_hits_pages_with_its_draft_kv(
         speculative_draft_model_path=drafts[algorithm],
         speculative_policy="always",
         disable_overlap_schedule=not overlap,
+        disable_piecewise_cuda_graph=True,
     )
     prompts = [_ids(spec, SYSTEM + q) for q in QUESTIONS[:3]]
     want = _gen(plain, prompts, 10)

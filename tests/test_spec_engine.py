@@ -19,7 +19,7 @@ from pcgspec.engine.engine import Engine
 from pcgspec.speculative import worker as worker_module
 from pcgspec.speculative.worker import SpecWorker
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 SENTENCE = "The old lighthouse keeper climbed the stairs every night to light the lamp."
 # Continuations that repeat the prompt, so NGRAM drafts get accepted.
 REPEAT_PROMPTS = [
