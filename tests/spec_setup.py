@@ -19,6 +19,7 @@ PROMPTS = ALL_PROMPTS[:8] + [
 ALGORITHMS = ("STANDALONE", "EAGLE3", "NEXTN")
 # several engines on one device: each caps its KV cache
 GPU_KW = {"dtype": "float32", "device": "cuda", "max_total_tokens": 1 << 15}
+GPU_NEW_TOKENS = 64  # tokens the GPU greedy tests generate (cheap there; NEW_TOKENS is for the CPU)
 SPEC_KW = {"speculative_num_steps": K, "speculative_policy": "always"}
 
 

@@ -18,6 +18,7 @@ from oracle import assert_all_pages_free
 from spec_setup import (
     ALGORITHMS,
     GPU_KW,
+    GPU_NEW_TOKENS,
     PROMPTS,
     SPEC_KW,
     K,
@@ -192,8 +193,8 @@ def test_cuda_graphs_greedy_equals_plain(smollm2_path, drafts, cuda_plain, hf_mo
     assert runner.verify_graphs is not None and proposer.graphs is not None
     for bs in (1, 3, 16, 17):
         prompts = (PROMPTS * 2)[:bs]
-        want = cuda_plain.generate(prompts, _greedy(), use_tqdm=False)
-        got = spec.generate(prompts, _greedy(), use_tqdm=False)
+        want = cuda_plain.generate(prompts, _greedy(GPU_NEW_TOKENS), use_tqdm=False)
+        got = spec.generate(prompts, _greedy(GPU_NEW_TOKENS), use_tqdm=False)
         _assert_same_greedy(cuda_plain, hf_model, prompts, want, got)
     graphs = spec.engine.graph_stats()
     stats = graphs["verify"]
