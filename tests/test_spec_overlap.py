@@ -40,6 +40,24 @@ def cuda_plain(smollm2_path) -> LLM:
     return LLM(str(smollm2_path), **GPU_KW)
 
 
+def _overlapped(smollm2_path, drafts, algorithm: str, **kw) -> LLM:
+    """A speculative engine of ``algorithm`` (conftest's draft for a model drafter) under the
+    overlap schedule, 4 requests at a time, prefilling eagerly."""
+    draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
+    return LLM(
+        str(smollm2_path),
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm=algorithm,
+        speculative_num_steps=K,
+        disable_overlap_schedule=False,
+        disable_piecewise_cuda_graph=True,
+        max_running_requests=4,
+        **draft,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("algorithm", ["EAGLE3"])
 def test_preemption_restarts_the_draft(smollm2_path, drafts, llm, hf_model, algorithm, overlap):
@@ -70,18 +88,7 @@ def test_overlapped_plain_steps_between_speculative_ones_equal_plain(
     and a speculative step after one is launched before the host read it (a drafter catches
     up with the newest tokens from the device).
     """
-    draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
-    spec = LLM(
-        str(smollm2_path),
-        dtype="float32",
-        device="cpu",
-        speculative_algorithm=algorithm,
-        speculative_num_steps=K,
-        disable_overlap_schedule=False,
-        disable_piecewise_cuda_graph=True,
-        max_running_requests=4,
-        **draft,
-    )
+    spec = _overlapped(smollm2_path, drafts, algorithm)  # the policy chooses plain steps too
     _assert_mixed_steps_equal_plain(spec, llm, hf_model)
 
 
@@ -293,19 +300,7 @@ def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts,
     joining prompt's prefill runs in a mixed step launched over the speculative step in flight
     (the decode rows' lengths come from the device).
     """
-    draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
-    spec = LLM(
-        str(smollm2_path),
-        dtype="float32",
-        device="cpu",
-        speculative_algorithm=algorithm,
-        speculative_num_steps=K,
-        speculative_policy="always",
-        disable_overlap_schedule=False,
-        max_running_requests=4,
-        disable_piecewise_cuda_graph=True,
-        **draft,
-    )
+    spec = _overlapped(smollm2_path, drafts, algorithm, speculative_policy="always")
     engine, tok = spec.engine, spec.get_tokenizer()
     over_spec = _count_plain_steps_over_spec(engine)
     prompts = PROMPTS[:8]
