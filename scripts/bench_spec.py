@@ -9,7 +9,9 @@ the split of a speculative step into draft (propose), verify and host (everythin
 building, commit, stop checks, scheduling) from another such pass that synchronizes around
 each phase (which slows it: ``synced_step_ms``), and from the first pass, unsynchronized,
 the host's time per step launching it, waiting for the step in flight and reading it
-(``launch_ms``, ``wait_ms``, ``read_ms``: a wait near 0 means the host is the floor). Prompts
+(``launch_ms``, ``wait_ms``, ``read_ms``: a wait near 0 means the host is the floor), the same
+for the plain engine's decode steps from a pass of its own, and their ratio
+(``host_step_vs_plain``: launch and read, speculative over plain). Prompts
 ask the model to repeat text ("repeat": where prompt lookup helps) or open questions
 ("general"). A batch smaller than its prompt set runs batch after batch over the whole set
 (batch 1: every prompt once), so every row sees every prompt. Medians; writes JSON.
@@ -126,10 +128,11 @@ def _recorded_event() -> torch.cuda.Event | None:
 class StepTimes:
     """While open: the wall time of every decode and prefill step of ``engine``; with
     ``phases``, also of each speculative phase, synchronized before and after (which slows the
-    step: a separate pass); with ``parts``, unsynchronized, the host's time in each speculative
-    step's launch, waiting for its results (``wait``: the device was behind) and reading them
-    (``read``, without the wait). Patches the engine's instance attributes (and
-    ``LaunchedSpecStep``'s methods) and removes the patches on exit.
+    step: a separate pass); with ``parts``, unsynchronized, the host's time in each decode
+    step's launch (a speculative step's, or a plain engine's forward and sampling), waiting for
+    its results (``wait``: the device was behind) and reading them (``read``, without the
+    wait). Patches the engine's instance attributes (and ``LaunchedSpecStep``'s or
+    ``LaunchedStep``'s methods) and removes the patches on exit.
     """
 
     def __init__(self, engine, phases: bool = False, parts: bool = False) -> None:
@@ -193,11 +196,16 @@ class StepTimes:
         return self
 
     def _time_parts(self) -> None:
+        from pcgspec.engine.overlap import LaunchedStep
         from pcgspec.speculative.worker import LaunchedSpecStep
 
-        worker, times = self.engine.spec_worker, self.times
-        launch, (wait, read) = worker.launch, (LaunchedSpecStep.wait, LaunchedSpecStep.read)
-        self._saved = (wait, read)
+        engine, times = self.engine, self.times
+        if engine.spec_worker is None:  # a plain decode step launches in its forward and sample
+            owner, name, launched = engine, "_forward_and_sample", LaunchedStep
+        else:
+            owner, name, launched = engine.spec_worker, "launch", LaunchedSpecStep
+        launch, (wait, read) = getattr(owner, name), (launched.wait, launched.read)
+        self._saved = (owner, name, launched, wait, read)
 
         def timed(name: str, fn: Callable) -> Callable:
             def run(*args):
@@ -208,14 +216,19 @@ class StepTimes:
 
             return run
 
+        def timed_launch(batch, *args):
+            if not batch.mode.is_decode():  # NOTE: a plain engine's prefill steps launch here too
+                return launch(batch, *args)
+            return timed("launch", launch)(batch, *args)
+
         def timed_read(step, eos):
             waited = len(times["wait"])
             out = timed("read", read)(step, eos)
             times["read"][-1] -= sum(times["wait"][waited:])  # the host's part only
             return out
 
-        worker.launch = timed("launch", launch)
-        LaunchedSpecStep.wait, LaunchedSpecStep.read = timed("wait", wait), timed_read
+        setattr(owner, name, timed_launch)
+        launched.wait, launched.read = timed("wait", wait), timed_read
 
     def __exit__(self, *exc: object) -> None:
         self._periods()
@@ -226,10 +239,8 @@ class StepTimes:
             for name in PHASES:
                 delattr(self.engine.spec_worker, name)
         if self._saved is not None:
-            from pcgspec.speculative.worker import LaunchedSpecStep
-
-            del self.engine.spec_worker.launch
-            LaunchedSpecStep.wait, LaunchedSpecStep.read = self._saved
+            owner, name, launched, launched.wait, launched.read = self._saved
+            delattr(owner, name)  # the class's method again
             self._saved = None
 
     def _periods(self) -> None:
@@ -348,6 +359,25 @@ def _always(llm, batches: list[list[str]], params, phases: bool) -> StepTimes:
     return times
 
 
+HOST_PARTS = ("launch", "wait", "read")
+
+
+def _host_parts(times: StepTimes) -> dict[str, float | None]:
+    """Per decode step, unsynchronized: the host launching it, waiting for the previous one's
+    results (0: the device is ahead, the host is the floor) and reading them; ``host_step_ms``
+    is the host's own part (launch and read)."""
+    parts = {f"{part}_ms": times.median_ms(part) for part in HOST_PARTS}
+    launch, read = parts["launch_ms"], parts["read_ms"]
+    return {**parts, "host_step_ms": None if None in (launch, read) else launch + read}
+
+
+def _plain_host(llm, batches: list[list[str]], params) -> dict[str, float | None]:
+    """``_host_parts`` of the plain engine's decode steps, from a pass of their own."""
+    with StepTimes(llm.engine, parts=True) as times:
+        _generate(llm, batches, params)
+    return _host_parts(times)
+
+
 def _spec_step(llm, batches: list[list[str]], params) -> dict[str, float | None]:
     """Median ms of a speculative step as it runs (no phase syncs), and its split into draft,
     verify and host from a separate pass that synchronizes around each phase.
@@ -363,9 +393,7 @@ def _spec_step(llm, batches: list[list[str]], params) -> dict[str, float | None]
         "draft_ms": draft,
         "verify_ms": verify,
         "host_ms": host,
-        # unsynchronized, per step: the host launching it, waiting for the previous one's
-        # results (0: the device is ahead, the host is the floor) and reading them
-        **{f"{part}_ms": overlapped.median_ms(part) for part in ("launch", "wait", "read")},
+        **_host_parts(overlapped),
     }
 
 
@@ -397,11 +425,19 @@ def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace
             "switches": len(times.times.get("switch_to_spec", [])),
             "graphs": llm.engine.graph_stats(),
         }
-        if name != "none":
+        if name == "none":
+            row.update(_plain_host(llm, batches, params))
+        else:
             row.update(llm.engine.spec_stats())
             row["policy_times"] = llm.engine.spec_worker.policy.step_times()
             row.update(_spec_step(llm, batches, params))
             row["spec_step_vs_plain_step"] = row["spec_step_ms"] / rows[0]["decode_step_ms"]
+            plain_host = rows[0]["host_step_ms"]
+            row["host_step_vs_plain"] = (
+                None
+                if None in (plain_host, row["host_step_ms"])
+                else row["host_step_ms"] / plain_host
+            )
         rows.append(row)
     return rows
 
@@ -545,7 +581,7 @@ def _print(rows: list[dict], title: str) -> None:
     print(
         f"{'prompts':>8} {'batch':>5} {'method':>10} {'tok/s':>9} {'speedup':>8} "
         f"{'accept':>7} {'step ms':>8} {'spec step':>9} {'draft':>6} {'verify':>6} "
-        f"{'host':>6} {'plain by policy':>15} {'prefill':>7} {'gc ms':>6} "
+        f"{'host':>6} {'host/plain':>10} {'plain by policy':>15} {'prefill':>7} {'gc ms':>6} "
         f"{'spread':>6}"
     )
     for r in rows:
@@ -556,6 +592,7 @@ def _print(rows: list[dict], title: str) -> None:
             f"{r['speedup']:>7.2f}x {acc:>7} {ms(r['decode_step_ms']):>8} "
             f"{ms(r.get('spec_step_ms')):>9} {ms(r.get('draft_ms')):>6} "
             f"{ms(r.get('verify_ms')):>6} {ms(r.get('host_ms')):>6} "
+            f"{ms(r.get('host_step_vs_plain')):>10} "
             f"{chosen if 'speculative_steps' in r else '-':>15} {ms(r['prefill_ms']):>7} "
             f"{ms(statistics.median(r['gc_ms_repeats'])):>6} "
             f"{_spread(r['tok_s_repeats']):>6}"

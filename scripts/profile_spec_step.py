@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="smollm2-135m", help="random weights of this shape")
     p.add_argument("--model", default=None, help="an HF folder instead of random weights")
+    p.add_argument(
+        "--tokenizer", default=None, help="with random weights (default: the default model's)"
+    )
     p.add_argument("--methods", default="EAGLE3,NGRAM,STANDALONE")
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
     p.add_argument("--batch-sizes", default="1,16")
@@ -98,7 +101,7 @@ def _model(args: argparse.Namespace) -> tuple[str, dict]:
     }
     if args.model is not None:
         return args.model, base
-    tokenizer = str(default_model_path())
+    tokenizer = args.tokenizer or str(default_model_path())
     folder = tempfile.mkdtemp(prefix=f"pcgspec-{args.shape}-")
     return str(write_random_checkpoint(args.shape, folder, tokenizer)), {
         **base,

@@ -200,11 +200,19 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
         assert math.isclose(
             ngram["host_ms"], ngram["synced_step_ms"] - ngram["draft_ms"] - ngram["verify_ms"]
         )
-        assert ngram["launch_ms"] > 0 and ngram["wait_ms"] >= 0 and ngram["read_ms"] > 0
+        for row in (plain, ngram):  # the host's parts of a decode step, plain ones included
+            assert row["launch_ms"] > 0 and row["wait_ms"] >= 0 and row["read_ms"] > 0
+            assert math.isclose(row["host_step_ms"], row["launch_ms"] + row["read_ms"])
+        assert math.isclose(
+            ngram["host_step_vs_plain"], ngram["host_step_ms"] / plain["host_step_ms"]
+        )
         assert ngram["speculative_steps"] + ngram["policy_plain_steps"] > 0
-    from pcgspec.speculative.worker import LaunchedSpecStep  # the patches are gone
+    from pcgspec.engine.overlap import LaunchedStep  # the patches are gone
+    from pcgspec.speculative.worker import LaunchedSpecStep
 
     assert LaunchedSpecStep.read.__qualname__ == "LaunchedSpecStep.read"
+    assert LaunchedStep.read.__qualname__ == "LaunchedStep.read"
+    assert LaunchedStep.wait.__qualname__ == "LaunchedStep.wait"
 
 
 ACCEPT_FILE = "bench/results/accept_standalone_qwen2.5-coder-0.5b-1.5b_cpu_2026-11-28.json"
