@@ -239,7 +239,8 @@ class StepTimes:
             for name in PHASES:
                 delattr(self.engine.spec_worker, name)
         if self._saved is not None:
-            owner, name, launched, launched.wait, launched.read = self._saved
+            owner, name, launched, wait, read = self._saved
+            launched.wait, launched.read = wait, read
             delattr(owner, name)  # the class's method again
             self._saved = None
 
