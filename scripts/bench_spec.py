@@ -14,7 +14,11 @@ for the plain engine's decode steps from a pass of its own, and their ratio
 (``host_step_vs_plain``: launch and read, speculative over plain). Prompts
 ask the model to repeat text ("repeat": where prompt lookup helps) or open questions
 ("general"). A batch smaller than its prompt set runs batch after batch over the whole set
-(batch 1: every prompt once), so every row sees every prompt. Medians; writes JSON.
+(batch 1: every prompt once), so every row sees every prompt. With ``--in-flight`` a batch
+size B is a load instead: ``--load-requests`` prompts given at once to engines that run at
+most B requests (the engine's closed loop, as a server's with B clients: a request starts as
+another finishes); rows then also count each kind of step (``step_kinds``: prefill, mixed,
+decode, speculative) and time decode steps on the device by kind. Medians; writes JSON.
 
 Drafts: EAGLE3 runs the shipped head of the default model (``--eagle3-draft`` names another);
 ``EAGLE3:untrained`` and NEXTN (and EAGLE3 on another target) run untrained heads written in
@@ -26,6 +30,11 @@ goes through the model's chat template.
 
     python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,EAGLE3:untrained \\
         --batch-sizes 1,4,16,32
+
+The served benchmark's chat requests in process, 1 to 64 in flight (the shipped head):
+
+    python scripts/bench_spec.py --methods EAGLE3 --num-steps 3 --prompts served-chat \\
+        --in-flight --batch-sizes 1,4,16,64 --max-tokens 128 --repeats 3
 
 With ``--random-weights`` and ``--standalone-draft-shape`` the STANDALONE pair runs with random
 weights of real shapes; ``--accept-lengths`` adds the speedup estimate of ``spec_estimate.py``:
@@ -39,6 +48,7 @@ weights of real shapes; ``--accept-lengths`` adds the speedup estimate of ``spec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -46,7 +56,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -97,13 +107,18 @@ PROMPT_SETS = {
         "If a train travels 60 km in 45 minutes, what is its average speed?",
     ],
 }
-CHAT_SETS = {"chat"}
+CHAT_SETS = {"chat", "served-chat"}  # NOTE: served-chat: the served benchmark's chat requests
 PHASES = ("propose", "verify")
 
 
 def prompt_pool(prompt_set: str, tokenizer: Any) -> list[str]:
     """The prompts of ``PROMPT_SETS[prompt_set]``, a chat set's through the chat template."""
-    pool = PROMPT_SETS[prompt_set]
+    if prompt_set == "served-chat":
+        from serving_datasets import load
+
+        pool = load("chat")
+    else:
+        pool = PROMPT_SETS[prompt_set]
     if prompt_set not in CHAT_SETS:
         return pool
     from pcgspec.llm import chat_text
@@ -304,6 +319,26 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
+@contextlib.contextmanager
+def _running_at_most(engines: dict, n: int) -> Iterator[None]:
+    """Every engine's scheduler runs at most ``n`` requests at once inside the block (admitting
+    from its queue as ``Scheduler`` does under that limit), as a server with a closed loop of
+    ``n`` clients does."""
+    from pcgspec.engine.scheduler import ADMISSION_GROUPS
+
+    saved = []
+    for llm in engines.values():
+        scheduler = llm.engine.scheduler
+        saved.append((scheduler, scheduler.max_running_requests, scheduler.admission_group))
+        scheduler.max_running_requests = n
+        scheduler.admission_group = max(1, n // ADMISSION_GROUPS)
+    try:
+        yield
+    finally:
+        for scheduler, limit, group in saved:
+            scheduler.max_running_requests, scheduler.admission_group = limit, group
+
+
 def _batches(pool: list[str], size: int) -> list[list[str]]:
     """Batches of ``size`` prompts, one after another, that cover the pool (the pool repeated
     to fill one batch when it is smaller; a partial last batch is left out): a batch of 1 is
@@ -328,6 +363,7 @@ def _time_generate(engines: dict, batches: list[list[str]], params, repeats: int
     """
     for llm in engines.values():
         _generate(llm, batches, params)  # warm-up
+    before = {name: llm.engine.step_stats() for name, llm in engines.items()}
     rates: dict[str, list[float]] = defaultdict(list)
     pauses: dict[str, list[float]] = defaultdict(list)
     outs, times = {}, {name: StepTimes(llm.engine) for name, llm in engines.items()}
@@ -343,7 +379,25 @@ def _time_generate(engines: dict, batches: list[list[str]], params, repeats: int
             rates[name].append(sum(len(o.token_ids) for o in outs[name]) / seconds)
             pauses[name].append(1e3 * collector.seconds)
         shuffle(order)
-    return {name: (rates[name], pauses[name], outs[name], times[name]) for name in engines}
+    kinds = {
+        name: _step_kinds(before[name], llm.engine.step_stats()) for name, llm in engines.items()
+    }
+    return {
+        name: (rates[name], pauses[name], outs[name], times[name], kinds[name]) for name in engines
+    }
+
+
+def _step_kinds(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """The engine's steps of each kind between two ``Engine.step_stats``: their number and the
+    mean wall time of their ``step()`` calls (a call launches its step and reads the one
+    before it, so a kind's mean holds some of its neighbours' device time)."""
+    out = {}
+    for kind, now in after.items():
+        steps = now["steps"] - before[kind]["steps"]
+        if steps:
+            ms = 1e3 * (now["seconds"] - before[kind]["seconds"]) / steps
+            out[kind] = {"steps": steps, "ms_per_call": ms}
+    return out
 
 
 def _always(llm, batches: list[list[str]], params, phases: bool) -> StepTimes:
@@ -398,18 +452,23 @@ def _spec_step(llm, batches: list[list[str]], params) -> dict[str, float | None]
     }
 
 
-def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace) -> list[dict]:
+def _run_batch(
+    engines: dict, batches: list[list[str]], args: argparse.Namespace, batch: int | None = None
+) -> list[dict]:
+    """One point: every engine on ``batches``; ``batch``: the requests in flight of a load
+    (default: the batches' size)."""
     rows: list[dict] = []
     params = _params(args)
     timed = _time_generate(engines, batches, params, args.repeats)
     for name, llm in engines.items():
-        rates, pauses, outs, times = timed[name]
+        rates, pauses, outs, times, kinds = timed[name]
         rate = statistics.median(rates)
         accept = [o.metrics.avg_spec_accept_length for o in outs]
         accept = [a for a in accept if a is not None]
         row = {
-            "batch": len(batches[0]),
+            "batch": batch or len(batches[0]),
             "batches": len(batches),
+            "requests": sum(len(b) for b in batches),
             "method": name,
             "tok_s": rate,
             "speedup": rate / (rows[0]["tok_s"] if rows else rate),
@@ -421,6 +480,10 @@ def _run_batch(engines: dict, batches: list[list[str]], args: argparse.Namespace
             "decode_step_gpu_ms": times.median_ms("step_period"),
             "policy_spec_step_ms": times.median_ms("spec_step"),
             "policy_plain_step_ms": times.median_ms("plain_step"),
+            # the device's time from a decode step's start to the next step's (CUDA events)
+            "policy_spec_step_gpu_ms": times.median_ms("spec_step_period"),
+            "policy_plain_step_gpu_ms": times.median_ms("plain_step_period"),
+            "step_kinds": kinds,
             "switch_to_spec_ms": times.median_ms("switch_to_spec"),
             "switch_to_plain_ms": times.median_ms("switch_to_plain"),
             "switches": len(times.times.get("switch_to_spec", [])),
@@ -468,6 +531,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="--speculative-policy of the speculative engines",
     )
     p.add_argument("--batch-sizes", default="1,4,16,32")
+    p.add_argument(
+        "--in-flight",
+        action="store_true",
+        help="each batch size B is a load with B requests in flight instead: --load-requests "
+        "prompts at once, at most B running (the engine's closed loop, as a server's)",
+    )
+    p.add_argument("--load-requests", type=int, default=256, help="prompts of an --in-flight load")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
         "--temperature",
@@ -484,7 +554,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--prompts",
         default="repeat,general,chat",
-        help="comma-separated: repeat, general, chat (chat template)",
+        help="comma-separated: repeat, general, chat, served-chat (the served benchmark's chat "
+        "requests; both through the chat template)",
     )
     p.add_argument("--standalone-draft", default=None, help="default: the target itself")
     p.add_argument(
@@ -539,8 +610,13 @@ def main(argv: list[str] | None = None) -> dict:
     for prompt_set in args.prompts.split(","):
         pool = prompt_pool(prompt_set, tokenizer)
         for bs in (int(b) for b in args.batch_sizes.split(",")):
-            batches = _batches(pool, bs)
-            rows += [{"prompts": prompt_set, **r} for r in _run_batch(engines, batches, args)]
+            if args.in_flight:
+                load = [(pool * (args.load_requests // len(pool) + 1))[: args.load_requests]]
+                with _running_at_most(engines, bs):
+                    point = _run_batch(engines, load, args, batch=bs)
+            else:
+                point = _run_batch(engines, _batches(pool, bs), args)
+            rows += [{"prompts": prompt_set, **r} for r in point]
     config = engines["none"].config
     device = torch.cuda.get_device_name() if config.torch_device.type == "cuda" else "CPU"
     model = args.random_weights or engines["none"].engine.model_dir.name
@@ -562,6 +638,9 @@ def main(argv: list[str] | None = None) -> dict:
         "num_draft_tokens": args.num_draft_tokens,
         "policy": args.policy,
         "temperature": args.temperature,
+        "load": f"{args.load_requests} requests, batch = in flight"
+        if args.in_flight
+        else "batches",
         "rows": rows,
     }
     if args.standalone_draft_shape:

@@ -215,6 +215,52 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
     assert LaunchedStep.wait.__qualname__ == "LaunchedStep.wait"
 
 
+def test_bench_spec_in_flight_load(tmp_path, smollm2_path, monkeypatch):
+    """--in-flight: a batch size is the requests in flight of a load given at once (the served
+    benchmark's chat requests here), so 12 requests at most 4 running need at least 3 prefill
+    steps per generation; rows count the kinds of steps. The schedulers' limits come back."""
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
+    bench = load_script("bench_spec")
+    out = tmp_path / "in_flight.json"
+    result = bench.main(
+        [
+            "--random-weights",
+            "tiny",
+            "--methods",
+            "NGRAM",
+            "--prompts",
+            "served-chat",
+            "--in-flight",
+            "--load-requests",
+            "12",
+            "--batch-sizes",
+            "4",
+            "--max-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text())["load"] == "12 requests, batch = in flight"
+    for row in result["rows"]:
+        assert row["prompts"] == "served-chat"
+        assert (row["batch"], row["batches"], row["requests"]) == (4, 1, 12)
+        kinds = row["step_kinds"]
+        assert kinds["prefill"]["steps"] >= 3, kinds  # one generation timed: 12 / 4 admissions
+        assert all(k["ms_per_call"] > 0 for k in kinds.values())
+    assert "speculative" in {k for r in result["rows"] for k in r["step_kinds"]}
+
+    from types import SimpleNamespace
+
+    scheduler = SimpleNamespace(max_running_requests=256, admission_group=16)
+    engines = {"none": SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))}
+    with bench._running_at_most(engines, 64):
+        assert (scheduler.max_running_requests, scheduler.admission_group) == (64, 4)
+    assert (scheduler.max_running_requests, scheduler.admission_group) == (256, 16)
+
+
 ACCEPT_FILE = "bench/results/accept_standalone_qwen2.5-coder-0.5b-1.5b_cpu_2026-11-28.json"
 
 
