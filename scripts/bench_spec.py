@@ -107,12 +107,13 @@ PROMPT_SETS = {
         "If a train travels 60 km in 45 minutes, what is its average speed?",
     ],
 }
-CHAT_SETS = {"chat", "served-chat"}  # NOTE: served-chat: the served benchmark's chat requests
+CHAT_SETS = {"chat", "served-chat"}
 PHASES = ("propose", "verify")
 
 
 def prompt_pool(prompt_set: str, tokenizer: Any) -> list[str]:
-    """The prompts of ``PROMPT_SETS[prompt_set]``, a chat set's through the chat template."""
+    """The prompts of ``PROMPT_SETS[prompt_set]`` (``served-chat``: the chat requests of the
+    served benchmark, ``serving_datasets.py``), a chat set's through the chat template."""
     if prompt_set == "served-chat":
         from serving_datasets import load
 
