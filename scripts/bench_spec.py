@@ -340,13 +340,18 @@ def _running_at_most(engines: dict, n: int) -> Iterator[None]:
             scheduler.max_running_requests, scheduler.admission_group = limit, group
 
 
+def _cycled(pool: list[str], n: int) -> list[str]:
+    """The first ``n`` prompts of ``pool`` repeated."""
+    return (pool * (n // len(pool) + 1))[:n]
+
+
 def _batches(pool: list[str], size: int) -> list[list[str]]:
     """Batches of ``size`` prompts, one after another, that cover the pool (the pool repeated
     to fill one batch when it is smaller; a partial last batch is left out): a batch of 1 is
     measured on every prompt, not on the first one alone.
     """
     if size >= len(pool):
-        return [(pool * (size // len(pool) + 1))[:size]]
+        return [_cycled(pool, size)]
     return [pool[i : i + size] for i in range(0, len(pool) - size + 1, size)]
 
 
@@ -391,7 +396,7 @@ def _time_generate(engines: dict, batches: list[list[str]], params, repeats: int
 def _step_kinds(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """The engine's steps of each kind between two ``Engine.step_stats``: their number and the
     mean wall time of their ``step()`` calls (a call launches its step and reads the one
-    before it, so a kind's mean holds some of its neighbours' device time)."""
+    before it, so a kind's mean holds some of its neighbours' GPU time)."""
     out = {}
     for kind, now in after.items():
         steps = now["steps"] - before[kind]["steps"]
@@ -612,7 +617,7 @@ def main(argv: list[str] | None = None) -> dict:
         pool = prompt_pool(prompt_set, tokenizer)
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             if args.in_flight:
-                load = [(pool * (args.load_requests // len(pool) + 1))[: args.load_requests]]
+                load = [_cycled(pool, args.load_requests)]
                 with _running_at_most(engines, bs):
                     point = _run_batch(engines, load, args, batch=bs)
             else:
