@@ -325,19 +325,16 @@ def _running_at_most(engines: dict, n: int) -> Iterator[None]:
     """Every engine's scheduler runs at most ``n`` requests at once inside the block (admitting
     from its queue as ``Scheduler`` does under that limit), as a server with a closed loop of
     ``n`` clients does."""
-    from pcgspec.engine.scheduler import ADMISSION_GROUPS
-
     saved = []
     for llm in engines.values():
         scheduler = llm.engine.scheduler
-        saved.append((scheduler, scheduler.max_running_requests, scheduler.admission_group))
+        saved.append((scheduler, scheduler.max_running_requests))
         scheduler.max_running_requests = n
-        scheduler.admission_group = max(1, n // ADMISSION_GROUPS)
     try:
         yield
     finally:
-        for scheduler, limit, group in saved:
-            scheduler.max_running_requests, scheduler.admission_group = limit, group
+        for scheduler, limit in saved:
+            scheduler.max_running_requests = limit
 
 
 def _cycled(pool: list[str], n: int) -> list[str]:

@@ -254,7 +254,10 @@ def test_bench_spec_in_flight_load(tmp_path, smollm2_path, monkeypatch):
 
     from types import SimpleNamespace
 
-    scheduler = SimpleNamespace(max_running_requests=256, admission_group=16)
+    from pcgspec.engine.kv_pool import PagePool
+    from pcgspec.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(PagePool(8), 4, 256, 1024)
     engines = {"none": SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))}
     with bench._running_at_most(engines, 64):
         assert (scheduler.max_running_requests, scheduler.admission_group) == (64, 4)

@@ -31,28 +31,63 @@ def test_a_decode_step_lasts_until_the_next_decode_or_prefill_step(timed):
     t.prefill_step(ready=0.014)
     t.finish(now=0.020)
     assert records == [
-        (True, 16, pytest.approx(0.005), True, False),
-        (True, 16, pytest.approx(0.003), True, False),
-        (True, 16, pytest.approx(0.003), True, False),
-        (False, 16, pytest.approx(0.001), True, True),
+        (True, 16, pytest.approx(0.005), True, False, 1),
+        (True, 16, pytest.approx(0.003), True, False, 1),
+        (True, 16, pytest.approx(0.003), True, False, 1),
+        (False, 16, pytest.approx(0.001), True, True, 1),
     ]
 
 
 def test_switches_and_catch_ups(timed):
+    """A switch is timed with the step after it when that one is of the same kind: it reads
+    the switch, so the device's share of a catch-up is in its time."""
     t, records = timed
     t.decode_step(True, 4, False, caught_up=True, start=0.0)  # a new prompt: steady
     t.decode_step(False, 4, after_spec=True, caught_up=False, start=1.0)  # over a spec step
-    t.decode_step(False, 4, False, False, start=2.0)
-    t.decode_step(True, 4, False, caught_up=True, start=3.0)  # caught up over plain steps
-    t.decode_step(True, 4, False, caught_up=True, start=4.0)  # a new prompt again
-    t.finish(now=5.0)
-    assert [(kind, steady, switched) for kind, _, _, steady, switched in records] == [
-        (True, True, False),
-        (False, False, True),
-        (False, True, False),
-        (True, False, True),
-        (True, True, False),
+    t.decode_step(False, 4, False, False, start=2.0)  # reads it: part of the switch
+    t.decode_step(True, 4, False, caught_up=True, start=3.5)  # caught up over plain steps
+    t.decode_step(True, 4, False, caught_up=True, start=4.0)  # reads the catch-up
+    t.decode_step(True, 4, False, caught_up=True, start=7.0)  # a new prompt again: steady
+    t.decode_step(False, 4, after_spec=True, caught_up=False, start=8.0)  # a switch ...
+    t.decode_step(True, 4, False, False, start=9.0)  # ... and straight back: two switches
+    t.finish(now=10.0)
+    assert [
+        (kind, seconds, steady, switched, steps)
+        for kind, _, seconds, steady, switched, steps in records
+    ] == [
+        (True, pytest.approx(1.0), True, False, 1),
+        (False, pytest.approx(2.5), False, True, 2),
+        (True, pytest.approx(3.5), False, True, 2),
+        (True, pytest.approx(1.0), True, False, 1),
+        (False, pytest.approx(1.0), False, True, 1),
+        (True, pytest.approx(1.0), True, True, 1),
     ]
+
+
+def test_a_switch_with_no_step_after_it_is_timed_alone(timed):
+    t, records = timed
+    t.decode_step(False, 2, False, False, start=0.0)
+    t.decode_step(True, 2, False, caught_up=True, start=1.0)
+    t.finish(now=3.0)
+    with t.policy.aside():  # a switch inside a benchmark's forced pass is not timed
+        t.decode_step(False, 2, after_spec=True, caught_up=False, start=4.0)
+    t.decode_step(False, 2, False, False, start=5.0)
+    t.finish(now=6.0)
+    assert [(r[2], r[3], r[4], r[5]) for r in records] == [
+        (pytest.approx(1.0), True, False, 1),
+        (pytest.approx(2.0), False, True, 1),
+        (pytest.approx(1.0), True, True, 1),  # steady: it read no speculative step
+    ]
+
+
+def test_a_switch_with_the_step_after_it_costs_its_excess_over_two_steady_steps():
+    policy = SpecPolicy("auto", 4, [1, 2, 4, 8, 16])
+    for _ in range(MEAN_AFTER):
+        policy.record_step(True, 16, 2.0)
+    policy.record_step(True, 16, 2.0 + 2.0 + 3.0, steady=False, switched=True, steps=2)
+    assert policy.costs.switch_cost(16) == pytest.approx(3.0)
+    assert policy.costs.cost(True, 16) == pytest.approx(2.0)
+    assert policy.speculative_steps == MEAN_AFTER + 2
 
 
 def test_nothing_is_timed_after_the_work_ran_out_or_aside(timed):

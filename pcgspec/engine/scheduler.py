@@ -136,7 +136,6 @@ class Scheduler:
         self.pages = pages
         self.page_size = page_size
         self.max_running_requests = max_running_requests
-        self.admission_group = max(1, max_running_requests // ADMISSION_GROUPS)
         self.prefill_token_budget = prefill_token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -144,6 +143,12 @@ class Scheduler:
         self.slots = slots
         self.prefix_cache = prefix_cache
         self.draft: DraftKV | None = None  # set by the engine for model drafters
+
+    @property
+    def admission_group(self) -> int:
+        """Requests admitted at a time under a queue (``_admits_later``): a sixteenth of the
+        running limit."""
+        return max(1, self.max_running_requests // ADMISSION_GROUPS)
 
     @property
     def has_work(self) -> bool:

@@ -17,9 +17,9 @@ average that dips under break-even would switch speculation off for a request th
 
 A switch costs more than either kind of step: a plain step launched over the speculative step
 in flight waits for the rest of it when reading it, and a model drafter's speculative step
-catches up over the positions of the plain steps. Such steps are timed
-as switches, not as steps, or the catch-up after every run of plain steps would make
-speculation look dearer than it is. The switch cost shapes two choices:
+catches up over the positions of the plain steps. Such steps (with the step after them, which
+reads them) are timed as switches, not as steps, or the catch-up after every run of plain
+steps would make speculation look dearer than it is. The switch cost shapes two choices:
 
 - Hysteresis: the policy leaves the kind of its last step only for a gain that would repay the
   switch within ``HYSTERESIS_STEPS`` steps (a margin of at most ``MAX_MARGIN``). Near break-even
@@ -37,8 +37,8 @@ speculation look dearer than it is. The switch cost shapes two choices:
   stretch in which steps ran slow could keep it on plain steps for good. A probe after
   ``RETIME_AFTER`` plain steps without a timed speculative one, for requests that would gain
   ``RETIME_GAIN`` if a speculative step cost no more than a plain one, drops the bucket's
-  speculative times and speculates ``MEAN_AFTER`` + 2 more steps to measure them again (the
-  first is a switch, and a step's time comes in after the next choice: the verdict sees
+  speculative times and speculates ``MEAN_AFTER`` + 3 more steps to measure them again (the
+  first two are a switch, and a step's time comes in after the next choice: the verdict sees
   ``MEAN_AFTER`` times, enough for a mean, which counts the prefill steps between them); a
   re-timing that does not pay doubles the plain steps before the next (up to
   ``MAX_RETIME_AFTER``): at 64 requests in flight each is ten steps that cost twice a plain one
@@ -265,9 +265,9 @@ class SpecPolicy:
             and self.plain_steps - self._spec_timed.get(bucket, 0) >= self._retime_after[bucket]
         ):
             self.costs.forget(True, bucket)
-            # NOTE: a step's time is recorded after the next choice, and the first re-timed
-            # step is a switch: two more steps, and the verdict sees MEAN_AFTER times (a mean)
-            self._retiming[bucket] = MEAN_AFTER + 2
+            # NOTE: a step's time is recorded after the next choice, and the first two re-timed
+            # steps are a switch: three more steps, and the verdict sees MEAN_AFTER times
+            self._retiming[bucket] = MEAN_AFTER + 3
             self._retimed.add(bucket)
             self._spec_timed[bucket] = self.plain_steps
 
@@ -283,7 +283,7 @@ class SpecPolicy:
         ):
             return False
         self.costs.forget(False, bucket)
-        self._retiming_plain[bucket] = MEAN_AFTER + 1
+        self._retiming_plain[bucket] = MEAN_AFTER + 2  # NOTE: the first two are a switch
         self._plain_timed[bucket] = self.speculative_steps
         return True
 
@@ -325,18 +325,20 @@ class SpecPolicy:
         seconds: float | None,
         steady: bool = True,
         switched: bool = False,
+        steps: int = 1,
     ) -> None:
-        """A decode step of ``batch_size`` requests cost ``seconds`` (None: not measured). A
-        step that is not ``steady`` (a plain step over the speculative step in flight, or a
-        model drafter first caught up over the positions of plain steps or a new prompt) is
-        counted but not timed as a step: that cost comes with switching or admission, not with
-        each step. One that ``switched`` (the last decode step was of the other kind) is timed
-        as a switch instead.
+        """``steps`` decode steps of ``batch_size`` requests cost ``seconds`` (None: not
+        measured). A step that is not ``steady`` (a plain step over the speculative step in
+        flight, or a model drafter first caught up over the positions of plain steps or a new
+        prompt) is counted but not timed as a step: that cost comes with switching or
+        admission, not with each step. One that ``switched`` (the last decode step was of the
+        other kind) is timed as a switch instead, with the step after it where that one read it
+        (``steps`` 2, ``engine/step_timer.py``).
         """
         if not self._recording:
             return
         bucket = self._bucket(batch_size)
-        self.speculative_steps += speculative
+        self.speculative_steps += speculative * steps
         if seconds is None:
             return
         if steady:
@@ -346,7 +348,7 @@ class SpecPolicy:
             else:
                 self._plain_timed[bucket] = self.speculative_steps
         elif switched:
-            self.costs.record_switch(speculative, bucket, seconds)
+            self.costs.record_switch(speculative, bucket, seconds, steps)
 
     def record_accept(self, request: object, accept_length: int) -> None:
         """``request`` accepted ``accept_length - 1`` drafts in a verify step (where it had

@@ -67,12 +67,13 @@ class StepCosts:
             self._costs[(speculative, bucket)] = (_price(times), len(times))
             self._lines.pop(speculative, None)
 
-    def record_switch(self, speculative: bool, bucket: int, seconds: float) -> None:
-        """A step of ``bucket`` that switched to this kind (or caught a drafter up) took
-        ``seconds``: its excess over the kind's steady cost, where that is known."""
+    def record_switch(self, speculative: bool, bucket: int, seconds: float, steps: int = 1) -> None:
+        """``steps`` steps of ``bucket``, the first switched to this kind (or caught a drafter
+        up), took ``seconds``: their excess over as many steady steps of the kind, where that
+        cost is known."""
         steady = self.cost(speculative, bucket)
         if steady is not None:
-            self._switch[(speculative, bucket)].append(max(0.0, seconds - steady))
+            self._switch[(speculative, bucket)].append(max(0.0, seconds - steps * steady))
             self._switch_costs.clear()
 
     def own(self, speculative: bool, bucket: int) -> float | None:
