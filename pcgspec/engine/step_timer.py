@@ -16,8 +16,10 @@ same kind: under the overlap schedule a step reads the one before, so the device
 catch-up lands in the next step's time (priced as a steady step, the catch-up over 16 requests'
 plain steps made 16 requests' speculative step cost 2.8 ms, against 1.9 ms in a run of them,
 and kept them on plain steps). A step with prefill work launched over a speculative step that
-still ran when it was ready ends that step's time once it has read it (so the step's own launch
-counts too, a small bias against speculation), else when ready.
+still ran when it was ready ends that step's time once it has read it, else when ready. The
+mixed step's own launch then counts in the speculative step's time: a bias against speculation,
+not a small one at 16 requests in flight, where a mixed step follows about every second
+speculative step (docs/speculative.md#served).
 """
 
 from __future__ import annotations
