@@ -195,9 +195,9 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     record = policy.record_step
     pattern = itertools.cycle([True, True, True, False, False, False])
 
-    def spy(speculative, batch_size, seconds, steady=True, switched=False):
-        records.append((speculative, batch_size, steady, switched, seconds))
-        record(speculative, batch_size, seconds, steady, switched)
+    def spy(speculative, batch_size, seconds, steady=True, switched=False, steps=1):
+        records.append((speculative, batch_size, steady, switched, seconds, steps))
+        record(speculative, batch_size, seconds, steady, switched, steps)
 
     policy.choose, policy.record_step = (lambda reqs: next(pattern)), spy
     for prompt, n in zip(PROMPTS[:4], (8, 16, 24, 40)):
@@ -212,14 +212,17 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     resized = [now for last, now in pairs if now[1] != last[1]]
     to_plain = [now for last, now in pairs if last[0] and not now[0]]
     to_spec = [now for last, now in pairs if not last[0] and now[0]]
-    assert any(steady for _, _, steady, _, _ in resized)  # timed in its own bucket
-    assert to_plain and all(switched and not steady for _, _, steady, switched, _ in to_plain)
-    assert to_spec and all(steady and switched for _, _, steady, switched, _ in to_spec)
-    assert all(steady or switched for _, _, steady, switched, _ in records)
-    assert all(seconds >= gap for *_, seconds in records[:-1])  # cycles, not the steps alone
-    assert policy.speculative_steps == sum(r[0] for r in records)
+    assert any(steady for _, _, steady, *_ in resized)  # timed in its own bucket
+    # a switch to plain steps is timed with the plain step after it, which reads it
+    assert to_plain and all(
+        switched and not steady and steps == 2 for _, _, steady, switched, _, steps in to_plain
+    )
+    assert to_spec and all(steady and switched for _, _, steady, switched, *_ in to_spec)
+    assert all(steady or switched for _, _, steady, switched, *_ in records)
+    assert all(r[4] >= gap for r in records[:-1])  # cycles, not the steps alone
+    assert policy.speculative_steps == sum(r[0] * r[5] for r in records)
     assert engine.step_counts["speculative"] == policy.speculative_steps
-    assert engine.step_counts["decode"] == len(records) - policy.speculative_steps
+    assert engine.step_counts["decode"] == sum(r[5] for r in records if not r[0])
     assert engine.step_counts["first_tokens"] > 0 and engine.step_seconds["prefill"] > 0
     assert policy.step_times()
 
