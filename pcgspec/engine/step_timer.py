@@ -13,13 +13,11 @@ speculative step in flight (reading that step, it waits for the rest of it), or 
 speculated after a plain step and its drafter first caught up over the positions of the plain
 steps. Such a switch is timed together with the decode step after it, when that one is of the
 same kind: under the overlap schedule a step reads the one before, so the device's share of a
-catch-up lands in the next step's time (priced as a steady step, the catch-up over 16 requests'
-plain steps made 16 requests' speculative step cost 2.8 ms, against 1.9 ms in a run of them,
-and kept them on plain steps). A step with prefill work launched over a speculative step that
-still ran when it was ready ends that step's time once it has read it, else when ready. The
-mixed step's own launch then counts in the speculative step's time: a bias against speculation,
-not a small one at 16 requests in flight, where a mixed step follows about every second
-speculative step (docs/speculative.md#served).
+catch-up lands in the next step's time, not in a steady step's. A step with prefill work
+launched over a speculative step that still ran when it was ready ends that step's time once
+it has read it, else when ready. The mixed step's own launch then counts in the speculative
+step's time: a bias against speculation, not a small one at 16 requests in flight, where a
+mixed step follows about every second speculative step (docs/speculative.md#served).
 """
 
 from __future__ import annotations
