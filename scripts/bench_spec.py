@@ -18,7 +18,9 @@ ask the model to repeat text ("repeat": where prompt lookup helps) or open quest
 size B is a load instead: ``--load-requests`` prompts given at once to engines that run at
 most B requests (the engine's closed loop, as a server's with B clients: a request starts as
 another finishes); rows then also count each kind of step (``step_kinds``: prefill, mixed,
-decode, speculative) and time decode steps on the device by kind. Medians; writes JSON.
+decode, speculative) and time decode steps on the device by kind. Speculative rows count the
+policy's choices per batch-size bucket over the timed repeats (``policy_choices``). Medians;
+writes JSON.
 
 Drafts: EAGLE3 runs the shipped head of the default model (``--eagle3-draft`` names another);
 ``EAGLE3:untrained`` and NEXTN (and EAGLE3 on another target) run untrained heads written in
@@ -320,6 +322,44 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
+class PolicyChoices:
+    """While open: the speculation policy's choices for ``engine``'s decode batches, counted
+    per batch-size bucket of its cost model (none without a policy)."""
+
+    def __init__(self, engine) -> None:
+        worker = engine.spec_worker
+        self.policy = None if worker is None else worker.policy
+        self.counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # speculative, plain
+
+    def __enter__(self) -> PolicyChoices:
+        from pcgspec.compile.buckets import pad_to_bucket
+
+        policy = self.policy
+        if policy is None:
+            return self
+        choose, sizes = policy.choose, policy.batch_sizes
+
+        def counted(requests) -> bool:
+            chosen = choose(requests)
+            bucket = pad_to_bucket(len(requests), sizes) or sizes[-1]
+            self.counts[bucket][0 if chosen else 1] += 1
+            return chosen
+
+        policy.choose = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.policy is not None:
+            del self.policy.choose
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """Per bucket: speculative and plain choices, and the plain ones' share."""
+        return {
+            bucket: {"speculative": spec, "plain": plain, "plain_share": plain / (spec + plain)}
+            for bucket, (spec, plain) in sorted(self.counts.items())
+        }
+
+
 @contextlib.contextmanager
 def _running_at_most(engines: dict, n: int) -> Iterator[None]:
     """Every engine's scheduler runs at most ``n`` requests at once inside the block (admitting
@@ -370,10 +410,11 @@ def _time_generate(engines: dict, batches: list[list[str]], params, repeats: int
     rates: dict[str, list[float]] = defaultdict(list)
     pauses: dict[str, list[float]] = defaultdict(list)
     outs, times = {}, {name: StepTimes(llm.engine) for name, llm in engines.items()}
+    choices = {name: PolicyChoices(llm.engine) for name, llm in engines.items()}
     order, shuffle = list(engines), random.Random(len(batches[0])).shuffle
     for _ in range(repeats):
         for name in order:
-            with times[name], GcPauses() as collector:
+            with times[name], choices[name], GcPauses() as collector:
                 _sync()
                 start = time.perf_counter()
                 outs[name] = _generate(engines[name], batches, params)
@@ -386,7 +427,8 @@ def _time_generate(engines: dict, batches: list[list[str]], params, repeats: int
         name: _step_kinds(before[name], llm.engine.step_stats()) for name, llm in engines.items()
     }
     return {
-        name: (rates[name], pauses[name], outs[name], times[name], kinds[name]) for name in engines
+        name: (rates[name], pauses[name], outs[name], times[name], kinds[name], choices[name])
+        for name in engines
     }
 
 
@@ -464,7 +506,7 @@ def _run_batch(
     params = _params(args)
     timed = _time_generate(engines, batches, params, args.repeats)
     for name, llm in engines.items():
-        rates, pauses, outs, times, kinds = timed[name]
+        rates, pauses, outs, times, kinds, choices = timed[name]
         rate = statistics.median(rates)
         accept = [o.metrics.avg_spec_accept_length for o in outs]
         accept = [a for a in accept if a is not None]
@@ -497,6 +539,7 @@ def _run_batch(
         else:
             row.update(llm.engine.spec_stats())
             row["policy_times"] = llm.engine.spec_worker.policy.step_times()
+            row["policy_choices"] = choices.summary()  # over the timed repeats
             row.update(_spec_step(llm, batches, params))
             row["spec_step_vs_plain_step"] = row["spec_step_ms"] / rows[0]["decode_step_ms"]
             plain_host = rows[0]["host_step_ms"]

@@ -251,6 +251,14 @@ def test_bench_spec_in_flight_load(tmp_path, smollm2_path, monkeypatch):
         assert kinds["prefill"]["steps"] >= 3, kinds  # one generation timed: 12 / 4 admissions
         assert all(k["ms_per_call"] > 0 for k in kinds.values())
     assert "speculative" in {k for r in result["rows"] for k in r["step_kinds"]}
+    (ngram,) = [r for r in result["rows"] if r["method"] == "NGRAM"]
+    choices = ngram["policy_choices"]  # the policy's choices of the timed generation
+    assert choices and set(choices) <= {1, 2, 4}
+    chosen = sum(c["speculative"] + c["plain"] for c in choices.values())
+    decode = sum(
+        ngram["step_kinds"].get(k, {"steps": 0})["steps"] for k in ("decode", "speculative")
+    )
+    assert 0 < chosen <= decode  # NOTE: near max_tokens a step falls back without a choice
 
     from types import SimpleNamespace
 
