@@ -227,6 +227,45 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     assert policy.step_times()
 
 
+def test_a_mixed_step_s_launch_is_not_the_speculative_step_s_time(smollm2_path, monkeypatch):
+    """A step with prefill work launched over a speculative step still running ends that
+    step's time when it was ready, later by its read of it (the wait for the device), but not
+    by its own launch, host work while the device ran the speculative step."""
+    launch, wait = 0.4, 0.15
+    llm = _overlapped_ngram(smollm2_path, num_steps=3)
+    engine, prompt = llm.engine, llm.get_tokenizer().encode(PROMPTS[0])
+    engine.spec_worker.policy.choose = lambda reqs: True
+    read = worker_module.LaunchedSpecStep.read
+
+    def slow_read(step, eos_token_ids):
+        time.sleep(wait)  # the rest of the step on the device
+        return read(step, eos_token_ids)
+
+    monkeypatch.setattr(worker_module.LaunchedSpecStep, "done", lambda step: False)
+    monkeypatch.setattr(worker_module.LaunchedSpecStep, "read", slow_read)
+    forward_and_sample, timer = engine._forward_and_sample, engine.step_timer
+    prefill_step, closed = timer.prefill_step, []
+
+    def slow_launch(batch, after_spec):
+        if not batch.mode.is_decode():
+            time.sleep(launch)
+        forward_and_sample(batch, after_spec)
+
+    def spy(ready):
+        if timer._open is not None and timer._open.speculative:
+            closed.append(ready - timer._open.start)
+        prefill_step(ready)
+
+    engine._forward_and_sample, timer.prefill_step = slow_launch, spy
+    engine.add_request(prompt, _greedy(12))
+    for _ in range(4):
+        engine.step()
+    engine.add_request(prompt, _greedy(4))
+    while engine.has_unfinished:
+        engine.step()
+    assert closed and all(wait <= seconds < launch for seconds in closed)
+
+
 def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(smollm2_path, llm):
     """A plain step launched over a speculative step in flight whose decode rows are all of
     requests that step did not run (their tokens all read: here R, left out of A's

@@ -306,7 +306,7 @@ class Engine:
         # from the device (``_build_forward_batch``) and pays for the rest of it when reading it
         after_spec = any(isinstance(s, LaunchedSpecStep) for s in running)
         # a step with prefill work ends the open decode step's time when ready, or, over a
-        # speculative step still running then, once it has read that step
+        # speculative step still running then, that much later as reading that step took
         spec_running = (
             after_spec
             and batch is not None
@@ -318,9 +318,10 @@ class Engine:
                 run = functools.partial(self._run, speculate=speculate, after_spec=after_spec)
                 run_isolated(batch, run, self.scheduler.release, self._rollbacks)
         finally:
+            reading = time.perf_counter()
             took = self._read(running)
-            if spec_running:
-                ready = time.perf_counter()
+            if spec_running:  # NOTE: not its own launch, which ran while the device worked
+                ready += time.perf_counter() - reading
             if not self.overlap:
                 took += self.drain()
         if self.step_timer is not None:
@@ -393,7 +394,7 @@ class Engine:
     ) -> None:
         """Hand a step to the step timer (``after_spec``: a plain step that paid for the rest
         of a speculative step in flight; ``ready``: when a step with prefill work was ready to
-        launch, or read the speculative step still running then); once no work is left, end
+        launch, later by its read of a speculative step still running then); once no work is left, end
         the last one."""
         timer, proposer = self.step_timer, self.spec_worker.proposer  # type: ignore[union-attr]
         if batch is not None and batch.mode.is_decode():
