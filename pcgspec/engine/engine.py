@@ -305,14 +305,6 @@ class Engine:
         # NOTE: a plain step over a speculative step in flight takes its decode rows' lengths
         # from the device (``_build_forward_batch``) and pays for the rest of it when reading it
         after_spec = any(isinstance(s, LaunchedSpecStep) for s in running)
-        # a step with prefill work ends the open decode step's time when ready, or, over a
-        # speculative step still running then, that much later as reading that step took
-        spec_running = (
-            after_spec
-            and batch is not None
-            and not batch.mode.is_decode()
-            and not all(s.done() for s in running if isinstance(s, LaunchedSpecStep))
-        )
         try:
             if batch is not None:
                 run = functools.partial(self._run, speculate=speculate, after_spec=after_spec)
@@ -320,8 +312,9 @@ class Engine:
         finally:
             reading = time.perf_counter()
             took = self._read(running)
-            if spec_running:  # NOTE: not its own launch, which ran while the device worked
-                ready += time.perf_counter() - reading
+            # a step with prefill work ends the open decode step's time when ready, later by
+            # its read of that step (its wait for the device), not by its own launch
+            ready += time.perf_counter() - reading
             if not self.overlap:
                 took += self.drain()
         if self.step_timer is not None:
@@ -394,7 +387,7 @@ class Engine:
     ) -> None:
         """Hand a step to the step timer (``after_spec``: a plain step that paid for the rest
         of a speculative step in flight; ``ready``: when a step with prefill work was ready to
-        launch, later by its read of a speculative step still running then); once no work is left, end
+        launch, later by its read of the steps in flight); once no work is left, end
         the last one."""
         timer, proposer = self.step_timer, self.spec_worker.proposer  # type: ignore[union-attr]
         if batch is not None and batch.mode.is_decode():

@@ -14,12 +14,12 @@ speculated after a plain step and its drafter first caught up over the positions
 steps. Such a switch is timed together with the decode step after it, when that one is of the
 same kind: under the overlap schedule a step reads the one before, so the device's share of a
 catch-up lands in the next step's time, not in a steady step's. A step with prefill work
-ends the open step's time when it is ready to launch; over a speculative step that still ran
-then, later by as long as reading that step took (its wait for the device and its commit). Its
-own launch, host work while the device runs the speculative step, is in neither: counted in
-the speculative step, a mixed launch (3 ms at 16 requests in flight, against 1.2 ms for a
-decode call) priced speculation out where a mixed step follows about every second
-speculative step (docs/speculative.md#served).
+ends the open step's time when it is ready to launch, later by as long as its read of the
+steps in flight took (their rest on the device and their commit). Its own launch, host work
+while the device runs the step before, is in neither kind: counted in a speculative step, a
+mixed launch (3 ms at 16 requests in flight, against 1.2 ms for a decode call) priced
+speculation out where a mixed step follows about every second speculative step
+(docs/speculative.md#served).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class DecodeStepTimer:
 
     def prefill_step(self, ready: float) -> None:
         """A step with prefill work was ready to launch at ``ready`` (host clock; later by its
-        read of a speculative step still running then): the open step's time ends there."""
+        read of the steps in flight): the open step's time ends there."""
         self._close(ready)
 
     def finish(self, now: float | None = None) -> None:

@@ -396,10 +396,6 @@ class LaunchedSpecStep:
         if self.ready is not None:
             self.ready.synchronize()
 
-    def done(self) -> bool:
-        """Whether the results are on the host already (asks, does not wait)."""
-        return self.ready is None or self.ready.query()
-
     def read(self, eos_token_ids: frozenset[int]) -> list[Request]:
         """Wait for the results and commit them (``SpecWorker.read``)."""
         return self.worker.read(self)
