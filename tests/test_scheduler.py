@@ -6,7 +6,7 @@ import pytest
 
 from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, RequestStatus
-from pcgspec.engine.scheduler import Scheduler
+from pcgspec.engine.scheduler import MAX_HOLD_STEPS, Scheduler
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.sampling_params import SamplingParams
 
@@ -163,3 +163,37 @@ def test_a_queue_is_admitted_in_groups():
     sched.release(victim)
     last = _step(sched)  # the one request waiting takes the one free slot at once
     assert [r.request_id for r in last.requests[last.num_decode :]] == ["s32"]
+
+
+def test_a_speculative_engine_holds_arrivals_for_a_group():
+    """Without a queue, a speculative engine's scheduler holds new requests until a sixteenth
+    of the running ones wait (decode steps go on meanwhile), or for ``MAX_HOLD_STEPS`` steps;
+    with 16 running or fewer, or nothing running, a request is admitted at once.
+    """
+    sched = Scheduler(
+        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
+    )
+    sched.hold_arrivals = True
+    for i in range(48):
+        sched.add(_request(f"r{i}", 4, max_tokens=100))
+    assert _step(sched).mode is ForwardMode.EXTEND and len(sched.running) == 48  # none ran
+    sched.add(_request("a", 4, max_tokens=100))
+    sched.add(_request("b", 4, max_tokens=100))
+    assert [_step(sched).mode for _ in range(2)] == [ForwardMode.DECODE] * 2  # 2 of 3 wait
+    sched.add(_request("c", 4, max_tokens=100))
+    grouped = _step(sched)
+    assert grouped.is_mixed and len(grouped.requests) - grouped.num_decode == 3
+    sched.add(_request("d", 4, max_tokens=100))  # alone: held MAX_HOLD_STEPS steps at most
+    modes = [_step(sched).mode for _ in range(MAX_HOLD_STEPS)]
+    assert modes == [ForwardMode.DECODE] * MAX_HOLD_STEPS
+    late = _step(sched)
+    assert late.is_mixed and [r.request_id for r in late.requests[late.num_decode :]] == ["d"]
+    few = Scheduler(
+        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
+    )
+    few.hold_arrivals = True
+    for i in range(16):
+        few.add(_request(f"s{i}", 4, max_tokens=100))
+    _step(few)
+    few.add(_request("e", 4, max_tokens=100))
+    assert _step(few).is_mixed  # a group of one

@@ -94,6 +94,8 @@ class Engine:
         self.step_timer = (  # what decode steps cost, for the speculation policy
             None if self.spec_worker is None else DecodeStepTimer(self.spec_worker.policy)
         )
+        if self.spec_worker is not None:
+            self.scheduler.hold_arrivals = True  # mixed steps decode one token a request
         if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
             self.scheduler.draft = self.spec_worker.proposer
         # what a failed step gives back before its requests run again (isolation.py)
