@@ -361,7 +361,7 @@ class PolicyChoices:
 
 
 @contextlib.contextmanager
-def _running_at_most(engines: dict, n: int) -> Iterator[None]:
+def running_at_most(engines: dict, n: int) -> Iterator[None]:
     """Every engine's scheduler runs at most ``n`` requests at once inside the block (admitting
     from its queue as ``Scheduler`` does under that limit), as a server with a closed loop of
     ``n`` clients does."""
@@ -377,7 +377,18 @@ def _running_at_most(engines: dict, n: int) -> Iterator[None]:
             scheduler.max_running_requests = limit
 
 
-def _cycled(pool: list[str], n: int) -> list[str]:
+def add_in_flight_args(p: argparse.ArgumentParser) -> None:
+    """``--in-flight`` and ``--load-requests`` (``running_at_most``)."""
+    p.add_argument(
+        "--in-flight",
+        action="store_true",
+        help="each batch size B is a load with B requests in flight instead: --load-requests "
+        "prompts at once, at most B running (the engine's closed loop, as a server's)",
+    )
+    p.add_argument("--load-requests", type=int, default=256, help="prompts of an --in-flight load")
+
+
+def cycled(pool: list[str], n: int) -> list[str]:
     """The first ``n`` prompts of ``pool`` repeated."""
     return (pool * (n // len(pool) + 1))[:n]
 
@@ -388,7 +399,7 @@ def _batches(pool: list[str], size: int) -> list[list[str]]:
     measured on every prompt, not on the first one alone.
     """
     if size >= len(pool):
-        return [_cycled(pool, size)]
+        return [cycled(pool, size)]
     return [pool[i : i + size] for i in range(0, len(pool) - size + 1, size)]
 
 
@@ -577,13 +588,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="--speculative-policy of the speculative engines",
     )
     p.add_argument("--batch-sizes", default="1,4,16,32")
-    p.add_argument(
-        "--in-flight",
-        action="store_true",
-        help="each batch size B is a load with B requests in flight instead: --load-requests "
-        "prompts at once, at most B running (the engine's closed loop, as a server's)",
-    )
-    p.add_argument("--load-requests", type=int, default=256, help="prompts of an --in-flight load")
+    add_in_flight_args(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
         "--temperature",
@@ -657,8 +662,8 @@ def main(argv: list[str] | None = None) -> dict:
         pool = prompt_pool(prompt_set, tokenizer)
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             if args.in_flight:
-                load = [_cycled(pool, args.load_requests)]
-                with _running_at_most(engines, bs):
+                load = [cycled(pool, args.load_requests)]
+                with running_at_most(engines, bs):
                     point = _run_batch(engines, load, args, batch=bs)
             else:
                 point = _run_batch(engines, _batches(pool, bs), args)

@@ -8,19 +8,29 @@ kernel launches (ATen's and Triton's), copies and graph launches the host made. 
 wall time is well above its busy time is host-bound. With --host-stages, the host's time per
 engine step in each stage of a step (wall time of wrapped functions over the timed
 generations; a ``wait`` stage is the host waiting for the GPU: the step is GPU-bound by about
-that much). With --cprofile DIR, cProfile of one generation per engine and batch size.
+that much), overall and by kind of step (prefill, mixed, decode, speculative, first_tokens).
+With --cprofile DIR, cProfile of one generation per engine and batch size.
+
+With ``--in-flight`` a batch size B is a load instead, as in ``bench_spec.py``: --load-requests
+prompts given at once to an engine that runs at most B (a request starts as another finishes,
+as under a server with B clients), so the steps with prefill work of a served load are in it;
+``--prompts served-chat`` takes the served benchmark's chat requests.
 
 Random weights of a named shape (default smollm2-135m, with the default model's tokenizer) or
 --model. Every speculative engine runs --speculative-policy always (--policy auto: the policy's
 choices, e.g. to profile the plain steps of an engine with a drafter); EAGLE3 runs an untrained
 head (draft vocabulary --eagle3-draft-vocab; ``--eagle3-draft shipped`` with ``--model`` the
 default model: its shipped head) and STANDALONE drafts with the target itself. Prompts: the
-"repeat" set, or ``--prompts chat`` through the model's chat template.
+"repeat" or "general" set, or ``chat`` / ``served-chat`` through the model's chat template.
 
     python scripts/profile_spec_step.py --methods EAGLE3,NGRAM --batch-sizes 1,16 \\
         --out bench/results/profile_spec_step_smollm2-shape_h100_$(date +%F).json
     python scripts/profile_spec_step.py --shape tiny --methods NGRAM --batch-sizes 1 \\
         --max-tokens 8 --repeats 1                                     # CPU smoke
+    python scripts/profile_spec_step.py --model "$(python -c 'from pcgspec.models.default_model \\
+        import default_model_path as d; print(d())')" --eagle3-draft shipped --methods EAGLE3 \\
+        --num-steps 3 --policy auto --prompts served-chat --in-flight --load-requests 128 \\
+        --batch-sizes 16,64 --max-tokens 128 --host-stages
 """
 
 from __future__ import annotations
@@ -40,7 +50,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spec import StepTimes, _sync, prompt_pool  # noqa: E402
+from bench_spec import (  # noqa: E402
+    StepTimes,
+    _sync,
+    add_in_flight_args,
+    cycled,
+    prompt_pool,
+    running_at_most,
+)
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
 from pcgspec.engine import engine, overlap, scheduler  # noqa: E402
@@ -75,7 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="untrained",
         help="untrained, shipped (the default model's head) or a head's folder",
     )
-    p.add_argument("--prompts", choices=("repeat", "chat"), default="repeat")
+    p.add_argument(
+        "--prompts", choices=("repeat", "general", "chat", "served-chat"), default="repeat"
+    )
+    add_in_flight_args(p)
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument(
         "--policy",
@@ -160,26 +180,47 @@ STAGES = (
 @contextlib.contextmanager
 def host_stages():
     """While the block runs, every function of ``STAGES`` adds its wall time and calls to the
-    yielded ``{"Owner.name": [ns, calls]}``."""
-    totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    yielded ``{kind: {"Owner.name": [ns, calls]}}``, under the kind of the engine step it ran
+    in (``Engine.step_counts``: the kind whose count the step raised; ``read_only``: none, a
+    step that launched nothing and read the steps in flight)."""
+    by_kind: dict[str, dict[str, list[int]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0, 0])
+    )
+    current: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # this step's
     originals = []
     for owner, names in STAGES:
         for name in names:
             fn = owner.__dict__[name]
             label = f"{getattr(owner, '__name__', '').rsplit('.', 1)[-1]}.{name}"
 
-            def timed(*args, _fn=fn, _total=totals[label], **kwargs):  # noqa: ANN002, ANN003, ANN202
+            def timed(*args, _fn=fn, _label=label, **kwargs):  # noqa: ANN002, ANN003, ANN202
                 start = time.perf_counter_ns()
                 try:
                     return _fn(*args, **kwargs)
                 finally:
-                    _total[0] += time.perf_counter_ns() - start
-                    _total[1] += 1
+                    total = current[_label]
+                    total[0] += time.perf_counter_ns() - start
+                    total[1] += 1
 
             originals.append((owner, name, fn))
             setattr(owner, name, functools.wraps(fn)(timed))
+    timed_step = engine.Engine.step
+
+    def step(self):  # noqa: ANN001, ANN202
+        before = dict(self.step_counts)
+        try:
+            return timed_step(self)
+        finally:
+            kind = next((k for k, n in self.step_counts.items() if n != before[k]), "read_only")
+            for label, (ns, calls) in current.items():
+                total = by_kind[kind][label]
+                total[0] += ns
+                total[1] += calls
+            current.clear()
+
+    engine.Engine.step = functools.wraps(timed_step)(step)
     try:
-        yield totals
+        yield by_kind
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)
@@ -192,6 +233,23 @@ def _stage_row(totals: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     return {
         k: {"us": round(ns / 1e3 / steps, 1), "calls": round(n / steps, 2)} for k, (ns, n) in ranked
     }
+
+
+def host_stages_by_kind(
+    by_kind: dict[str, dict[str, list[int]]],
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict[str, float]]]]:
+    """The stage rows (``_stage_row``) of every step and of each kind of step apart, with the
+    kind's step count under ``steps``."""
+    every: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for totals in by_kind.values():
+        for label, (ns, calls) in totals.items():
+            every[label][0] += ns
+            every[label][1] += calls
+    kinds = {
+        kind: {"steps": totals["Engine.step"][1], "stages": _stage_row(totals)}
+        for kind, totals in sorted(by_kind.items())
+    }
+    return _stage_row(every), kinds
 
 
 def _busy_ms(events: list) -> float:
@@ -215,7 +273,15 @@ def _busy_ms(events: list) -> float:
 
 
 def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> dict:
-    prompts = (prompt_pool(args.prompts, llm.get_tokenizer()) * batch)[:batch]
+    """One row; under ``--in-flight`` the engine runs at most ``batch`` requests throughout."""
+    if not args.in_flight:
+        return _profile(llm, name, batch, args, batch)
+    with running_at_most({name: llm}, batch):
+        return _profile(llm, name, batch, args, args.load_requests)
+
+
+def _profile(llm: LLM, name: str, batch: int, args: argparse.Namespace, requests: int) -> dict:
+    prompts = cycled(prompt_pool(args.prompts, llm.get_tokenizer()), requests)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
     for _ in range(2):
@@ -223,13 +289,13 @@ def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> 
     with StepTimes(engine) as times:
         for _ in range(args.repeats):
             llm.generate(prompts, params, use_tqdm=False)
-    stages = None
+    stages = by_kind = None
     if args.host_stages:
         with host_stages() as totals:
             for _ in range(args.repeats):
                 llm.generate(prompts, params, use_tqdm=False)
             _sync()
-        stages = _stage_row(totals)
+        stages, by_kind = host_stages_by_kind(totals)
     steps, step = [], engine.step
 
     def counted():
@@ -265,6 +331,7 @@ def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> 
         **{label: host[label] / n if on_cuda else None for label in HOST_CALLS.values()},
         "spec": engine.spec_stats(),
         "host_stages_us_per_step": stages,
+        "host_stages_by_kind": by_kind,
     }
     if args.cprofile is not None:
         args.cprofile.mkdir(parents=True, exist_ok=True)
@@ -299,6 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(sys.argv),
         "model": args.model or f"{args.shape} (random weights)",
         "num_steps": args.num_steps,
+        "policy": args.policy,
+        "load": f"{args.load_requests} requests, batch = in flight" if args.in_flight else "batch",
         "rows": rows,
     }
     if args.out is not None:

@@ -267,7 +267,7 @@ def test_bench_spec_in_flight_load(tmp_path, smollm2_path, monkeypatch):
 
     scheduler = Scheduler(PagePool(8), 4, 256, 1024)
     engines = {"none": SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))}
-    with bench._running_at_most(engines, 64):
+    with bench.running_at_most(engines, 64):
         assert (scheduler.max_running_requests, scheduler.admission_group) == (64, 4)
     assert (scheduler.max_running_requests, scheduler.admission_group) == (256, 16)
 
@@ -371,6 +371,36 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
         "none_1.prof",
         "none_2.prof",
     ]
+
+
+def test_profile_spec_step_in_flight_splits_host_stages_by_kind(tmp_path, smollm2_path):
+    """--in-flight: a load of --load-requests prompts, at most B running; the host stages of
+    every step and of each kind of step apart, whose steps add up."""
+    profile = load_script("profile_spec_step")
+    argv = ["--shape", "tiny", "--methods", "NGRAM", "--batch-sizes", "2", "--max-tokens", "6"]
+    argv += ["--repeats", "1", "--in-flight", "--load-requests", "5", "--host-stages"]
+    result = profile.main([*argv, "--prompts", "served-chat", "--out", str(tmp_path / "p.json")])
+    assert result["load"] == "5 requests, batch = in flight"
+    for row in result["rows"]:
+        kinds = row["host_stages_by_kind"]
+        spec = "speculative" if row["engine"] == "NGRAM" else "decode"
+        assert spec in kinds and ("mixed" in kinds or "prefill" in kinds), sorted(kinds)
+        assert set(kinds) <= {
+            "prefill",
+            "mixed",
+            "decode",
+            "speculative",
+            "first_tokens",
+            "read_only",
+        }
+        # every request was prefilled; B=2 at most ran at once, so some joined running ones
+        assert sum(kinds[k]["steps"] for k in ("prefill", "mixed") if k in kinds) >= 3
+        assert ("SpecWorker.launch" in kinds[spec]["stages"]) == (row["engine"] == "NGRAM")
+        assert "SpecWorker.launch" not in kinds.get("mixed", {"stages": {}})["stages"]
+        every = row["host_stages_us_per_step"]["Engine.step"]
+        steps = sum(k["steps"] for k in kinds.values())
+        us = sum(k["steps"] * k["stages"]["Engine.step"]["us"] for k in kinds.values())
+        assert every["calls"] == 1.0 and math.isclose(every["us"] * steps, us, rel_tol=0.01)
 
 
 def test_bench_tp_writes_json(tmp_path, monkeypatch):
