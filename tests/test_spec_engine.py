@@ -231,7 +231,7 @@ def test_a_mixed_step_s_launch_is_not_the_speculative_step_s_time(smollm2_path, 
     """A step with prefill work launched over a speculative step ends that step's time when it
     was ready, later by its read of it (the wait for the device), but not by its own launch,
     host work while the device ran the speculative step."""
-    launch, wait = 0.4, 0.15
+    launch, wait = 1.0, 0.15  # NOTE: a launch well above a CPU step, on a loaded machine too
     llm = _overlapped_ngram(smollm2_path, num_steps=3)
     engine, prompt = llm.engine, llm.get_tokenizer().encode(PROMPTS[0])
     engine.spec_worker.policy.choose = lambda reqs: True
