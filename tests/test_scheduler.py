@@ -167,8 +167,9 @@ def test_a_queue_is_admitted_in_groups():
 
 def test_a_speculative_engine_holds_arrivals_for_a_group():
     """Without a queue, a speculative engine's scheduler holds new requests until a sixteenth
-    of the running ones wait (decode steps go on meanwhile), or for ``MAX_HOLD_STEPS`` steps;
-    with 16 running or fewer, or nothing running, a request is admitted at once.
+    of the running ones wait, rounded up (decode steps go on meanwhile), or for
+    ``MAX_HOLD_STEPS`` steps; with 16 running or fewer, or nothing running, a request is
+    admitted at once.
     """
     sched = Scheduler(
         PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
@@ -197,3 +198,7 @@ def test_a_speculative_engine_holds_arrivals_for_a_group():
     _step(few)
     few.add(_request("e", 4, max_tokens=100))
     assert _step(few).is_mixed  # a group of one
+    few.add(_request("f", 4, max_tokens=100))  # 17 running: a group of two (rounded up)
+    assert _step(few).mode is ForwardMode.DECODE
+    few.add(_request("g", 4, max_tokens=100))
+    assert len(_step(few).requests) == 19

@@ -15,6 +15,7 @@ from oracle import assert_all_pages_free, assert_greedy_match, greedy
 
 from pcgspec import LLM, SamplingParams
 from pcgspec.config import EngineConfig
+from pcgspec.engine import overlap as overlap_module
 from pcgspec.engine.engine import Engine
 from pcgspec.speculative import worker as worker_module
 from pcgspec.speculative.worker import SpecWorker
@@ -227,42 +228,54 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
     assert policy.step_times()
 
 
-def test_a_mixed_step_s_launch_is_not_the_speculative_step_s_time(smollm2_path, monkeypatch):
-    """A step with prefill work launched over a speculative step ends that step's time when it
-    was ready, later by its read of it (the wait for the device), but not by its own launch,
-    host work while the device ran the speculative step."""
-    launch, wait = 1.0, 0.15  # NOTE: a launch well above a CPU step, on a loaded machine too
-    llm = _overlapped_ngram(smollm2_path, num_steps=3)
-    engine, prompt = llm.engine, llm.get_tokenizer().encode(PROMPTS[0])
-    engine.spec_worker.policy.choose = lambda reqs: True
-    read = worker_module.LaunchedSpecStep.read
+@pytest.mark.parametrize("speculate", [True, False], ids=["speculative", "plain"])
+def test_a_mixed_step_s_launch_is_in_neither_kind_of_step(
+    smollm2_path, llm, monkeypatch, speculate
+):
+    """A step with prefill work launched over a decode step of either kind ends that step's
+    time when it was ready, later by its read of it (the wait for the device, here only in
+    the mixed step's read), but not by its own launch, host work while the device ran it."""
+    launch, wait = 2.0, 0.5  # NOTE: well above a CPU step's time, on a loaded machine too
+    spec = _overlapped_ngram(smollm2_path, num_steps=3)
+    engine, prompt = spec.engine, spec.get_tokenizer().encode(PROMPTS[0])
+    assert engine.scheduler.hold_arrivals and not llm.engine.scheduler.hold_arrivals
+    engine.spec_worker.policy.choose = lambda reqs: speculate
+    step_class = worker_module.LaunchedSpecStep if speculate else overlap_module.LaunchedStep
+    read, mixing = step_class.read, [False]
 
     def slow_read(step, eos_token_ids):
-        time.sleep(wait)  # the rest of the step on the device
+        if mixing[0]:
+            time.sleep(wait)  # the rest of the step on the device, read by the mixed step
         return read(step, eos_token_ids)
 
-    monkeypatch.setattr(worker_module.LaunchedSpecStep, "read", slow_read)
+    monkeypatch.setattr(step_class, "read", slow_read)
     forward_and_sample, timer = engine._forward_and_sample, engine.step_timer
     prefill_step, closed = timer.prefill_step, []
 
     def slow_launch(batch, after_spec):
-        if not batch.mode.is_decode():
+        if not batch.mode.is_decode() and batch.num_decode:  # a mixed step
+            mixing[0] = True
             time.sleep(launch)
         forward_and_sample(batch, after_spec)
 
     def spy(ready):
-        if timer._open is not None and timer._open.speculative:
-            closed.append(ready - timer._open.start)
+        if timer._open is not None:
+            closed.append((timer._open.speculative, ready - timer._open.start))
         prefill_step(ready)
 
     engine._forward_and_sample, timer.prefill_step = slow_launch, spy
+
+    def step():
+        mixing[0] = False
+        engine.step()
+
     engine.add_request(prompt, _greedy(12))
     for _ in range(4):
-        engine.step()
+        step()
     engine.add_request(prompt, _greedy(4))
     while engine.has_unfinished:
-        engine.step()
-    assert closed and all(wait <= seconds < launch for seconds in closed)
+        step()
+    assert closed and all(kind is speculate and wait <= t < launch for kind, t in closed)
 
 
 def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(smollm2_path, llm):
