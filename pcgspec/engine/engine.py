@@ -315,7 +315,8 @@ class Engine:
             reading = time.perf_counter()
             took = self._read(running)
             # a step with prefill work ends the open decode step's time when ready, later by
-            # its read of that step (its wait for the device), not by its own launch
+            # its read of that step (its wait for the device and its commit), not by its own
+            # launch
             ready += time.perf_counter() - reading
             if not self.overlap:
                 took += self.drain()
