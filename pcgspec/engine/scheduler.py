@@ -44,7 +44,7 @@ from pcgspec.runners.forward_batch import ForwardMode
 
 logger = logging.getLogger("pcgspec")
 ADMISSION_GROUPS = 16  # under a queue, admit max_running_requests // this at a time
-# a speculative engine holds new requests until this share of the running ones, rounded up,
+# a speculative engine holds new requests until len(running) / this of them, rounded up,
 # wait (``_holds_arrivals``) ...
 ARRIVAL_GROUPS = 16
 MAX_HOLD_STEPS = 6  # ... for at most this many steps
