@@ -212,10 +212,7 @@ def host_stages():
             return timed_step(self)
         finally:
             kind = next((k for k, n in self.step_counts.items() if n != before[k]), "read_only")
-            for label, (ns, calls) in current.items():
-                total = by_kind[kind][label]
-                total[0] += ns
-                total[1] += calls
+            _add_stages(by_kind[kind], current)
             current.clear()
 
     engine.Engine.step = functools.wraps(timed_step)(step)
@@ -224,6 +221,13 @@ def host_stages():
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)
+
+
+def _add_stages(into: dict[str, list[int]], totals: dict[str, list[int]]) -> None:
+    """Add ``totals``' ``[ns, calls]`` per stage to ``into``'s (a defaultdict of them)."""
+    for label, (ns, calls) in totals.items():
+        into[label][0] += ns
+        into[label][1] += calls
 
 
 def _stage_row(totals: dict[str, list[int]]) -> dict[str, dict[str, float]]:
@@ -242,9 +246,7 @@ def host_stages_by_kind(
     kind's step count under ``steps``."""
     every: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for totals in by_kind.values():
-        for label, (ns, calls) in totals.items():
-            every[label][0] += ns
-            every[label][1] += calls
+        _add_stages(every, totals)
     kinds = {
         kind: {"steps": totals["Engine.step"][1], "stages": _stage_row(totals)}
         for kind, totals in sorted(by_kind.items())
