@@ -202,3 +202,28 @@ def test_a_speculative_engine_holds_arrivals_for_a_group():
     assert _step(few).mode is ForwardMode.DECODE
     few.add(_request("g", 4, max_tokens=100))
     assert len(_step(few).requests) == 19
+
+
+def test_held_arrivals_are_new_requests_and_each_gets_its_whole_hold():
+    """A preempted request goes back at once (it is not a new arrival), and a request that
+    arrives after a held one was aborted is held its own ``MAX_HOLD_STEPS`` steps."""
+    sched = Scheduler(
+        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
+    )
+    sched.hold_arrivals = True
+    for i in range(34):
+        sched.add(_request(f"r{i}", 4, max_tokens=100))
+    _step(sched)
+    victim = sched.running[-1]
+    sched._preempt(victim)  # 33 still run: a new arrival would wait for a group of three
+    again = _step(sched)
+    assert again.is_mixed and again.requests[again.num_decode :] == [victim]
+    gone = _request("gone", 4, max_tokens=100)
+    gone.group_id = "gone"
+    sched.add(gone)
+    assert [_step(sched).mode for _ in range(3)] == [ForwardMode.DECODE] * 3
+    assert sched.abort("gone") == [gone]
+    sched.add(_request("new", 4, max_tokens=100))
+    modes = [_step(sched).mode for _ in range(MAX_HOLD_STEPS)]
+    assert modes == [ForwardMode.DECODE] * MAX_HOLD_STEPS
+    assert _step(sched).is_mixed

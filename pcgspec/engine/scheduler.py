@@ -148,7 +148,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.draft: DraftKV | None = None  # set by the engine for model drafters
         self.hold_arrivals = False  # set by the engine when it speculates (``_holds_arrivals``)
-        self._held = 0  # steps the waiting requests were held so far
+        self._held_front: Request | None = None  # the first waiting request when last held
+        self._held = 0  # steps it was held
 
     @property
     def admission_group(self) -> int:
@@ -166,7 +167,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch: the running requests' next tokens, then prefill chunks."""
         decode = self._schedule_decode()
-        if self._admits_later():
+        if self._admits_later(decode):
             return decode
         budget = self.prefill_token_budget
         num_decode = 0 if decode is None else decode.num_decode
@@ -230,14 +231,14 @@ class Scheduler:
             req.scheduled_time = time.perf_counter()
         return n
 
-    def _admits_later(self) -> bool:
+    def _admits_later(self, decode: ScheduledBatch | None) -> bool:
         """Whether new requests wait for more running ones to finish: under a queue they are
         admitted ``admission_group`` at a time, so a full batch does not pay a step (an extend
         step of the few prompts that replace the few requests just finished) between every
         two decode steps; a speculative engine also holds a few arrivals without a queue
         (``_holds_arrivals``). Never while nothing decodes or a prefill is underway.
         """
-        if not self.running or not self.waiting or self.waiting[0].pages:
+        if decode is None or not self.waiting or self.waiting[0].pages:
             return False
         free = self.max_running_requests - len(self.running)
         return free < min(len(self.waiting), self.admission_group) or self._holds_arrivals()
@@ -249,13 +250,17 @@ class Scheduler:
         at 64 streams with a new request every step or two, mixed steps were half the steps
         (3.35 ms each against 3.06 ms for a speculative step emitting 2.19 tokens a request).
         Holding a new request for a few steps (about 3 ms each) costs its first token that
-        much; at 16 streams or fewer a group is one request, and nothing waits.
+        much; at 16 streams or fewer a group is one request, and nothing waits. Only new
+        arrivals are held: not a preempted request, nor a later sequence of an ``n`` > 1 group.
+        The steps are counted for the first waiting request, however its turn ends.
         """
-        if not self.hold_arrivals:
+        front = self.waiting[0]
+        if not self.hold_arrivals or front.num_preemptions or front.index:
             return False
+        if front is not self._held_front:
+            self._held_front, self._held = front, 0
         group = -(-len(self.running) // ARRIVAL_GROUPS)
         if len(self.waiting) >= group or self._held >= MAX_HOLD_STEPS:
-            self._held = 0
             return False
         self._held += 1
         return True
