@@ -3,12 +3,13 @@
 Per engine and batch size: the decode step's wall time (median over the decode steps of
 --repeats generations, overlap schedule as configured), and over one more generation under
 torch.profiler, per engine step: the GPU's busy time (the union of kernel intervals; the
-generation's prefill is in it), the activities the GPU ran (kernels, copies, memsets), and the
-kernel launches (ATen's and Triton's), copies and graph launches the host made. A step whose
-wall time is well above its busy time is host-bound. With --host-stages, the host's time per
-engine step in each stage of a step (wall time of wrapped functions over the timed
-generations; a ``wait`` stage is the host waiting for the GPU: the step is GPU-bound by about
-that much), overall and by kind of step (prefill, mixed, decode, speculative, first_tokens).
+generation's prefill is in it), the activities the GPU ran (kernels, copies, memsets) and the
+dearest of them by name, and the kernel launches (ATen's and Triton's), copies and graph
+launches the host made. A step whose wall time is well above its busy time is host-bound. With
+--host-stages, the host's time per engine step in each stage of a step (wall time of wrapped
+functions over the timed generations; a ``wait`` stage is the host waiting for the GPU: the step
+is GPU-bound by about that much), overall and by kind of step (prefill, mixed, decode,
+speculative, first_tokens).
 With --cprofile DIR, cProfile of one generation per engine and batch size.
 
 With ``--in-flight`` a batch size B is a load instead, as in ``bench_spec.py``: --load-requests
@@ -274,6 +275,15 @@ def _busy_ms(events: list) -> float:
     return total / 1e3
 
 
+def _top_activities(events: list, steps: int, top: int = 20) -> dict[str, float]:
+    """The GPU activities that took the most time, by name: microseconds per engine step."""
+    totals: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name[:80]] += e.time_range.end - e.time_range.start
+    return {name: round(us / steps, 1) for name, us in totals.most_common(top)}
+
+
 def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> dict:
     """One row; under ``--in-flight`` the engine runs at most ``batch`` requests throughout."""
     if not args.in_flight:
@@ -330,6 +340,7 @@ def _profile(llm: LLM, name: str, batch: int, args: argparse.Namespace, requests
         "step_ms_median": times.median_ms("step"),
         "gpu_busy_ms_per_step": _busy_ms(events) / n if on_cuda else None,
         "gpu_activities_per_step": kernels / n if on_cuda else None,  # kernels, copies, sets
+        "gpu_top_us_per_step": _top_activities(events, n) if on_cuda else None,
         **{label: host[label] / n if on_cuda else None for label in HOST_CALLS.values()},
         "spec": engine.spec_stats(),
         "host_stages_us_per_step": stages,

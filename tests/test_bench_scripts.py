@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -356,6 +357,7 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
         plain = rows[("none", batch)]["step_ms_median"]
         assert math.isclose(row["step_vs_plain_step"], row["step_ms_median"] / plain)
         assert row["gpu_busy_ms_per_step"] is None and row["kernel_launches"] is None  # CPU
+        assert row["gpu_top_us_per_step"] is None
         assert (row["spec"].get("verify_steps", 0) > 0) == (engine == "NGRAM")
         stages = row["host_stages_us_per_step"]  # per engine step, dearest first
         assert stages["Engine.step"]["calls"] == 1.0 and next(iter(stages)) == "Engine.step"
@@ -371,6 +373,22 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
         "none_1.prof",
         "none_2.prof",
     ]
+
+
+def test_profile_spec_step_ranks_gpu_activities_by_time():
+    """The dearest GPU activities by name, microseconds per engine step; host events aside."""
+    profile = load_script("profile_spec_step")
+
+    def event(name, start, end, cuda=True):
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return SimpleNamespace(
+            name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [event("gemm", 0, 30), event("attn", 30, 40), event("gemm", 40, 50)]
+    events.append(event("cudaLaunchKernel", 0, 500, cuda=False))
+    assert profile._top_activities(events, steps=2, top=1) == {"gemm": 20.0}
+    assert profile._top_activities(events, steps=2) == {"gemm": 20.0, "attn": 5.0}
 
 
 def test_profile_spec_step_in_flight_splits_host_stages_by_kind(tmp_path, smollm2_path):
