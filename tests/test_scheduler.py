@@ -227,3 +227,22 @@ def test_held_arrivals_are_new_requests_and_each_gets_its_whole_hold():
     modes = [_step(sched).mode for _ in range(MAX_HOLD_STEPS)]
     assert modes == [ForwardMode.DECODE] * MAX_HOLD_STEPS
     assert _step(sched).is_mixed
+
+
+def test_arrivals_are_not_held_while_nothing_decodes():
+    """When every running request's pending tokens (a step in flight, not read yet) reach its
+    length, no decode batch is scheduled: a new arrival is prefilled then, not held for a group
+    (which would make an empty step)."""
+    sched = Scheduler(
+        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
+    )
+    sched.hold_arrivals = True
+    for i in range(34):
+        sched.add(_request(f"r{i}", 4, max_tokens=2))
+    _step(sched)  # prefilled, one token each: 34 running, a group of three
+    for req in sched.running:
+        req.num_pending_tokens = 1  # their last token sampled by a step in flight
+    sched.add(_request("x", 4, max_tokens=100))
+    batch = sched.schedule()
+    assert batch is not None and [r.request_id for r in batch.requests] == ["x"]
+    assert batch.mode is ForwardMode.EXTEND and batch.num_decode == 0
