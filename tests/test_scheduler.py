@@ -6,7 +6,7 @@ import pytest
 
 from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, RequestStatus
-from pcgspec.engine.scheduler import MAX_HOLD_STEPS, Scheduler
+from pcgspec.engine.scheduler import MAX_HOLD_STEPS, ScheduledBatch, Scheduler
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.sampling_params import SamplingParams
 
@@ -165,19 +165,26 @@ def test_a_queue_is_admitted_in_groups():
     assert [r.request_id for r in last.requests[last.num_decode :]] == ["s32"]
 
 
+def _holding(num_running: int, max_tokens: int = 100) -> tuple[Scheduler, ScheduledBatch]:
+    """A speculative engine's scheduler (``hold_arrivals``) whose ``num_running`` requests were
+    all prefilled in its first step, and that step."""
+    sched = Scheduler(
+        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
+    )
+    sched.hold_arrivals = True
+    for i in range(num_running):
+        sched.add(_request(f"r{i}", 4, max_tokens=max_tokens))
+    return sched, _step(sched)
+
+
 def test_a_speculative_engine_holds_arrivals_for_a_group():
     """Without a queue, a speculative engine's scheduler holds new requests until a sixteenth
     of the running ones wait, rounded up (decode steps go on meanwhile), or for
     ``MAX_HOLD_STEPS`` steps; with 16 running or fewer, or nothing running, a request is
     admitted at once.
     """
-    sched = Scheduler(
-        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
-    )
-    sched.hold_arrivals = True
-    for i in range(48):
-        sched.add(_request(f"r{i}", 4, max_tokens=100))
-    assert _step(sched).mode is ForwardMode.EXTEND and len(sched.running) == 48  # none ran
+    sched, first = _holding(48)
+    assert first.mode is ForwardMode.EXTEND and len(sched.running) == 48  # none ran
     sched.add(_request("a", 4, max_tokens=100))
     sched.add(_request("b", 4, max_tokens=100))
     assert [_step(sched).mode for _ in range(2)] == [ForwardMode.DECODE] * 2  # 2 of 3 wait
@@ -189,13 +196,7 @@ def test_a_speculative_engine_holds_arrivals_for_a_group():
     assert modes == [ForwardMode.DECODE] * MAX_HOLD_STEPS
     late = _step(sched)
     assert late.is_mixed and [r.request_id for r in late.requests[late.num_decode :]] == ["d"]
-    few = Scheduler(
-        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
-    )
-    few.hold_arrivals = True
-    for i in range(16):
-        few.add(_request(f"s{i}", 4, max_tokens=100))
-    _step(few)
+    few, _ = _holding(16)
     few.add(_request("e", 4, max_tokens=100))
     assert _step(few).is_mixed  # a group of one
     few.add(_request("f", 4, max_tokens=100))  # 17 running: a group of two (rounded up)
@@ -207,13 +208,7 @@ def test_a_speculative_engine_holds_arrivals_for_a_group():
 def test_held_arrivals_are_new_requests_and_each_gets_its_whole_hold():
     """A preempted request goes back at once (it is not a new arrival), and a request that
     arrives after a held one was aborted is held its own ``MAX_HOLD_STEPS`` steps."""
-    sched = Scheduler(
-        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
-    )
-    sched.hold_arrivals = True
-    for i in range(34):
-        sched.add(_request(f"r{i}", 4, max_tokens=100))
-    _step(sched)
+    sched, _ = _holding(34)
     victim = sched.running[-1]
     sched._preempt(victim)  # 33 still run: a new arrival would wait for a group of three
     again = _step(sched)
@@ -233,13 +228,7 @@ def test_arrivals_are_not_held_while_nothing_decodes():
     """When every running request's pending tokens (a step in flight, not read yet) reach its
     length, no decode batch is scheduled: a new arrival is prefilled then, not held for a group
     (which would make an empty step)."""
-    sched = Scheduler(
-        PagePool(1024), page_size=4, max_running_requests=256, prefill_token_budget=10_000
-    )
-    sched.hold_arrivals = True
-    for i in range(34):
-        sched.add(_request(f"r{i}", 4, max_tokens=2))
-    _step(sched)  # prefilled, one token each: 34 running, a group of three
+    sched, _ = _holding(34, max_tokens=2)  # one token each: 34 running, a group of three
     for req in sched.running:
         req.num_pending_tokens = 1  # their last token sampled by a step in flight
     sched.add(_request("x", 4, max_tokens=100))
