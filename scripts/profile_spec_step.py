@@ -62,7 +62,7 @@ from bench_spec import (  # noqa: E402
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
 from pcgspec.engine import engine, overlap, scheduler  # noqa: E402
-from pcgspec.runners import model_runner  # noqa: E402
+from pcgspec.runners import model_runner, spec_step_graphs  # noqa: E402
 from pcgspec.sampling import slots  # noqa: E402
 from pcgspec.speculative import model_proposer, ngram, worker  # noqa: E402
 
@@ -173,7 +173,8 @@ STAGES = (
     (worker, ("device_page_table", "build_verify_batch", "verify_draft_tokens")),
     (slots.SamplingSlots, ("seq_lens", "rows", "commit")),
     (model_runner.ModelRunner, ("forward", "sample")),
-    (model_proposer.ModelProposer, ("propose", "verified", "read")),
+    (spec_step_graphs.SpecStepGraphs, ("replay",)),
+    (model_proposer.ModelProposer, ("propose", "verified", "prepare_replay", "replayed", "read")),
     (ngram.NgramProposer, ("propose",)),
 )
 

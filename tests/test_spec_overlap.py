@@ -121,7 +121,7 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
         )
         engine, proposer = spec.engine, spec.engine.spec_worker.proposer
         drafted[overlap], from_device[overlap] = defaultdict(list), 0
-        propose, catch_up = proposer.propose, proposer._catch_up_batch
+        propose, catch_up = proposer.propose, proposer._catch_up_mixed
         steady = proposer._catch_up_from_verified
 
         def recorded(batch, propose=propose, seen=drafted[overlap]):
@@ -138,7 +138,7 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
             from_device[overlap] += len(batch.requests)  # every request
             return steady(batch)
 
-        proposer.propose, proposer._catch_up_batch = recorded, counted
+        proposer.propose, proposer._catch_up_mixed = recorded, counted
         proposer._catch_up_from_verified = counted_steady
         got = spec.generate(prompts, params, use_tqdm=False)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -197,6 +197,7 @@ def test_verify_rows_carry_only_requests_that_run_again():
             accept_len=torch.arange(b) % k1,
         )
         hidden = torch.arange(first, first + b * k1).repeat_interleave(hidden_size)
+        proposer._leaving(reqs)  # NOTE: what propose does first
         return proposer.verified(reqs, out, hidden.view(b * k1, hidden_size).float())
 
     running, paused, done, at_length = (request(n, 8) for n in "abcd")
@@ -227,21 +228,17 @@ def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
     prompts = PROMPTS[: len(params)]
     proposer, rows, pending = engine.spec_worker.proposer, [], []
     if isinstance(proposer, ModelProposer):
-        catch_up = proposer._catch_up_batch
+        catch_up = proposer._catch_up_mixed
 
         def recorded(batch, states):
             pending.append(sum(r.num_pending_tokens for r, s in zip(batch.requests, states) if s))
             out = catch_up(batch, states)
-            k1 = out[0].spec_num_draft_tokens
-            ids, pos, kv = (
-                t.view(-1, k1).tolist()
-                for t in (out[0].input_ids, out[0].positions, out[0].out_cache_loc)
-            )
-            for req, *row in zip(batch.requests, ids, pos, kv):
-                rows.extend((req, t, p) for t, p, slot in zip(*row) if slot >= 0)  # valid rows
+            ids, starts, nums = out.tokens.tolist(), out.start.tolist(), out.num.tolist()
+            for req, row, start, num in zip(batch.requests, ids, starts, nums):
+                rows.extend((req, t, start + j) for j, t in enumerate(row[:num]))  # valid rows
             return out
 
-        proposer._catch_up_batch = recorded
+        proposer._catch_up_mixed = recorded
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert {o.finish_reason for o in outs} == {"stop", "length"}
     if isinstance(proposer, ModelProposer):

@@ -27,7 +27,7 @@ from pcgspec.models.random_weights import shape_config
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardMode
-from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
+from pcgspec.runners.spec_step_graphs import SpecStepGraphs
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.speculative.tree import ancestor_mask
 from pcgspec.speculative.worker import SpecWorker
@@ -79,19 +79,39 @@ def _prompts(n: int) -> list[list[int]]:
 class PlantedBranch:
     """Wraps a proposer: after the head drafts, one branch of every tree (the path to a random
     node) is overwritten with the target's greedy continuation (``want``), up to a random
-    depth, so the verify pass accepts deep paths of nodes that are not consecutive."""
+    depth, so the verify pass accepts deep paths of nodes that are not consecutive. Inside a
+    captured speculative step (the eager stand-in on CPU) the requests are found by their
+    sampling slots and their progress by their lengths there."""
 
-    def __init__(self, proposer, want: dict[tuple[int, ...], list[int]], seed: int = 0) -> None:
-        self.proposer, self.want = proposer, want
+    def __init__(self, llm: LLM, want: dict[tuple[int, ...], list[int]], seed: int = 0) -> None:
+        self.proposer, self.want = llm.engine.spec_worker.proposer, want
+        self.slots = llm.engine.slots
         self.rng = random.Random(seed)
-        self.original = proposer.propose
+        self.original = self.proposer.propose
+        self.original_captured = self.proposer.propose_captured
 
     def __call__(self, batch):
         proposal = self.original(batch)
+        reqs = batch.requests
+        return self._plant(proposal, reqs, [len(r.output_token_ids) for r in reqs])
+
+    def captured(self, step):
+        proposal = self.original_captured(step)
+        by_slot = {slot: req for req, slot in self.slots._slot_of.items()}
+        reqs, done = [], []
+        for slot, valid, n in zip(*(t.tolist() for t in (step.slots, step.valid, step.seq_lens))):
+            req = by_slot[slot] if valid else None
+            reqs.append(req)
+            done.append(0 if req is None else n - len(req.prompt_token_ids))
+        return self._plant(proposal, reqs, done)
+
+    def _plant(self, proposal, reqs, done: list[int]):
         tokens = proposal.tokens.clone()
         parents = proposal.parents.tolist()
-        for b, req in enumerate(batch.requests):
-            ahead = self.want[tuple(req.prompt_token_ids)][len(req.output_token_ids) :]
+        for b, (req, n) in enumerate(zip(reqs, done)):
+            if req is None:
+                continue
+            ahead = self.want[tuple(req.prompt_token_ids)][n:]
             node = self.rng.randrange(1, len(parents[b]))
             path = []
             while node > 0:
@@ -110,11 +130,12 @@ def planted(llm: LLM, prompts: list[list[int]], want: list, seed: int = 0) -> It
     ``prompts``) inside the block."""
     proposer = llm.engine.spec_worker.proposer
     continuations = {tuple(p): w.token_ids for p, w in zip(prompts, want)}
-    proposer.propose = PlantedBranch(proposer, continuations, seed)
+    branch = PlantedBranch(llm, continuations, seed)
+    proposer.propose, proposer.propose_captured = branch, branch.captured
     try:
         yield
     finally:
-        del proposer.propose
+        del proposer.propose, proposer.propose_captured
 
 
 def _greedy(max_tokens: int = 40) -> SamplingParams:
@@ -290,38 +311,63 @@ def test_a_failing_request_in_a_tree_step_ends_alone(paths, plain, monkeypatch):
     assert_all_pages_free(spec)
 
 
+@contextlib.contextmanager
+def _graphs(llm: LLM, whole_steps: bool) -> Iterator[None]:
+    """``llm``'s draft and tree verify graphs (the eager stand-in on CPU; buckets 1, 2, 4), and
+    with ``whole_steps`` its speculative step graphs, inside the block."""
+    engine = llm.engine
+    runner, worker = engine.runner, engine.spec_worker
+    proposer = worker.proposer
+    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
+    runner.verify_graphs = DecodeGraphRunner(
+        runner, ForwardMode.TARGET_VERIFY, worker.shape.num_nodes, tree=True
+    )
+    try:
+        proposer.graphs.capture()
+        runner.verify_graphs.capture()
+        if whole_steps:
+            worker.step_graphs = SpecStepGraphs(
+                runner.verify_graphs,
+                proposer,
+                engine.slots,
+                runner.model.compute_logits,
+                worker.num_steps,
+            )
+            worker.step_graphs.capture()
+        yield
+    finally:
+        proposer.graphs = runner.verify_graphs = worker.step_graphs = proposer.step_rows = None
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
-    """Tree drafting, tree verify passes and their tail (acceptance, K/V move, commit) through
-    the graph runners (the eager stand-in on CPU; buckets 1, 2, 4, so batch 3 replays a padded
-    bucket): the same output, every batch replayed, nothing refused; greedy, or seeded
-    sampling beside a greedy request (the SAMPLED tail)."""
-    engine = spec.engine
-    runner, worker = engine.runner, engine.spec_worker
-    proposer, n = worker.proposer, worker.shape.num_nodes
+    """Tree drafting and tree verify passes through the draft and verify graph runners with
+    eager acceptance (as for penalties): the same output, every batch replayed, nothing
+    refused; then whole speculative steps as graphs (acceptance, K/V move and commit inside),
+    the same output again. Greedy, or seeded sampling beside a greedy request (the SAMPLED
+    variant); batch 3 replays a padded bucket."""
     prompts = _prompts(3)
     params = [_greedy(24)] * 3
     if sampled:
         params[1:] = [SamplingParams(max_tokens=24, temperature=0.8, seed=s) for s in (5, 6)]
     want = plain.generate(prompts, params, use_tqdm=False)
-    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
-    runner.verify_graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, n, tree=True)
-    try:
-        proposer.graphs.capture()
-        runner.verify_graphs.capture()
-        worker.tail = VerifyTailGraphs(
-            runner.verify_graphs, engine.slots, runner.model.compute_logits, worker.num_steps
-        )
-        worker.tail.capture()
-        with planted(spec, prompts, want):
-            got = spec.generate(prompts, params, use_tqdm=False)
-        stats = engine.graph_stats()
-    finally:
-        proposer.graphs = runner.verify_graphs = worker.tail = None
+    with _graphs(spec, whole_steps=False), planted(spec, prompts, want):
+        got = spec.generate(prompts, params, use_tqdm=False)
+        stats = spec.engine.graph_stats()
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    for name in ("verify", "draft", "verify_tail"):
+    for name in ("verify", "draft"):
         assert stats[name]["runs"] > 0 and stats[name]["padded_rows"] > 0, stats
         assert not any(stats[name]["fallbacks"].values()), stats
+    before = spec.engine.spec_stats()["accepted_draft_tokens"]
+    with _graphs(spec, whole_steps=True), planted(spec, prompts, want):
+        got = spec.generate(prompts, params, use_tqdm=False)
+        stats = spec.engine.graph_stats()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    steps = stats["spec_step"]
+    assert steps["runs"] > 0 and steps["padded_rows"] > 0, stats
+    assert not any(steps["fallbacks"].values()), stats
+    assert stats["verify"]["runs"] == stats["draft"]["runs"] == 0, stats
+    assert spec.engine.spec_stats()["accepted_draft_tokens"] > before + 10  # deep walks
 
 
 @pytest.mark.gpu
@@ -338,5 +384,6 @@ def test_cuda_graphs_greedy_equals_plain(paths, batch):
         got = spec_gpu.generate(prompts, _greedy(), use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     stats = spec_gpu.engine.graph_stats()
-    for name in ("verify", "draft", "verify_tail"):
-        assert stats[name]["runs"] > 0 and not any(stats[name]["fallbacks"].values()), stats
+    assert stats["spec_step"]["runs"] > 0, stats
+    for name in ("verify", "draft", "spec_step"):
+        assert not any(stats[name]["fallbacks"].values()), stats

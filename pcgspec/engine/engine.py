@@ -31,7 +31,7 @@ from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner
 from pcgspec.runners.refusals import GraphStats
-from pcgspec.runners.verify_tail_graphs import VerifyTailGraphs
+from pcgspec.runners.spec_step_graphs import SpecStepGraphs
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.speculative.draft_runner import DraftRunner, kv_spec
@@ -96,8 +96,8 @@ class Engine:
         )
         if self.spec_worker is not None:
             self.scheduler.hold_arrivals = True  # mixed steps decode one token a request
-        if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
-            self.scheduler.draft = self.spec_worker.proposer
+            if isinstance(self.spec_worker.proposer, ModelProposer):
+                self.scheduler.draft = self.spec_worker.proposer
         # what a failed step gives back before its requests run again (isolation.py)
         self._rollbacks = (self.slots, *([self.spec_worker.proposer] if spec else []))
         self._capture_spec_graphs()
@@ -129,29 +129,29 @@ class Engine:
         return runner, draft_runner
 
     def _capture_spec_graphs(self) -> None:
-        """CUDA: the speculative step's acceptance and commit behind each verify graph (not
-        under tensor parallelism, where the LM head needs every rank), and a model drafter's
-        propose phase (catch-up + k-1 draft steps), as graphs per batch size.
+        """CUDA: a model drafter's propose phase (catch-up + k-1 draft steps) as graphs per
+        batch size, and the whole speculative step behind each verify graph (not under tensor
+        parallelism, where the LM head needs every rank).
         """
-        worker, config = self.spec_worker, self.config
-        runner = self.runner
-        if worker is not None and runner.verify_graphs is not None and runner.tp_driver is None:
-            worker.tail = VerifyTailGraphs(
-                runner.verify_graphs, self.slots, runner.model.compute_logits, worker.num_steps
-            )
-            worker.tail.capture()
-        proposer = None if worker is None else worker.proposer
-        if (
-            not isinstance(proposer, ModelProposer)
-            or self.runner.device.type != "cuda"
-            or config.disable_cuda_graph
-        ):
+        worker, config, runner = self.spec_worker, self.config, self.runner
+        if worker is None or runner.device.type != "cuda" or config.disable_cuda_graph:
             return
-        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-        proposer.graphs = DraftGraphRunner(
-            proposer.runner, proposer.shape, max_bs, self.context_length
-        )
-        proposer.graphs.capture()
+        proposer = worker.proposer
+        if isinstance(proposer, ModelProposer):
+            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+            proposer.graphs = DraftGraphRunner(
+                proposer.runner, proposer.shape, max_bs, self.context_length
+            )
+            proposer.graphs.capture()
+        if runner.verify_graphs is not None and runner.tp_driver is None:
+            worker.step_graphs = SpecStepGraphs(
+                runner.verify_graphs,
+                proposer,
+                self.slots,
+                runner.model.compute_logits,
+                worker.num_steps,
+            )
+            worker.step_graphs.capture()
 
     def _kernel_warmup(self) -> KernelWarmup:
         """The Triton kernel variants serving can reach (warmed at start-up: a first wave of
@@ -262,14 +262,14 @@ class Engine:
 
     def graph_stats(self) -> dict[str, GraphStats]:
         """Runs, padding and fallbacks by reason of every graph runner built, by name: the
-        target's ``piecewise``, ``decode``, ``verify``, the speculative step's ``verify_tail``
-        (acceptance and commit); a model drafter's ``draft`` (its propose
-        phase) and ``draft_piecewise`` (a STANDALONE draft's long catch-ups).
+        target's ``piecewise``, ``decode``, ``verify``, the whole speculative step's
+        ``spec_step``; a model drafter's ``draft`` (its propose phase) and ``draft_piecewise``
+        (a STANDALONE draft's long catch-ups).
         """
         runners = self.runner.graph_runners()
         worker = self.spec_worker
-        if worker is not None and worker.tail is not None:
-            runners["verify_tail"] = worker.tail
+        if worker is not None and worker.step_graphs is not None:
+            runners["spec_step"] = worker.step_graphs
         proposer = None if worker is None else worker.proposer
         if isinstance(proposer, ModelProposer):
             drafter = {"draft": proposer.graphs, "draft_piecewise": proposer.runner.piecewise}

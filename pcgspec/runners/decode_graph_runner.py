@@ -273,15 +273,16 @@ class DecodeGraphRunner(GuardedRunner):
         )
 
     def _capture_one(self, bs: int) -> None:
-        step = functools.partial(self._step, self._static_batch(bs))
+        step = functools.partial(self.decoder_step, self._static_batch(bs))
         for _ in range(self.num_warmup):
             step()  # compiles Triton/inductor kernels for this shape outside the capture
         graph = _CudaGraph(self.pool) if self.device.type == "cuda" else _EagerGraph()
         self.outputs[bs] = graph.capture(step, ())
         self.graphs[bs] = graph
 
-    def _step(self, batch: ForwardBatch) -> GraphOutput:
-        """One decode step on the static buffers: the captured region."""
+    def decoder_step(self, batch: ForwardBatch) -> GraphOutput:
+        """One step of the decoder over ``batch``, whose tensors a graph holds (the static
+        buffers, or those a captured speculative step builds): the captured region."""
         self.attn_backend.init_capture_metadata(batch, self.max_seq_len)
         with forward_context(batch, self.attn_backend):
             hidden, aux = self.decoder(batch.input_ids, batch.positions)

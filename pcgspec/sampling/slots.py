@@ -378,8 +378,13 @@ class SamplingSlots:
         """[B] int64 device tensor: each request's token count, prompt + outputs (as of the
         device).
         """
+        return self.lengths(self.slot_indices(reqs))
+
+    def lengths(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B] int64: the token counts of the requests in ``slots`` [B] (device; also inside a
+        captured speculative step)."""
         # NOTE: rows 2 and 3 of the int table are the position and the prompt length
-        return self._ints[2:4].index_select(1, self.slot_indices(reqs)).sum(0)
+        return self._ints[2:4].index_select(1, slots).sum(0)
 
     def last_tokens(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor: each request's last emitted token (as of the device)."""

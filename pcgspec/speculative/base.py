@@ -76,6 +76,19 @@ class ProposeInput:
     page_table: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class CapturedStep:
+    """What a proposer's drafting sees inside a captured speculative step
+    (``runners/spec_step_graphs.py``): a bucket of ``bs`` requests, those past the batch
+    padding (``valid`` False), all on the device."""
+
+    slots: torch.Tensor  # [bs] int64 sampling slots (padding: 0)
+    valid: torch.Tensor  # [bs] bool
+    seq_lens: torch.Tensor  # [bs] int64 token counts before the step
+    page_table: torch.Tensor  # [bs, P] int32
+    max_seq_len: int  # bound of every length in the step (for sizing)
+
+
 class Proposer(ABC):
     """Drafts ``num_steps`` (k) tokens per request; deterministic for a given input."""
 
@@ -116,6 +129,30 @@ class Proposer(ABC):
 
     def rollback(self, checkpoint: object) -> None:
         """A step failed and its requests run again: forget what it kept (``verified``)."""
+        return None
+
+    # a speculative step captured whole (``SpecStepGraphs``) ---------------------------------
+
+    def reserve_step_rows(self, max_bs: int) -> None:
+        """Allocate what ``propose_captured`` reads, for up to ``max_bs`` requests."""
+        return None
+
+    def prepare_replay(self, requests: Sequence[Any]) -> None:
+        """Host work before a captured step of ``requests`` replays: whatever its drafting
+        reads must be on the device by then."""
+        return None
+
+    def propose_captured(self, step: CapturedStep) -> DraftProposal:
+        """The drafting of a captured step, from device state only."""
+        raise NotImplementedError(f"{type(self).__name__} drafts only eagerly")
+
+    def keep_captured(self, step: CapturedStep, out: Any, hidden: torch.Tensor | None) -> None:
+        """Inside a captured step, after acceptance (``out``: its ``VerifyOutput``, path rows
+        in ``hidden``): keep on the device what the next step's drafting reads."""
+        return None
+
+    def replayed(self, requests: Sequence[Any]) -> object:
+        """``verified`` for a captured step of ``requests`` that just replayed."""
         return None
 
     def read(self, request: Any, rows: object, row: int, start: int, num: int) -> None:

@@ -15,7 +15,11 @@ catch-up rewrites.
 Two sources of catch-up rows. After a verify step a request catches up over that step's
 emitted tokens (and hidden rows), which stay on the device (``VerifiedRows``): the next
 speculative step builds the rows there, from the accepted counts and the lengths the device
-holds, before the host has read the step (the overlap schedule). When every request of the
+holds, before the host has read the step (the overlap schedule). A captured step
+(``SpecStepGraphs``) writes them into the catch-up buffers (``CatchUpRows``) that the next
+captured step reads: in the steady state nothing is copied; otherwise the rows are made as
+below and copied in (``prepare_replay``), and rows still needed past the next captured step
+are copied out before it overwrites them (``_leaving``, ``read``). When every request of the
 step has such rows, the verify step's k+1 rows per request are the catch-up's
 (``_catch_up_from_verified``): as they are for the same requests in the same order (the steady
 state), else gathered on the device (a request left the batch); rows past a request's emitted
@@ -35,10 +39,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from pcgspec.engine.overlap import PENDING_TOKEN, resolve_pending
+from pcgspec.kernels.padded_rows import padded_rows, padded_rows_ref
 from pcgspec.runners.batch_builder import (
     SeqChunk,
     build_forward_batch,
@@ -48,9 +54,15 @@ from pcgspec.runners.batch_builder import (
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.sampling.slots import SamplingSlots
-from pcgspec.speculative.base import FILLER_TOKEN, DraftProposal, ProposeInput, Proposer
+from pcgspec.speculative.base import (
+    FILLER_TOKEN,
+    CapturedStep,
+    DraftProposal,
+    ProposeInput,
+    Proposer,
+)
 from pcgspec.speculative.draft_runner import DraftRunner
-from pcgspec.speculative.tree import TreeShape
+from pcgspec.speculative.tree import DraftTree, TreeShape
 
 
 @dataclass
@@ -129,6 +141,29 @@ class VerifiedRows:
     # NOTE: a plain dict: the rows live a step or two (weak keys cost several times as much per
     # lookup); a request that finishes meanwhile is not carried into the next step's rows
     rows: dict[object, int]
+    # rows ``0 .. own`` are the step's own requests', the rest carried from the step before
+    # (``_newest``)
+    own: int = 0
+    # the tensors are the step graphs' catch-up buffers (``CatchUpRows``), which the next
+    # captured step overwrites: rows still needed after it are copied out first (``_leaving``)
+    in_buffers: bool = False
+
+
+@dataclass(frozen=True)
+class CatchUpRows:
+    """Where a captured speculative step reads its catch-up rows (``VerifiedRows``' layout, for
+    up to ``max_bs`` requests) and writes the next step's."""
+
+    tokens: torch.Tensor  # [max_bs, k+1] int64
+    start: torch.Tensor  # [max_bs] int64 the first row's position
+    num: torch.Tensor  # [max_bs] int64
+    hidden: torch.Tensor | None  # [max_bs * (k+1), Hh]
+
+    def view(self, n: int, rows: dict[object, int]) -> VerifiedRows:
+        """The first ``n`` requests' rows as ``VerifiedRows`` (in the buffers)."""
+        k1 = self.tokens.shape[1]
+        hidden = None if self.hidden is None else self.hidden[: n * k1]
+        return VerifiedRows(self.tokens[:n], self.num[:n], hidden, rows, n, in_buffers=True)
 
 
 class ModelProposer(Proposer):
@@ -141,6 +176,9 @@ class ModelProposer(Proposer):
         self.lag = 1 if self.uses_target_hidden else 0  # catch-up rows trail the tokens by this
         self.graphs: DraftGraphRunner | None = None  # the propose phase, captured (CUDA)
         self._verified: VerifiedRows | None = None  # the newest verify step's rows
+        # rows of the newest step's requests that the next step leaves out (``_leaving``)
+        self._left: VerifiedRows | None = None
+        self.step_rows: CatchUpRows | None = None  # a captured step's (``reserve_step_rows``)
 
     # target passes ---------------------------------------------------------------------------
 
@@ -193,43 +231,59 @@ class ModelProposer(Proposer):
         # NOTE: ``hidden`` is the runner's copy of the graph's rows (FULL capture), kept as is
         rows = {r: b for b, r in enumerate(requests)}
         tokens = torch.where(out.tokens < 0, FILLER_TOKEN, out.tokens)  # catch-up input ids
-        new = VerifiedRows(tokens, out.accept_len + 1, hidden, rows)
-        self._verified = self._carried(new, self._verified)
-        return self._verified
+        return self._newest(VerifiedRows(tokens, out.accept_len + 1, hidden, rows, len(rows)))
 
-    def _carried(self, new: VerifiedRows, old: VerifiedRows | None) -> VerifiedRows:
-        """``new`` and, after its rows, ``old``'s rows of the requests it lacks that may run
-        again: no step caught those up yet (the step ran only some of the last one's requests,
-        as fault isolation's reruns of halves do), so their next catch-up still reads them. A
-        request whose launched tokens reach its length (``length_reached``) runs no further
-        step: under continuous batching a request gets there every few steps, and carrying its
-        rows would cost a gather for nothing.
-        """
-        left = (
-            []
-            if old is None
-            else [
-                (r, b)
-                for r, b in old.rows.items()
-                if r not in new.rows and not r.finished and not r.length_reached
-            ]
-        )
-        if not left:
+    def replayed(self, requests: Sequence[object]) -> VerifiedRows:
+        """``verified`` for a captured step: its rows are in the catch-up buffers."""
+        rows = {r: b for b, r in enumerate(requests)}
+        return self._newest(self.step_rows.view(len(requests), rows))
+
+    def _newest(self, new: VerifiedRows) -> VerifiedRows:
+        """``new`` and, after its rows, those ``_leaving`` kept of the step before."""
+        left, self._left = self._left, None
+        if left is None:
+            self._verified = new
             return new
-        k1, n, device = self.num_steps + 1, len(new.num), new.num.device
-        (index,) = upload(
-            device, int64=([b for _, b in left],)
-        )  # NOTE: no sync, unlike torch.tensor
-        hidden = new.hidden
-        if hidden is not None:
-            rows = (index[:, None] * k1 + torch.arange(k1, device=device)).view(-1)
-            hidden = torch.cat([hidden, old.hidden[rows]])
-        new.rows.update((r, n + i) for i, (r, _) in enumerate(left))
-        return VerifiedRows(
-            torch.cat([new.tokens, old.tokens[index]]),
-            torch.cat([new.num, old.num[index]]),
+        n = len(new.num)
+        new.rows.update((r, n + i) for r, i in left.rows.items())
+        hidden = None if new.hidden is None else torch.cat([new.hidden, left.hidden])
+        self._verified = VerifiedRows(
+            torch.cat([new.tokens, left.tokens]),
+            torch.cat([new.num, left.num]),
             hidden,
             new.rows,
+            n,
+        )
+        return self._verified
+
+    def _leaving(self, requests: Sequence[object]) -> None:
+        """Before a speculative step of ``requests``: copy out the newest verify rows of the
+        requests it leaves out that may run again (its rows may be overwritten by the step:
+        ``in_buffers``); no step caught those up yet (the step runs only some of the last
+        one's requests, as fault isolation's reruns of halves do), so their next catch-up
+        still reads them. A request whose launched tokens reach its length
+        (``length_reached``) runs no further step if it emits them all, which its read tells:
+        under continuous batching a request gets there every few steps, so its rows are kept
+        only where the step may overwrite them.
+        """
+        old, self._left = self._verified, None
+        if old is None or not old.rows:
+            return
+        taken, aliased = set(requests), old.in_buffers
+        left = [
+            (r, b)
+            for r, b in old.rows.items()
+            if r not in taken and not r.finished and (aliased or not r.length_reached)
+        ]
+        if not left:
+            return
+        (index,) = upload(old.num.device, int64=([b for _, b in left],))  # NOTE: no sync
+        k1, hidden = self.num_steps + 1, old.hidden
+        if hidden is not None:
+            rows = (index[:, None] * k1 + torch.arange(k1, device=index.device)).view(-1)
+            hidden = hidden[rows]
+        self._left = VerifiedRows(
+            old.tokens[index], old.num[index], hidden, {r: i for i, (r, _) in enumerate(left)}
         )
 
     def checkpoint(self) -> object:
@@ -239,7 +293,7 @@ class ModelProposer(Proposer):
         """The newest verify rows are those before the failed step again (its catch-up rewrote
         draft K/V that a rerun rewrites the same).
         """
-        self._verified = checkpoint  # type: ignore[assignment]
+        self._verified, self._left = checkpoint, None  # type: ignore[assignment]
 
     def read(self, request: object, rows: object, row: int, start: int, num: int) -> None:
         """The host read verify rows ``rows`` (``VerifiedRows``): ``request`` (row ``row``)
@@ -248,15 +302,24 @@ class ModelProposer(Proposer):
         host state, for a catch-up through the host.
         """
         assert isinstance(rows, VerifiedRows)
-        newest = self._verified
+        newest, k1 = self._verified, self.num_steps + 1
+        state = DraftState(computed=start - self.lag)
         if newest is not rows and newest is not None and request in newest.rows:
-            request.draft_state = DraftState(computed=start + num - self.lag)
-            return
-        rows.rows.pop(request, None)
-        state = request.draft_state = DraftState(computed=start - self.lag)
+            carried = newest.rows[request]
+            if carried < newest.own:  # taken: the draft is valid once that step ran
+                request.draft_state = DraftState(computed=start + num - self.lag)
+                return
+            # carried: the next speculative step catches up from that copy, a plain one from
+            # the host state, which reads the same copy
+            rows, row = newest, carried
+        else:
+            rows.rows.pop(request, None)
+        request.draft_state = state
         if rows.hidden is not None:
-            k1 = self.num_steps + 1
-            state.add(rows.hidden, row * k1, num)
+            if rows.in_buffers:  # NOTE: the next captured step overwrites them
+                state.add(rows.hidden[row * k1 : row * k1 + num].clone())
+            else:
+                state.add(rows.hidden, row * k1, num)
 
     def _forget_verified(self, *requests: object) -> None:
         """The requests catch up through the host from now on, not from the newest verify
@@ -288,8 +351,41 @@ class ModelProposer(Proposer):
     def propose(self, batch: ProposeInput) -> DraftProposal:
         if batch.page_table is None:
             raise ValueError("a model drafter writes its KV through the batch's page table")
-        reqs = batch.requests
-        verified = self._verified
+        self._leaving(batch.requests)
+        rows = self._catch_up_rows(batch)
+        catch_up = build_padded_batch(
+            ForwardMode.DRAFT_EXTEND,
+            rows.tokens,
+            rows.start,
+            batch.page_table,
+            self.runner.page_size,
+            rows.bounds,
+            num_valid=rows.num,
+        )
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(catch_up):
+            tree = graphs.run(catch_up, rows.hidden)
+        else:
+            tree = self.runner.propose(catch_up, rows.hidden, self.shape)
+        return self._proposal(tree)
+
+    def _proposal(self, tree: DraftTree) -> DraftProposal:
+        drafts = tree.tokens
+        num = torch.full(
+            (drafts.shape[0],), drafts.shape[1], dtype=torch.int64, device=drafts.device
+        )
+        if self.shape.is_chain:
+            return DraftProposal(drafts, num)
+        return DraftProposal(
+            drafts, num, parents=tree.parents, depths=tree.depths, tree_mask=tree.mask
+        )
+
+    def _catch_up_rows(self, batch: ProposeInput) -> _CatchUp:
+        """Each request's catch-up rows: from the newest verify step's rows where it has them,
+        else from its host state (after a DRAFT_EXTEND over all but its last k+1 rows where it
+        is further behind).
+        """
+        reqs, verified = batch.requests, self._verified
         on_device = [verified is not None and r in verified.rows for r in reqs]
         for r, d in zip(reqs, on_device):
             if not d and r.draft_state is None:
@@ -299,21 +395,82 @@ class ModelProposer(Proposer):
         self._check_pending(host)
         self._catch_up_far_behind(host)
         if all(on_device):
-            catch_up, hidden = self._catch_up_from_verified(batch)
-        else:
-            catch_up, hidden = self._catch_up_batch(batch, states)
-        graphs = self.graphs
-        if graphs is not None and graphs.can_run(catch_up):
-            tree = graphs.run(catch_up, hidden)
-        else:
-            tree = self.runner.propose(catch_up, hidden, self.shape)
-        drafts = tree.tokens
-        num = torch.full((len(reqs),), drafts.shape[1], dtype=torch.int64, device=drafts.device)
-        if self.shape.is_chain:
-            return DraftProposal(drafts, num)
-        return DraftProposal(
-            drafts, num, parents=tree.parents, depths=tree.depths, tree_mask=tree.mask
+            return self._catch_up_from_verified(batch)
+        return self._catch_up_mixed(batch, states)
+
+    # a captured speculative step (``SpecStepGraphs``) --------------------------------------
+
+    def reserve_step_rows(self, max_bs: int) -> None:
+        k1, device, head = self.num_steps + 1, self.runner.device, self.runner.draft
+        hidden = None
+        if self.uses_target_hidden:
+            width = head.target_hidden_size
+            hidden = torch.zeros(max_bs * k1, width, dtype=head.dtype, device=device)
+        self.step_rows = CatchUpRows(
+            torch.zeros(max_bs, k1, dtype=torch.int64, device=device),
+            torch.zeros(max_bs, dtype=torch.int64, device=device),
+            torch.ones(max_bs, dtype=torch.int64, device=device),
+            hidden,
         )
+
+    @torch.inference_mode()
+    def prepare_replay(self, requests: Sequence[object]) -> None:
+        """Unless the catch-up buffers hold the batch's rows already (the newest step replayed
+        the same requests in the same order: the steady state), its catch-up rows go there
+        (``_catch_up_rows``; requests far behind catch up first)."""
+        self._leaving(requests)
+        v = self._verified
+        if (
+            v is not None
+            and v.in_buffers
+            and len(v.rows) == len(requests)
+            and all(a is b for a, b in zip(v.rows, requests))
+        ):
+            return
+        batch = ProposeInput(requests, self.slots.seq_lens(requests))
+        rows, buf, n = self._catch_up_rows(batch), self.step_rows, len(requests)
+        buf.tokens[:n].copy_(rows.tokens)
+        buf.start[:n].copy_(rows.start)
+        buf.num[:n].copy_(rows.num)
+        if buf.hidden is not None:
+            buf.hidden[: rows.hidden.shape[0]].copy_(rows.hidden)
+
+    def propose_captured(self, step: CapturedStep) -> DraftProposal:
+        """The catch-up from the buffers (padding requests write and read no KV), then the
+        draft levels: ``DraftRunner.propose`` at the step's length bound."""
+        buf, k1, bs = self.step_rows, self.num_steps + 1, step.valid.shape[0]
+        num = torch.where(step.valid, buf.num[:bs], 0)
+        start = torch.where(step.valid, buf.start[:bs], 0)
+        build = padded_rows if start.is_cuda else padded_rows_ref
+        rows = build(start, step.page_table, self.runner.page_size, k1, num)
+        catch_up = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND,
+            input_ids=buf.tokens[:bs].reshape(-1),
+            positions=rows.positions,
+            out_cache_loc=rows.out_cache_loc,
+            seq_lens=torch.where(step.valid, rows.seq_lens, 0),
+            extend_lens=rows.extend_lens,
+            page_table=step.page_table,
+            page_size=self.runner.page_size,
+            seq_lens_cpu=(step.max_seq_len,) * bs,
+            extend_lens_cpu=(k1,) * bs,
+            logits_indices=rows.last_rows,
+            extend_start=rows.extend_start,
+            spec_num_draft_tokens=k1,
+        )
+        hidden = None if buf.hidden is None else buf.hidden[: bs * k1]
+        tree = self.runner.propose(catch_up, hidden, self.shape, capture_len=step.max_seq_len)
+        return self._proposal(tree)
+
+    def keep_captured(self, step: CapturedStep, out: object, hidden: torch.Tensor | None) -> None:
+        """The next catch-up's rows into the buffers: this step's emitted tokens, their count
+        and hidden rows, from its first emitted position (less the lag)."""
+        buf, bs = self.step_rows, step.valid.shape[0]
+        buf.tokens[:bs].copy_(torch.where(out.tokens < 0, FILLER_TOKEN, out.tokens))
+        buf.num[:bs].copy_(out.accept_len + 1)
+        buf.start[:bs].copy_(step.seq_lens - self.lag)
+        if buf.hidden is not None:
+            buf.hidden[: hidden.shape[0]].copy_(hidden)
 
     def _behind(self, req: object, state: DraftState) -> int:
         """Catch-up rows of ``req``: positions ``computed .. num_tokens - 1 - lag`` (its tokens
@@ -363,10 +520,8 @@ class ModelProposer(Proposer):
         for _, state, n in far:
             state.advance(n)
 
-    def _catch_up_from_verified(
-        self, batch: ProposeInput
-    ) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """``_catch_up_batch`` where every request catches up from the newest verify step's
+    def _catch_up_from_verified(self, batch: ProposeInput) -> _CatchUp:
+        """``_catch_up_mixed`` where every request catches up from the newest verify step's
         rows: row ``j`` of request ``b`` is row ``j`` of its verify row, its emitted tokens
         with their hidden states; rows from ``num[b]`` on (its rejected drafts) write no KV and
         are read by nothing. In the steady state (the verify step's requests in its order) the
@@ -380,29 +535,24 @@ class ModelProposer(Proposer):
             tokens, num = tokens.index_select(0, index), num.index_select(0, index)
             if hidden is not None:
                 hidden = hidden.view(-1, k1, hidden.shape[-1]).index_select(0, index).flatten(0, 1)
-        catch_up = build_padded_batch(
-            ForwardMode.DRAFT_EXTEND,
+        return _CatchUp(
             tokens,
             batch.seq_lens - num - self.lag,
-            batch.page_table,
-            self.runner.page_size,
+            num,
             [r.num_tokens + k1 for r in batch.requests],
-            num_valid=num,
+            hidden if self.uses_target_hidden else None,
         )
-        return catch_up, hidden if self.uses_target_hidden else None
 
-    def _catch_up_batch(
-        self, batch: ProposeInput, states: Sequence[DraftState | None]
-    ) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """The padded catch-up: k+1 rows per request (``spec_num_draft_tokens``), the first
-        ``behind`` real, the rest writing no KV; ``logits_indices`` = each request's last real
-        row. A request with host state (``states[b]``) takes its rows from the host; the others
-        from the newest verify step's rows, on the device, starting ``num`` tokens before their
-        length there (``batch.seq_lens``). Returns it with the target hidden rows in the same
-        layout (None: not read).
+    def _catch_up_mixed(self, batch: ProposeInput, states: Sequence[DraftState | None]) -> _CatchUp:
+        """The padded catch-up's rows: k+1 per request, the first ``behind`` real, the rest
+        writing no KV (in the batch, ``logits_indices`` = each request's last real row). A
+        request with host state (``states[b]``) takes its rows from the host; the others from
+        the newest verify step's rows, on the device, starting ``num`` tokens before their
+        length there (``batch.seq_lens``). The target hidden rows come in the same layout
+        (None: not read).
         """
         reqs, seq_lens = batch.requests, batch.seq_lens
-        k1, page, device = self.num_steps + 1, self.runner.page_size, self.runner.device
+        k1, device = self.num_steps + 1, self.runner.device
         ids, starts, nums, src, on_device, verified_rows, bounds = [], [], [], [], [], [], []
         have = 0  # host hidden rows so far
         pending = False  # a row's token is still on the device (sampled by a step in flight)
@@ -446,19 +596,20 @@ class ModelProposer(Proposer):
             steps = torch.arange(k1, device=device)
             rows = have + device_rows[:, None] * k1 + torch.minimum(steps, n[:, None] - 1)
             src_rows.index_copy_(0, device_b, rows)
-        catch_up = build_padded_batch(
-            ForwardMode.DRAFT_EXTEND,
-            input_ids,
-            start,
-            batch.page_table,
-            page,
-            bounds,
-            num_valid=num,
-        )
         if not self.uses_target_hidden:
-            return catch_up, None
+            return _CatchUp(input_ids, start, num, bounds, None)
         host = [s for s in states if s is not None]
         sources = [pending_rows(host, [s.num_pending for s in host])] if host else []
         if on_device:
             sources.append(self._verified.hidden)
-        return catch_up, torch.cat(sources)[src_rows.view(-1)]
+        return _CatchUp(input_ids, start, num, bounds, torch.cat(sources)[src_rows.view(-1)])
+
+
+class _CatchUp(NamedTuple):
+    """A padded catch-up's rows (k+1 per request), before they become a batch."""
+
+    tokens: torch.Tensor  # [B, k+1] int64 input ids
+    start: torch.Tensor  # [B] int64 the first row's position
+    num: torch.Tensor  # [B] int64 rows that write KV
+    bounds: list[int]  # host bounds of start + k+1
+    hidden: torch.Tensor | None  # [B * (k+1), Hh] target hidden rows

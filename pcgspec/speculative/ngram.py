@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pcgspec.kernels.ngram_propose import ngram_propose, ngram_propose_ref
 from pcgspec.sampling.slots import SamplingSlots
-from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
+from pcgspec.speculative.base import CapturedStep, DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.config import SpeculativeConfig
 
 
@@ -49,6 +49,18 @@ class NgramProposer(Proposer):
             self.history,
             self.slots.slot_indices(reqs),
             batch.seq_lens,
+            self.num_steps,
+            self.min_window,
+            self.max_window,
+        )
+        return DraftProposal(drafts, counts)
+
+    def propose_captured(self, step: CapturedStep) -> DraftProposal:
+        """The same search inside a captured speculative step."""
+        drafts, counts = self._search(
+            self.history,
+            step.slots,
+            step.seq_lens,
             self.num_steps,
             self.min_window,
             self.max_window,

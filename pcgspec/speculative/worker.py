@@ -31,6 +31,12 @@ under the overlap schedule (engine/overlap.py) and its results are read one step
   emitted up to the first stop, advances the requests' progress and frees the pages past their
   worst case.
 
+Where its sampling allows (no penalties, filters or logprobs), a step is one replay of a whole
+step graph (``SpecStepGraphs``): drafting, verify pass, acceptance, commit and the drafter's
+rows for the next step, from the slots and page table and, for a model drafter, the catch-up
+rows it keeps on the device (``Proposer.prepare_replay`` puts them there where the batch is not
+the last step's). Other batches take the draft and verify graphs and accept eagerly.
+
 A plain decode step (the caller's) runs instead when the policy (``SpecPolicy``) says
 speculation does not pay, when a request wants logprobs (not computed for accepted drafts yet),
 when a request would pass the context length, or when the KV pool cannot hold k more slots per
@@ -66,7 +72,7 @@ from pcgspec.runners.batch_builder import (
 from pcgspec.runners.decode_graph_runner import decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
-from pcgspec.runners.verify_tail_graphs import TailBatch, VerifyTailGraphs
+from pcgspec.runners.spec_step_graphs import SpecStepGraphs, StepBatch
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import probs_from_logits, process_logits
 from pcgspec.sampling.slots import SamplingSlots
@@ -111,7 +117,7 @@ class SpecWorker:
             decode_batch_sizes(scheduler.max_running_requests),
         )
         self.stats = SpecCounters()  # summed over requests
-        self.tail: VerifyTailGraphs | None = None  # acceptance and commit as graphs (CUDA)
+        self.step_graphs: SpecStepGraphs | None = None  # whole steps as graphs (CUDA)
         self.num_fallbacks = 0  # plain steps for logprobs, the context length or KV space
         # the last step's padded page table and its upload (``_page_table``)
         self._last_pages: tuple[list[int], int] | None = None
@@ -166,15 +172,30 @@ class SpecWorker:
         requests when the returned step is read.
         """
         reqs = batch.requests
-        seq_lens = self.slots.seq_lens(reqs)
         page_table = self._page_table(reqs)
-        proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
-        step = self.verify(reqs, seq_lens, page_table, proposal)
-        # NOTE: a raise from here on is rolled back (run_isolated: slots and drafter rows)
-        if not step.committed:
+        flags = self.slots.flags(reqs)
+        graphs = self.step_graphs
+        if graphs is not None and graphs.can_run(
+            StepBatch(
+                len(reqs),
+                flags,
+                page_table.shape[1],
+                max(r.num_tokens for r in reqs) + self.slots_ahead + 1,
+            )
+        ):
+            self.proposer.prepare_replay(reqs)
+            slots = self.slots.slot_indices(reqs)
+            results = graphs.replay(slots, page_table, bool(flags["all_greedy"]))
+            drafter_rows = self.proposer.replayed(reqs)
+        else:
+            seq_lens = self.slots.seq_lens(reqs)
+            proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
+            step = self.verify(reqs, seq_lens, page_table, proposal)
+            # NOTE: a raise from here on is rolled back (run_isolated: slots and drafter rows)
             self.slots.commit(reqs, step.out.tokens, step.out.accept_len + 1)
-        drafter_rows = self.proposer.verified(reqs, step.out, step.hidden)
-        launched = LaunchedSpecStep.start(self, reqs, step.results, drafter_rows)
+            drafter_rows = self.proposer.verified(reqs, step.out, step.hidden)
+            results = step.results
+        launched = LaunchedSpecStep.start(self, reqs, results, drafter_rows)
         self._unread += 1
         return launched
 
@@ -204,30 +225,24 @@ class SpecWorker:
         proposal: DraftProposal,
     ) -> VerifiedStep:
         """One TARGET_VERIFY pass over k+1 tokens per request (``seq_lens``, ``page_table``:
-        their token counts and pages on the device), then acceptance: in the verify tail graph
-        where it serves the batch (which also commits), else eagerly.
+        their token counts and pages on the device; a verify graph replays it where one
+        serves the batch), then acceptance, eagerly.
         """
-        device = self.runner.device
-        drafts = proposal.tokens.to(device, non_blocking=True)  # [B, N-1]
+        drafts = proposal.tokens.to(self.runner.device, non_blocking=True)  # [B, N-1]
         tree = None
         if proposal.parents is not None:
             tree = VerifyTree.of(
                 proposal.parents, proposal.depths, self.num_steps, proposal.tree_mask
             )
-        flags = self.slots.flags(reqs)
         bounds = [r.num_tokens + self.slots_ahead for r in reqs]
-        graphs, tail = self.runner.verify_graphs, self.tail
+        graphs = self.runner.verify_graphs
         rows = (
             None if graphs is None else graphs.rows_for(len(reqs), page_table.shape[1], max(bounds))
         )
-        use_tail = tail is not None and tail.can_run(
-            TailBatch(len(reqs), flags, rows is not None, tree is not None)
-        )
         ancestors = None if tree is None else tree.mask
-        sampling = None if use_tail else self.slots.rows(reqs, drafts, ancestors)
-        slot_indices = self.slots.slot_indices(reqs)
+        sampling = self.slots.rows(reqs, drafts, ancestors)
         batch = build_verify_batch(
-            VerifyTokens(self.slots.last_token, slot_indices, drafts),
+            VerifyTokens(self.slots.last_token, self.slots.slot_indices(reqs), drafts),
             seq_lens,
             page_table,
             self.runner.page_size,
@@ -238,16 +253,7 @@ class SpecWorker:
             capture_hidden_mode=self.runner.capture_hidden_mode(ForwardMode.TARGET_VERIFY),
             tree_mask=None if tree is None else tree.mask,
         )
-        runs = graphs.runs if graphs is not None else 0
-        out = self.runner.forward(batch, logits=not use_tail)
-        if use_tail:
-            if graphs.runs == runs:  # NOTE: rows_for promised a replay
-                raise RuntimeError("the verify graph refused a batch built in its rows")
-            results, verified = tail.replay(
-                slot_indices, drafts, proposal.num_tokens, bool(flags["all_greedy"]), tree
-            )
-            hidden = _path_hidden(out.hidden_states, verified, drafts.shape[1] + 1)
-            return VerifiedStep(verified, hidden, results, committed=True)
+        out = self.runner.forward(batch)
         verified = self._accept(out.logits, sampling, drafts, proposal.num_tokens, tree)
         results = torch.cat(
             [verified.accept_len[:, None], proposal.num_tokens[:, None], verified.tokens], 1
@@ -255,7 +261,7 @@ class SpecWorker:
         if tree is not None:
             self._keep_accepted(seq_lens, page_table, verified.path)
         hidden = _path_hidden(out.hidden_states, verified, drafts.shape[1] + 1)
-        return VerifiedStep(verified, hidden, results, committed=False)
+        return VerifiedStep(verified, hidden, results)
 
     def _keep_accepted(
         self, seq_lens: torch.Tensor, page_table: torch.Tensor, path: torch.Tensor
@@ -346,14 +352,12 @@ class SpecWorker:
 @dataclass(frozen=True)
 class VerifiedStep:
     """A verify pass and its acceptance, launched: ``out`` and ``results`` (``[B, 2 + k+1]``:
-    accepted length, drafts had, tokens) on the device, the pass's captured hidden states
-    (``[B * (k+1), Hh]`` or None), and whether the slots were committed already (the tail
-    graph commits)."""
+    accepted length, drafts had, tokens) on the device and the pass's captured hidden states
+    (``[B * (k+1), Hh]`` or None)."""
 
     out: VerifyOutput
     hidden: torch.Tensor | None
     results: torch.Tensor
-    committed: bool
 
 
 class LaunchedSpecStep:
@@ -383,7 +387,8 @@ class LaunchedSpecStep:
     ) -> LaunchedSpecStep:
         """Start copying ``results`` (``[B, 2 + k+1]`` on the device) to the host."""
         cuda = results.is_cuda
-        results = results.to("cpu", non_blocking=True)  # NOTE: the step's one copy back
+        # NOTE: the step's one copy back (a copy on CPU too: results may be graph memory)
+        results = results.to("cpu", non_blocking=True, copy=True)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
