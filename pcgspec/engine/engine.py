@@ -96,8 +96,8 @@ class Engine:
         )
         if self.spec_worker is not None:
             self.scheduler.hold_arrivals = True  # mixed steps decode one token a request
-            if isinstance(self.spec_worker.proposer, ModelProposer):
-                self.scheduler.draft = self.spec_worker.proposer
+        if self.spec_worker is not None and isinstance(self.spec_worker.proposer, ModelProposer):
+            self.scheduler.draft = self.spec_worker.proposer
         # what a failed step gives back before its requests run again (isolation.py)
         self._rollbacks = (self.slots, *([self.spec_worker.proposer] if spec else []))
         self._capture_spec_graphs()
