@@ -261,8 +261,9 @@ def summarize_window(
 
 def server_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The differences of the server's counters over the window, the accept length from them
-    (accepted drafts + 1 per verify step), each draft position's acceptance rate, and the share
-    of decode steps the speculative policy ran plain (None without speculation)."""
+    (accepted drafts + 1 per verify step), each draft position's acceptance rate, the share
+    of decode steps the speculative policy ran plain (None without speculation) and the shares
+    of the window in each kind of step and outside them."""
     delta = {
         k: v - before.get(k, 0)
         for k, v in after.items()
@@ -279,6 +280,11 @@ def server_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     ]
     steps = delta.get("speculative_steps", 0) + delta.get("policy_plain_steps", 0)
     span = after["time"] - before["time"]
+    shares = {
+        key.removeprefix("step_s_"): value / span
+        for key, value in delta.items()
+        if key.startswith("step_s_")
+    }
     return {
         "counters": delta,
         "accept_length": (delta["accepted_draft_tokens"] + verify) / verify if verify else None,
@@ -286,10 +292,9 @@ def server_window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "plain_step_share": delta["policy_plain_steps"] / steps if steps else None,
         "output_tok_s": delta["generation_tokens"] / span if "generation_tokens" in delta else None,
         "policy": after.get("policy"),  # its step prices at the window's end
-        # the share of the window the engine spent in each kind of step
-        "step_time_share": {
-            key.removeprefix("step_s_"): value / span
-            for key, value in delta.items()
-            if key.startswith("step_s_")
-        },
+        # the share of the window the engine spent in each kind of step, and outside any (idle
+        # between requests, applying commands, publishing deltas): per-request work that
+        # speculation does not shorten
+        "step_time_share": shares,
+        "outside_steps_share": 1.0 - sum(shares.values()) if shares else None,
     }

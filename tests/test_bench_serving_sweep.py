@@ -96,6 +96,7 @@ def test_window_arithmetic(bench):
     }
     window = server_window(before, after)
     assert window["step_time_share"] == {"speculative": 0.5, "prefill": 0.25}
+    assert window["outside_steps_share"] == 0.25
     assert window["accept_length"] == (30 + 20) / 20 and window["output_tok_s"] == 40.0
     assert window["plain_step_share"] == 2 / 8
     assert window["accept_rate_per_position"] == [16 / 20, 9 / 20, 2 / 20]
