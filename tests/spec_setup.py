@@ -1,13 +1,23 @@
 """What the model-drafter test modules (test_spec_models, test_spec_overlap) share: the
-prompts, the engines they build and the greedy comparison with plain decoding.
+prompts, the engines they build and the greedy comparison with plain decoding; and the graph
+runners a CPU test gives a speculative engine (``spec_graphs``: test_spec_step_graphs,
+test_tree_spec).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from oracle import PROMPTS as ALL_PROMPTS
 from oracle import assert_greedy_match, greedy
 
 from pcgspec import LLM, SamplingParams
+from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+from pcgspec.runners.draft_graph_runner import DraftGraphRunner
+from pcgspec.runners.forward_batch import ForwardMode
+from pcgspec.runners.spec_step_graphs import SpecStepGraphs
+from pcgspec.speculative.model_proposer import ModelProposer
 
 K = 3
 NEW_TOKENS = 32
@@ -72,3 +82,41 @@ def assert_same_greedy(llm, hf_model, prompts, want, got) -> None:
     for prompt, w, g in zip(prompts, want, got):
         assert len(g.token_ids) == len(w.token_ids)
         assert_greedy_match(hf_model, tok.encode(prompt), g.token_ids, w.token_ids)
+
+
+@contextlib.contextmanager
+def spec_graphs(llm: LLM, whole_steps: bool = True) -> Iterator[LLM]:
+    """``llm``'s draft (a model drafter's) and verify graphs (tree graphs for trees), and with
+    ``whole_steps`` its speculative step graphs, as a CUDA engine captures them (the eager
+    stand-in on CPU; buckets 1, 2, 4), inside the block."""
+    engine = llm.engine
+    runner, worker = engine.runner, engine.spec_worker
+    proposer = worker.proposer
+    drafter = isinstance(proposer, ModelProposer)
+    try:
+        if drafter:
+            proposer.graphs = DraftGraphRunner(
+                proposer.runner, proposer.shape, 4, runner.context_length
+            )
+            proposer.graphs.capture()
+        runner.verify_graphs = DecodeGraphRunner(
+            runner,
+            ForwardMode.TARGET_VERIFY,
+            worker.shape.num_nodes,
+            tree=not worker.shape.is_chain,
+        )
+        runner.verify_graphs.capture()
+        if whole_steps:
+            worker.step_graphs = SpecStepGraphs(
+                runner.verify_graphs,
+                proposer,
+                engine.slots,
+                runner.model.compute_logits,
+                worker.num_steps,
+            )
+            worker.step_graphs.capture()
+        yield llm
+    finally:
+        runner.verify_graphs = worker.step_graphs = None
+        if drafter:
+            proposer.graphs = proposer.step_rows = None

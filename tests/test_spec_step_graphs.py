@@ -9,20 +9,19 @@ real ones.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from oracle import assert_all_pages_free
+from spec_setup import spec_graphs
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
 from pcgspec.models.default_model import default_model_path
 from pcgspec.models.eagle3 import write_eagle3_checkpoint
 from pcgspec.models.loader import load_config
-from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
-from pcgspec.runners.draft_graph_runner import DraftGraphRunner
-from pcgspec.runners.forward_batch import ForwardMode
-from pcgspec.runners.spec_step_graphs import SpecStepGraphs, StepBatch
-from pcgspec.speculative.model_proposer import ModelProposer
+from pcgspec.runners.spec_step_graphs import StepBatch
 
 K = 3
 
@@ -62,28 +61,9 @@ def plain(paths) -> LLM:
 
 
 @pytest.fixture(scope="module", params=["EAGLE3", "NGRAM"])
-def spec(paths, request) -> LLM:
-    return _with_step_graphs(_llm(paths, request.param))
-
-
-def _with_step_graphs(llm: LLM) -> LLM:
-    """``llm`` with draft, verify and speculative step graphs (the eager stand-in; buckets 1,
-    2, 4), as a CUDA engine captures them."""
-    engine = llm.engine
-    runner, worker = engine.runner, engine.spec_worker
-    proposer = worker.proposer
-    if isinstance(proposer, ModelProposer):
-        proposer.graphs = DraftGraphRunner(
-            proposer.runner, proposer.shape, 4, runner.context_length
-        )
-        proposer.graphs.capture()
-    runner.verify_graphs = DecodeGraphRunner(runner, ForwardMode.TARGET_VERIFY, K + 1)
-    runner.verify_graphs.capture()
-    worker.step_graphs = SpecStepGraphs(
-        runner.verify_graphs, proposer, engine.slots, runner.model.compute_logits, K
-    )
-    worker.step_graphs.capture()
-    return llm
+def spec(paths, request) -> Iterator[LLM]:
+    with spec_graphs(_llm(paths, request.param)) as llm:
+        yield llm
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -147,16 +127,15 @@ def test_captured_drafting_drafts_what_eager_drafting_does(paths, plain):
     """The catch-up a captured step builds from its buffers (positions, hidden rows, rows
     copied in after the batch changed) drafts the same tokens, step by step, as the eager
     catch-up; an untrained head accepts next to nothing, so both runs take the same steps."""
-    llm = _llm(paths, "EAGLE3")
-    _with_step_graphs(llm)
-    worker = llm.engine.spec_worker
     prompts = _prompts(3, seed=5)
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (10, 18, 26)]
-    with Recorded(worker.proposer) as captured:
-        got = llm.generate(prompts, params, use_tqdm=False)
-    graphs, worker.step_graphs = worker.step_graphs, None
-    with Recorded(worker.proposer) as eager:
-        want = llm.generate(prompts, params, use_tqdm=False)
+    with spec_graphs(_llm(paths, "EAGLE3")) as llm:
+        worker = llm.engine.spec_worker
+        with Recorded(worker.proposer) as captured:
+            got = llm.generate(prompts, params, use_tqdm=False)
+        graphs, worker.step_graphs = worker.step_graphs, None
+        with Recorded(worker.proposer) as eager:
+            want = llm.generate(prompts, params, use_tqdm=False)
     assert graphs.stats()["runs"] == len(captured.drafts) > 10
     assert captured.drafts == eager.drafts
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -165,14 +144,14 @@ def test_captured_drafting_drafts_what_eager_drafting_does(paths, plain):
 def test_a_self_draft_in_captured_steps_accepts_every_draft(paths, plain):
     """The target as its own STANDALONE draft: where captured steps catch the draft up right,
     every draft is accepted, up to the requests' ends."""
-    llm = _llm(paths, "STANDALONE", speculative_draft_model_path=paths["target"])
-    _with_step_graphs(llm)
     prompts = _prompts(2, seed=6)
     params = SamplingParams(max_tokens=4 * (K + 1) + 1, temperature=0.0, ignore_eos=True)
-    got = llm.generate(prompts, params, use_tqdm=False)
+    draft = {"speculative_draft_model_path": paths["target"]}
+    with spec_graphs(_llm(paths, "STANDALONE", **draft)) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.graph_stats()["spec_step"]["runs"] > 0
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert llm.engine.graph_stats()["spec_step"]["runs"] > 0
     for out in got:
         accepted = out.metrics.spec_accepted_per_position
         assert accepted[K - 1] >= 3, accepted  # the steps before the last accept all k

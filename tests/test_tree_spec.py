@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from oracle import assert_all_pages_free
+from spec_setup import spec_graphs
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
@@ -24,10 +25,6 @@ from pcgspec.models.eagle3 import write_eagle3_checkpoint
 from pcgspec.models.loader import load_config
 from pcgspec.models.mtp import write_mtp_checkpoint
 from pcgspec.models.random_weights import shape_config
-from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
-from pcgspec.runners.draft_graph_runner import DraftGraphRunner
-from pcgspec.runners.forward_batch import ForwardMode
-from pcgspec.runners.spec_step_graphs import SpecStepGraphs
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.speculative.tree import ancestor_mask
 from pcgspec.speculative.worker import SpecWorker
@@ -311,34 +308,6 @@ def test_a_failing_request_in_a_tree_step_ends_alone(paths, plain, monkeypatch):
     assert_all_pages_free(spec)
 
 
-@contextlib.contextmanager
-def _graphs(llm: LLM, whole_steps: bool) -> Iterator[None]:
-    """``llm``'s draft and tree verify graphs (the eager stand-in on CPU; buckets 1, 2, 4), and
-    with ``whole_steps`` its speculative step graphs, inside the block."""
-    engine = llm.engine
-    runner, worker = engine.runner, engine.spec_worker
-    proposer = worker.proposer
-    proposer.graphs = DraftGraphRunner(proposer.runner, proposer.shape, 4, runner.context_length)
-    runner.verify_graphs = DecodeGraphRunner(
-        runner, ForwardMode.TARGET_VERIFY, worker.shape.num_nodes, tree=True
-    )
-    try:
-        proposer.graphs.capture()
-        runner.verify_graphs.capture()
-        if whole_steps:
-            worker.step_graphs = SpecStepGraphs(
-                runner.verify_graphs,
-                proposer,
-                engine.slots,
-                runner.model.compute_logits,
-                worker.num_steps,
-            )
-            worker.step_graphs.capture()
-        yield
-    finally:
-        proposer.graphs = runner.verify_graphs = worker.step_graphs = proposer.step_rows = None
-
-
 @pytest.mark.parametrize("sampled", [False, True])
 def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
     """Tree drafting and tree verify passes through the draft and verify graph runners with
@@ -351,7 +320,7 @@ def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
     if sampled:
         params[1:] = [SamplingParams(max_tokens=24, temperature=0.8, seed=s) for s in (5, 6)]
     want = plain.generate(prompts, params, use_tqdm=False)
-    with _graphs(spec, whole_steps=False), planted(spec, prompts, want):
+    with spec_graphs(spec, whole_steps=False), planted(spec, prompts, want):
         got = spec.generate(prompts, params, use_tqdm=False)
         stats = spec.engine.graph_stats()
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -359,7 +328,7 @@ def test_graph_runners_replay_trees_like_eager(plain, spec, sampled):
         assert stats[name]["runs"] > 0 and stats[name]["padded_rows"] > 0, stats
         assert not any(stats[name]["fallbacks"].values()), stats
     before = spec.engine.spec_stats()["accepted_draft_tokens"]
-    with _graphs(spec, whole_steps=True), planted(spec, prompts, want):
+    with spec_graphs(spec), planted(spec, prompts, want):
         got = spec.generate(prompts, params, use_tqdm=False)
         stats = spec.engine.graph_stats()
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
