@@ -17,10 +17,14 @@ from pcgspec.speculative.tree import (
     TreeExpansion,
     TreeShape,
     ancestor_mask,
-    chain_parents,
     depths_of,
     path_rows,
 )
+
+
+def chain_parents(batch_size: int, num_nodes: int, device: torch.device) -> torch.Tensor:
+    """``[B, N]`` parents of a chain: -1, 0, 1, .., N-2."""
+    return (torch.arange(num_nodes, device=device) - 1).expand(batch_size, num_nodes).contiguous()
 
 
 def random_parents(b: int, n: int, gen: torch.Generator) -> torch.Tensor:

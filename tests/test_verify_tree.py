@@ -15,10 +15,15 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
-from pcgspec.speculative.tree import chain_parents, depths_of
+from pcgspec.speculative.tree import depths_of
 
 GREEDY, MATCH = VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH
 SHAPE = [-1, 0, 0, 1, 1, 2, 3, 6]  # depth 4: the root's two children, a long branch
+
+
+def chain_parents(batch_size: int, num_nodes: int, device: torch.device) -> torch.Tensor:
+    """``[B, N]`` parents of a chain: -1, 0, 1, .., N-2."""
+    return (torch.arange(num_nodes, device=device) - 1).expand(batch_size, num_nodes).contiguous()
 
 
 def _random_trees(b: int, n: int, vocab: int, gen: torch.Generator):

@@ -106,8 +106,10 @@ class DraftGraphRunner(GuardedRunner):
         )
         hidden = None if self.hidden is None else self.hidden[: bs * (self.num_steps + 1)]
         tree = self.draft.propose(batch, hidden, self.shape, capture_len=self.max_seq_len)
-        masks = () if tree.mask is None else (tree.mask,)
-        return tree.tokens, tree.parents, tree.depths, *masks
+        # NOTE: a chain's tree is its tokens alone (``DraftTree`` fields in order)
+        return tuple(
+            t for t in (tree.tokens, tree.parents, tree.depths, tree.mask) if t is not None
+        )
 
     def _refusal(self, catch_up: ForwardBatch) -> str | None:
         """Why a replay cannot serve ``catch_up`` (k+1 rows per request, bounded lengths)."""

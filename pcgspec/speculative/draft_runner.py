@@ -187,14 +187,27 @@ class DraftRunner:
         topk = shape.topk
         logits_hidden, next_hidden = self.forward(catch_up, hidden, capture_len)
         rows = catch_up.logits_indices  # [B]
-        tree = TreeExpansion(*self.draft.top_tokens(logits_hidden[rows], topk))
-        hidden = next_hidden[rows].repeat_interleave(topk, dim=0)  # [B * topk, H]
         valid = catch_up.seq_lens > 0
         start = torch.where(valid, catch_up.positions[rows] + 1, 0)  # padding: position 0
         # NOTE: host bounds of each pass's sequence lengths (sizing only, e.g. KV splits).
         bound = max(catch_up.seq_lens_cpu) + topk
+        if shape.is_chain:
+            return self._chain(
+                logits_hidden[rows],
+                next_hidden[rows],
+                catch_up,
+                start,
+                valid,
+                bound,
+                shape.depth,
+                capture_len,
+            )
+        tree = TreeExpansion(*self.draft.top_tokens(logits_hidden[rows], topk))
+        hidden = next_hidden[rows].repeat_interleave(topk, dim=0)  # [B * topk, H]
         for level in range(1, shape.depth):
-            step = self._level_batch(catch_up, tree, start, level, valid, bound)
+            step = self._level_batch(
+                catch_up, tree.beam_tokens, tree.beam_mask, start, level, valid, bound
+            )
             logits_hidden, next_hidden = self.forward(step, hidden, capture_len)
             parent_beam = tree.expand(*self.draft.top_tokens(logits_hidden, topk))
             width = next_hidden.shape[-1]
@@ -206,29 +219,55 @@ class DraftRunner:
             bound += topk
         return tree.select(shape.num_nodes, shape.depth)
 
+    def _chain(
+        self,
+        logits_hidden: torch.Tensor,
+        hidden: torch.Tensor,
+        catch_up: ForwardBatch,
+        start: torch.Tensor,
+        valid: torch.Tensor,
+        bound: int,
+        depth: int,
+        capture_len: int | None,
+    ) -> DraftTree:
+        """A chain of ``depth`` drafts from the catch-up's last rows: each pass's argmax is the
+        next one's token, with none of a tree's scores, beams and masks (a few dozen kernels a
+        step less)."""
+        token = self.draft.top_tokens(logits_hidden, 1)[1]  # [B, 1]
+        tokens = [token]
+        for level in range(1, depth):
+            step = self._level_batch(catch_up, token, None, start, level, valid, bound)
+            logits_hidden, hidden = self.forward(step, hidden, capture_len)
+            token = self.draft.top_tokens(logits_hidden, 1)[1]
+            tokens.append(token)
+            bound += 1
+        return DraftTree(torch.cat(tokens, dim=1))
+
     def _level_batch(
         self,
         catch_up: ForwardBatch,
-        tree: TreeExpansion,
+        beam_tokens: torch.Tensor,
+        beam_mask: torch.Tensor | None,
         start: torch.Tensor,
         level: int,
         valid: torch.Tensor,
         bound: int,
     ) -> ForwardBatch:
-        """The beams of tree level ``level`` (topk per request, from position ``start``),
-        built on the device: one DECODE token per request for a chain.
+        """The beams of tree level ``level`` (``beam_tokens`` [B, topk] from position
+        ``start``; ``beam_mask``: what each sees of the level's slots, None for a chain), built
+        on the device: one DECODE token per request for a chain.
         """
-        table, topk = catch_up.page_table, tree.topk
+        table, topk = catch_up.page_table, beam_tokens.shape[1]
         bs, device = len(start), start.device
         first = start + (level - 1) * topk  # [B] the level's first slot position
-        beams = first[:, None] + torch.arange(topk, device=device)
+        chain = beam_mask is None
+        beams = first[:, None] if chain else first[:, None] + torch.arange(topk, device=device)
         slots = page_slots(table, beams, self.page_size)
-        rows = bs * topk
-        chain = topk == 1
+        positions = start + level - 1
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE if chain else ForwardMode.DRAFT_EXTEND,
-            input_ids=tree.beam_tokens.reshape(-1),
-            positions=(start + level - 1).repeat_interleave(topk),
+            input_ids=beam_tokens.reshape(-1),
+            positions=positions if chain else positions.repeat_interleave(topk),
             out_cache_loc=torch.where(valid[:, None], slots, -1).view(-1),
             seq_lens=torch.where(valid, first + topk, 0).to(torch.int32),
             extend_lens=torch.full((bs,), topk, dtype=torch.int32, device=device),
@@ -236,7 +275,7 @@ class DraftRunner:
             page_size=self.page_size,
             seq_lens_cpu=(bound,) * bs,
             extend_lens_cpu=(topk,) * bs,
-            logits_indices=torch.arange(rows, device=device),
+            logits_indices=torch.arange(bs * topk, device=device),
             spec_num_draft_tokens=0 if chain else topk,
-            tree_mask=None if chain else tree.beam_mask.contiguous(),
+            tree_mask=None if chain else beam_mask.contiguous(),
         )

@@ -55,18 +55,18 @@ class TreeShape:
 
 @dataclass(frozen=True)
 class DraftTree:
-    """``tokens`` [B, N-1] int64 (the drafts, nodes 1..N-1), ``parents`` and ``depths``
-    [B, N] int64 (node 0 the root); ``mask`` [B, N, N] (``ancestor_mask``) for trees of
-    topk > 1, None for a chain."""
+    """``tokens`` [B, N-1] int64 (the drafts, nodes 1..N-1); for trees of topk > 1
+    ``parents`` and ``depths`` [B, N] int64 (node 0 the root) and ``mask`` [B, N, N]
+    (``ancestor_mask``); a chain has none of them."""
 
     tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
+    parents: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
-        return self.parents.shape[1]
+        return self.tokens.shape[1] + 1
 
 
 def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,11 +77,6 @@ def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
         ids = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device), ids
     return logits.float().log_softmax(dim=-1).topk(k, dim=-1)
-
-
-def chain_parents(batch_size: int, num_nodes: int, device: torch.device) -> torch.Tensor:
-    """``[B, N]`` parents of a chain: -1, 0, 1, .., N-2."""
-    return (torch.arange(num_nodes, device=device) - 1).expand(batch_size, num_nodes).contiguous()
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -154,10 +149,6 @@ class TreeExpansion:
         """The ``num_nodes - 1`` best candidates as a tree (``num_nodes`` with the root)."""
         tokens = torch.cat(self.tokens, dim=1)
         b, device = tokens.shape[0], tokens.device
-        if self.topk == 1:  # a chain: every candidate, in order
-            parents = chain_parents(b, num_nodes, device)
-            depths = torch.arange(num_nodes, device=device).expand(b, -1).contiguous()
-            return DraftTree(tokens, parents, depths)
         scores, parents = torch.cat(self.scores, dim=1), torch.cat(self.parents, dim=1)  # [B, C]
         chosen = scores.topk(num_nodes - 1, dim=-1).indices.sort(dim=-1).values  # [B, N-1]
         parent_ids = parents.gather(1, chosen)
