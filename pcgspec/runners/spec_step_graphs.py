@@ -101,7 +101,6 @@ class SpecStepGraphs(GuardedRunner):
         self.verify_graphs, self.proposer, self.slots = verify_graphs, proposer, slots
         self.compute_logits = compute_logits
         self.n = verify_graphs.tokens_per_seq  # rows per request
-        self.tree = verify_graphs.tree_mask is not None
         self.depth = depth
         self.batch_sizes = verify_graphs.batch_sizes
         self.max_bs, self.max_pages = verify_graphs.max_bs, verify_graphs.max_pages
