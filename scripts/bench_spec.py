@@ -332,17 +332,14 @@ class PolicyChoices:
         self.counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # speculative, plain
 
     def __enter__(self) -> PolicyChoices:
-        from pcgspec.compile.buckets import pad_to_bucket
-
         policy = self.policy
         if policy is None:
             return self
-        choose, sizes = policy.choose, policy.batch_sizes
+        choose = policy.choose
 
         def counted(requests) -> bool:
             chosen = choose(requests)
-            bucket = pad_to_bucket(len(requests), sizes) or sizes[-1]
-            self.counts[bucket][0 if chosen else 1] += 1
+            self.counts[policy.bucket(len(requests))][0 if chosen else 1] += 1
             return chosen
 
         policy.choose = counted

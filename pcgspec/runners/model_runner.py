@@ -231,13 +231,12 @@ class ModelRunner:
         self.model.set_aux_hidden_layers(layer_ids)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, logits: bool = True) -> ForwardOutput:
-        """Run ``batch`` (on rank 0 of a tensor-parallel group: on every rank); without
-        ``logits`` the LM head is left to the caller (a verify graph's tail)."""
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run ``batch`` (on rank 0 of a tensor-parallel group: on every rank)."""
         if self.tp_driver is None:
-            return self._forward(batch, logits)
+            return self._forward(batch)
         with self.tp_driver.step(to_message(batch)):
-            return self._forward(batch, logits)
+            return self._forward(batch)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the runner is collected)."""
@@ -269,13 +268,11 @@ class ModelRunner:
         }
         return {name: r for name, r in runners.items() if r is not None}
 
-    def _forward(self, batch: ForwardBatch, want_logits: bool = True) -> ForwardOutput:
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         hidden, aux, logits = self._run_decoder(batch)
         # NOTE: the logits rows ascend, so as many rows as tokens are every row, in order
         every_row = batch.logits_indices.shape[0] == batch.num_tokens
-        if not want_logits:
-            logits = None
-        elif logits is None or not every_row:  # a graph's logits are every row's
+        if logits is None or not every_row:  # a graph's logits are every row's
             rows = hidden[: batch.num_tokens] if every_row else hidden[batch.logits_indices]
             logits = self.model.compute_logits(rows)
         captured = aux if aux is not None else hidden

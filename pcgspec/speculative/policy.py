@@ -157,7 +157,8 @@ class SpecPolicy:
         self._sum: tuple[tuple[object, ...], int, float] = ((), 0, 0.0)  # (batch, _samples, sum)
         self._key = next(_ESTIMATORS)  # its expected tokens' entry in a request's estimates
 
-    def _bucket(self, batch_size: int) -> int:
+    def bucket(self, batch_size: int) -> int:
+        """The batch-size bucket whose step costs price a batch of ``batch_size``."""
         return pad_to_bucket(batch_size, self.batch_sizes) or self.batch_sizes[-1]
 
     def step_times(self) -> dict[int, dict[str, float | None]]:
@@ -214,7 +215,7 @@ class SpecPolicy:
         """True: speculate on this batch; False: take a plain decode step."""
         if self.mode == "always":
             return True
-        bucket = self._bucket(len(requests))
+        bucket = self.bucket(len(requests))
         t_spec, t_plain = self.costs.cost(True, bucket), self.costs.cost(False, bucket)
         if t_spec is None or t_plain is None:  # measure the speculative step first, then plain
             return self._chose(t_spec is None, bucket)
@@ -337,7 +338,7 @@ class SpecPolicy:
         """
         if not self._recording:
             return
-        bucket = self._bucket(batch_size)
+        bucket = self.bucket(batch_size)
         self.speculative_steps += speculative * steps
         if seconds is None:
             return

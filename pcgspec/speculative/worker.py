@@ -175,29 +175,31 @@ class SpecWorker:
         page_table = self._page_table(reqs)
         flags = self.slots.flags(reqs)
         graphs = self.step_graphs
+        bound = max(r.num_tokens for r in reqs) + self.slots_ahead + 1
         if graphs is not None and graphs.can_run(
-            StepBatch(
-                len(reqs),
-                flags,
-                page_table.shape[1],
-                max(r.num_tokens for r in reqs) + self.slots_ahead + 1,
-            )
+            StepBatch(len(reqs), flags, page_table.shape[1], bound)
         ):
             self.proposer.prepare_replay(reqs)
             slots = self.slots.slot_indices(reqs)
             results = graphs.replay(slots, page_table, bool(flags["all_greedy"]))
             drafter_rows = self.proposer.replayed(reqs)
         else:
-            seq_lens = self.slots.seq_lens(reqs)
-            proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
-            step = self.verify(reqs, seq_lens, page_table, proposal)
-            # NOTE: a raise from here on is rolled back (run_isolated: slots and drafter rows)
-            self.slots.commit(reqs, step.out.tokens, step.out.accept_len + 1)
-            drafter_rows = self.proposer.verified(reqs, step.out, step.hidden)
-            results = step.results
+            results, drafter_rows = self._run(reqs, page_table)
         launched = LaunchedSpecStep.start(self, reqs, results, drafter_rows)
         self._unread += 1
         return launched
+
+    def _run(
+        self, reqs: Sequence[Request], page_table: torch.Tensor
+    ) -> tuple[torch.Tensor, object]:
+        """A step the step graphs do not serve: propose, verify (the draft and verify graphs
+        where they serve it), accept and commit eagerly; its results and drafter rows."""
+        seq_lens = self.slots.seq_lens(reqs)
+        proposal = self.propose(ProposeInput(reqs, seq_lens, page_table))
+        step = self.verify(reqs, seq_lens, page_table, proposal)
+        # NOTE: a raise from here on is rolled back (run_isolated: slots and drafter rows)
+        self.slots.commit(reqs, step.out.tokens, step.out.accept_len + 1)
+        return step.results, self.proposer.verified(reqs, step.out, step.hidden)
 
     def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
         """The requests' device page table, uploaded again only when it changed: a request
