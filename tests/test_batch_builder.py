@@ -1,5 +1,6 @@
 """``build_forward_batch`` against a position-by-position reference: random chunks (decode rows,
-chunks that start mid-page and cross pages, whole prompts), scattered page lists."""
+chunks that start mid-page and cross pages, whole prompts), scattered page lists; the padded
+builders' padding requests."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import random
 import pytest
 import torch
 
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.kernels.padded_rows import VerifyTokens
+from pcgspec.runners.batch_builder import (
+    SeqChunk,
+    build_forward_batch,
+    build_padded_batch,
+    build_verify_batch,
+)
 from pcgspec.runners.forward_batch import ForwardMode
 
 
@@ -62,3 +69,44 @@ def test_batch_equals_a_position_by_position_reference(seed: int, page_size: int
 def test_a_chunk_past_its_pages_is_refused() -> None:
     with pytest.raises(ValueError, match="needs 9 KV slots but owns 2 pages"):
         build_forward_batch(ForwardMode.EXTEND, [SeqChunk([1, 2], 7, [3, 4])], 4, "cpu")
+
+
+def test_padding_requests_of_padded_batches_write_and_read_no_kv() -> None:
+    """``valid`` marks a padded batch's real requests: theirs are the rows of the same batch
+    built without padding; a padding request's rows write no KV, read none (length 0) and sit at
+    position 0 onwards, whatever its stale start, length and pages held."""
+    gen = torch.Generator().manual_seed(0)
+    b, k1, page_size, pages = 5, 4, 4, 6
+    valid = torch.tensor([True, False, True, True, False])
+    table = torch.randint(1, 100, (b, pages), generator=gen, dtype=torch.int32)
+    starts = torch.randint(1, 15, (b,), generator=gen)
+    num = torch.randint(1, k1 + 1, (b,), generator=gen)
+    ids = torch.randint(0, 50, (b, k1), generator=gen)
+    last = torch.randint(0, 50, (8,), generator=gen)
+    tokens = VerifyTokens(last, torch.arange(b) + 2, ids[:, 1:].contiguous())
+    bounds = (20,) * b
+    built = {
+        "catch-up": (
+            build_padded_batch(
+                ForwardMode.DRAFT_EXTEND, ids, starts, table, page_size, bounds, num
+            ),
+            build_padded_batch(
+                ForwardMode.DRAFT_EXTEND, ids, starts, table, page_size, bounds, num, valid=valid
+            ),
+        ),
+        "verify": (
+            build_verify_batch(tokens, starts, table, page_size, bounds),
+            build_verify_batch(tokens, starts, table, page_size, bounds, valid=valid),
+        ),
+    }
+    for name, (whole, padded) in built.items():
+        rows = valid.repeat_interleave(k1)
+        for field in ("input_ids", "positions", "out_cache_loc"):
+            a, p = getattr(whole, field), getattr(padded, field)
+            assert torch.equal(a[rows], p[rows]), (name, field)
+        assert torch.equal(whole.seq_lens[valid], padded.seq_lens[valid]), name
+        keep = rows if name == "verify" else valid  # logits: every row's, or each last row's
+        assert torch.equal(whole.logits_indices[keep], padded.logits_indices[keep]), name
+        assert (padded.out_cache_loc[~rows] == -1).all(), name
+        assert (padded.seq_lens[~valid] == 0).all(), name
+        assert padded.positions.view(b, k1)[~valid].tolist() == [list(range(k1))] * 2, name

@@ -190,6 +190,7 @@ def build_verify_batch(
     seq_len_bounds: Sequence[int],
     graph_rows: GraphRows | None = None,
     row_offsets: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     **extra: object,
 ) -> ForwardBatch:
     """A ``TARGET_VERIFY`` batch of ``[last token, drafts]`` per request (``tokens``), built on
@@ -200,6 +201,8 @@ def build_verify_batch(
     ``graph_rows`` (``DecodeGraphRunner.rows_for``) the rows are written into the verify
     graph's static buffers, whose views the batch then holds. ``row_offsets`` [B, k+1] are
     added to the rows' consecutive positions (a draft tree's nodes sit at their depths).
+    ``valid`` [B] (bool, device) marks the real requests of a padded batch: the others write no
+    KV and read none (length 0), their rows at position 0.
     """
     b, k1 = tokens.drafts.shape[0], tokens.drafts.shape[1] + 1
     common = dict(
@@ -211,6 +214,8 @@ def build_verify_batch(
         spec_num_draft_tokens=k1,
     )
     if graph_rows is not None:
+        if valid is not None:
+            raise ValueError("graph_rows pads the batch itself: valid must be None")
         into = padded_rows_into if seq_lens.is_cuda else padded_rows_into_ref
         into(graph_rows, seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
         n, g = b * k1, graph_rows
@@ -227,14 +232,17 @@ def build_verify_batch(
             **extra,
         )  # type: ignore[arg-type]
     build = padded_rows if seq_lens.is_cuda else padded_rows_ref
-    rows = build(seq_lens, page_table, page_size, k1, start_offset=-1, tokens=tokens)
+    num_valid = None
+    if valid is not None:
+        seq_lens, num_valid = torch.where(valid, seq_lens, 1), valid.to(torch.int64) * k1
+    rows = build(seq_lens, page_table, page_size, k1, num_valid, start_offset=-1, tokens=tokens)
     if row_offsets is not None:
         rows.positions.view(b, k1).add_(row_offsets)
     return ForwardBatch(
         input_ids=rows.input_ids,
         positions=rows.positions,
         out_cache_loc=rows.out_cache_loc,
-        seq_lens=rows.seq_lens,
+        seq_lens=_padding_zeroed(rows.seq_lens, valid),
         extend_lens=rows.extend_lens,
         logits_indices=rows.all_rows,
         extend_start=rows.extend_start,
@@ -251,6 +259,7 @@ def build_padded_batch(
     page_size: int,
     seq_len_bounds: Sequence[int],
     num_valid: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     **extra: object,
 ) -> ForwardBatch:
     """k+1 rows per request at positions ``starts[b] ..`` (``input_ids`` [B, k+1], ``starts``
@@ -258,9 +267,14 @@ def build_padded_batch(
     (``padded_rows``): a verify pass, whose logits are every row's, or with ``num_valid`` a
     draft catch-up padded to k+1 rows, whose rows from ``num_valid[b]`` on write no KV and
     whose logits are each request's last valid row's. ``seq_len_bounds``: host upper bounds of
-    ``starts + k+1``, for sizing.
+    ``starts + k+1``, for sizing. ``valid`` [B] (bool, device) marks the real requests of a
+    padded batch: the others write no KV and read none (length 0), their rows at position 0.
     """
     b, k1 = input_ids.shape
+    every_row = num_valid is None  # a verify pass's logits: every row's
+    if valid is not None:
+        starts = torch.where(valid, starts, 0)
+        num_valid = torch.where(valid, k1 if num_valid is None else num_valid, 0)
     build = padded_rows if input_ids.is_cuda else padded_rows_ref
     rows = build(starts, page_table, page_size, k1, num_valid)
     return ForwardBatch(
@@ -268,17 +282,22 @@ def build_padded_batch(
         input_ids=input_ids.reshape(-1),
         positions=rows.positions,
         out_cache_loc=rows.out_cache_loc,
-        seq_lens=rows.seq_lens,
+        seq_lens=_padding_zeroed(rows.seq_lens, valid),
         extend_lens=rows.extend_lens,
         page_table=page_table,
         page_size=page_size,
         seq_lens_cpu=tuple(seq_len_bounds),
         extend_lens_cpu=(k1,) * b,
-        logits_indices=rows.all_rows if num_valid is None else rows.last_rows,
+        logits_indices=rows.all_rows if every_row else rows.last_rows,
         extend_start=rows.extend_start,
         spec_num_draft_tokens=k1,
         **extra,  # type: ignore[arg-type]
     )
+
+
+def _padding_zeroed(seq_lens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``seq_lens`` with the padding requests' (``valid`` False) lengths 0: they read no KV."""
+    return seq_lens if valid is None else torch.where(valid, seq_lens, 0)
 
 
 def without_kv_writes(batch: ForwardBatch) -> ForwardBatch:

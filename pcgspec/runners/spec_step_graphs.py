@@ -45,7 +45,7 @@ import torch
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
 from pcgspec.kernels.build_sampling_params import advance_positions, advance_positions_ref
-from pcgspec.kernels.padded_rows import VerifyTokens, padded_rows, padded_rows_ref
+from pcgspec.kernels.padded_rows import VerifyTokens
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyOutput,
     VerifyStrategy,
@@ -53,8 +53,9 @@ from pcgspec.kernels.verify_draft_tokens import (
     verify_draft_tokens_ref,
 )
 from pcgspec.progress import progress
+from pcgspec.runners.batch_builder import build_verify_batch
 from pcgspec.runners.decode_graph_runner import capture_stream
-from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.refusals import GuardedRunner
 from pcgspec.sampling.batch import GREEDY_EPS
 from pcgspec.speculative.base import CapturedStep, DraftProposal
@@ -115,7 +116,6 @@ class SpecStepGraphs(GuardedRunner):
         # many requests: the next replay of the same copies nothing
         self._loaded: tuple[torch.Tensor | None, torch.Tensor | None, int] = (None, None, 0)
         cuda = device.type == "cuda"
-        self._rows = padded_rows if cuda else padded_rows_ref
         self._verify = verify_draft_tokens if cuda else verify_draft_tokens_ref
         self._advance = advance_positions if cuda else advance_positions_ref
         proposer.reserve_step_rows(self.max_bs)
@@ -164,35 +164,17 @@ class SpecStepGraphs(GuardedRunner):
     ) -> ForwardBatch:
         """``[last token, drafts]`` per request from position ``seq_len - 1`` (a tree's nodes
         at their depths); padding requests write no KV and read none."""
-        bs, n, valid = step.valid.shape[0], self.n, step.valid
-        rows = self._rows(
-            torch.where(valid, step.seq_lens, 1),
+        bs = step.valid.shape[0]
+        return build_verify_batch(
+            VerifyTokens(self.slots.last_token, step.slots, proposal.tokens.contiguous()),
+            step.seq_lens,
             step.page_table,
             self.page_size,
-            n,
-            valid.to(torch.int64) * n,
-            start_offset=-1,
-            tokens=VerifyTokens(self.slots.last_token, step.slots, proposal.tokens.contiguous()),
-        )
-        positions = rows.positions
-        if tree is not None:
-            positions = (positions.view(bs, n) + tree.row_offsets).view(-1)
-        return ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            input_ids=rows.input_ids,
-            positions=positions,
-            out_cache_loc=rows.out_cache_loc,
-            seq_lens=torch.where(valid, rows.seq_lens, 0),
-            extend_lens=rows.extend_lens,
-            page_table=step.page_table,
-            page_size=self.page_size,
-            seq_lens_cpu=(self.max_seq_len,) * bs,
-            extend_lens_cpu=(n,) * bs,
-            logits_indices=rows.all_rows,
+            (self.max_seq_len,) * bs,
+            row_offsets=None if tree is None else tree.row_offsets,
+            valid=step.valid,
             capture_hidden_mode=self.verify_graphs.capture_hidden_mode,
-            spec_num_draft_tokens=n,
             tree_mask=None if tree is None else tree.mask,
-            extend_start=rows.extend_start,
         )
 
     def _accept_and_commit(

@@ -44,7 +44,6 @@ from typing import NamedTuple
 import torch
 
 from pcgspec.engine.overlap import PENDING_TOKEN, resolve_pending
-from pcgspec.kernels.padded_rows import padded_rows, padded_rows_ref
 from pcgspec.runners.batch_builder import (
     SeqChunk,
     build_forward_batch,
@@ -52,7 +51,7 @@ from pcgspec.runners.batch_builder import (
     upload,
 )
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
-from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.speculative.base import (
     FILLER_TOKEN,
@@ -439,24 +438,15 @@ class ModelProposer(Proposer):
         """The catch-up from the buffers (padding requests write and read no KV), then the
         draft levels: ``DraftRunner.propose`` at the step's length bound."""
         buf, k1, bs = self.step_rows, self.num_steps + 1, step.valid.shape[0]
-        num = torch.where(step.valid, buf.num[:bs], 0)
-        start = torch.where(step.valid, buf.start[:bs], 0)
-        build = padded_rows if start.is_cuda else padded_rows_ref
-        rows = build(start, step.page_table, self.runner.page_size, k1, num)
-        catch_up = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND,
-            input_ids=buf.tokens[:bs].reshape(-1),
-            positions=rows.positions,
-            out_cache_loc=rows.out_cache_loc,
-            seq_lens=torch.where(step.valid, rows.seq_lens, 0),
-            extend_lens=rows.extend_lens,
-            page_table=step.page_table,
-            page_size=self.runner.page_size,
-            seq_lens_cpu=(step.max_seq_len,) * bs,
-            extend_lens_cpu=(k1,) * bs,
-            logits_indices=rows.last_rows,
-            extend_start=rows.extend_start,
-            spec_num_draft_tokens=k1,
+        catch_up = build_padded_batch(
+            ForwardMode.DRAFT_EXTEND,
+            buf.tokens[:bs],
+            buf.start[:bs],
+            step.page_table,
+            self.runner.page_size,
+            (step.max_seq_len,) * bs,
+            buf.num[:bs],
+            valid=step.valid,
         )
         hidden = None if buf.hidden is None else buf.hidden[: bs * k1]
         tree = self.runner.propose(catch_up, hidden, self.shape, capture_len=step.max_seq_len)
