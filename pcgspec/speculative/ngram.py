@@ -11,6 +11,8 @@ its one device-to-host copy), for the policy's match rates.
 
 from __future__ import annotations
 
+import torch
+
 from pcgspec.kernels.ngram_propose import ngram_propose, ngram_propose_ref
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.speculative.base import CapturedStep, DraftProposal, ProposeInput, Proposer
@@ -44,25 +46,15 @@ class NgramProposer(Proposer):
 
     def propose(self, batch: ProposeInput) -> DraftProposal:
         """Drafts for ``batch.requests`` (which hold slots) on the slots' device."""
-        reqs = batch.requests
-        drafts, counts = self._search(
-            self.history,
-            self.slots.slot_indices(reqs),
-            batch.seq_lens,
-            self.num_steps,
-            self.min_window,
-            self.max_window,
-        )
-        return DraftProposal(drafts, counts)
+        return self._drafts(self.slots.slot_indices(batch.requests), batch.seq_lens)
 
     def propose_captured(self, step: CapturedStep) -> DraftProposal:
         """The same search inside a captured speculative step."""
+        return self._drafts(step.slots, step.seq_lens)
+
+    def _drafts(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> DraftProposal:
+        """The search over the token history of ``slots`` (their lengths ``seq_lens``)."""
         drafts, counts = self._search(
-            self.history,
-            step.slots,
-            step.seq_lens,
-            self.num_steps,
-            self.min_window,
-            self.max_window,
+            self.history, slots, seq_lens, self.num_steps, self.min_window, self.max_window
         )
         return DraftProposal(drafts, counts)
