@@ -451,6 +451,10 @@ def test_bench_tp_writes_json(tmp_path, monkeypatch):
     assert written["ratios"] == pytest.approx(result["ratios"])
     single, split = written["runs"]
     assert (single["tp"], split["tp"]) == (1, 2)
+    assert written["ratios"]["decode_bs32"] == pytest.approx(
+        split["decode_bs32"]["median_ms"] / single["decode_bs32"]["median_ms"]
+    )
+    assert written["met"].keys() == written["targets"].keys() == bench.TARGETS[2].keys()
     assert [r["tokens"] for r in written["whole_vs_piecewise"]] == [16, 32]
     spmd = written["decode_bs1_spmd"]["median_ms"]
     assert spmd > 0 and written["diagnostics"] == pytest.approx(
