@@ -10,7 +10,9 @@ launches the host made. A step whose wall time is well above its busy time is ho
 functions over the timed generations; a ``wait`` stage is the host waiting for the GPU: the step
 is GPU-bound by about that much), overall and by kind of step (prefill, mixed, decode,
 speculative, first_tokens).
-With --cprofile DIR, cProfile of one generation per engine and batch size.
+With --cprofile DIR, cProfile of one generation per engine and batch size. With --tp-sizes
+1,2 every engine runs at each tensor-parallel size (the profile is rank 0's) and rows at TP > 1
+give their step time over the same engine's and batch's at TP=1 (``step_vs_tp1``).
 
 With ``--in-flight`` a batch size B is a load instead, as in ``bench_spec.py``: --load-requests
 prompts given at once to an engine that runs at most B (a request starts as another finishes,
@@ -28,6 +30,8 @@ default model: its shipped head) and STANDALONE drafts with the target itself. P
         --out bench/results/profile_spec_step_smollm2-shape_h100_$(date +%F).json
     python scripts/profile_spec_step.py --shape tiny --methods NGRAM --batch-sizes 1 \\
         --max-tokens 8 --repeats 1                                     # CPU smoke
+    NCCL_NVLS_ENABLE=0 python scripts/profile_spec_step.py --shape qwen3-8b --methods EAGLE3 \\
+        --batch-sizes 1 --num-steps 3 --tp-sizes 1,2 --repeats 5     # the TP step, 2 GPUs
     python scripts/profile_spec_step.py --model "$(python -c 'from pcgspec.models.default_model \\
         import default_model_path as d; print(d())')" --eagle3-draft shipped --methods EAGLE3 \\
         --num-steps 3 --policy auto --prompts served-chat --in-flight --load-requests 128 \\
@@ -85,6 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", default="EAGLE3,NGRAM,STANDALONE")
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
     p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes, each engine at each")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384)
@@ -107,7 +112,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-stages", action="store_true", help="host time per step stage")
     p.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile reports")
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    if min(args.tp_sizes) < 1 or len(set(args.tp_sizes)) != len(args.tp_sizes):
+        p.error(f"--tp-sizes: distinct sizes >= 1, got {args.tp_sizes}")
+    return args
 
 
 def _model(args: argparse.Namespace) -> tuple[str, dict]:
@@ -356,23 +366,34 @@ def _profile(llm: LLM, name: str, batch: int, args: argparse.Namespace, requests
     return row
 
 
+def _step_over(row: dict, rows: list[dict], key: dict) -> float:
+    """``row``'s median step time over that of the row (``row`` itself included) matching
+    ``key``'s tp, engine and batch."""
+    fields = ("tp", "engine", "batch")
+    base = next(r for r in [*rows, row] if all(r[f] == key[f] for f in fields))
+    return row["step_ms_median"] / base["step_ms_median"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     model, base = _model(args)
     methods = ["none", *[m for m in args.methods.split(",") if m]]
     rows = []
-    for method in methods:
-        llm = LLM(model, **base, **_engine_kwargs(method, model, args))
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
-            row = profile_batch(llm, method, batch, args)
-            plain = next(r for r in rows + [row] if r["engine"] == "none" and r["batch"] == batch)
-            row["step_vs_plain_step"] = row["step_ms_median"] / plain["step_ms_median"]
+    for tp, method in ((tp, m) for tp in args.tp_sizes for m in methods):
+        llm = LLM(model, **base, tp_size=tp, **_engine_kwargs(method, model, args))
+        for batch in args.batch_sizes:
+            row = {"tp": tp, **profile_batch(llm, method, batch, args)}
+            same = {"tp": tp, "engine": "none", "batch": batch}  # plain decoding, this TP size
+            row["step_vs_plain_step"] = _step_over(row, rows, same)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "spec"}), flush=True)
         llm.shutdown()
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    for row in rows if 1 in args.tp_sizes else ():
+        if row["tp"] != 1:
+            row["step_vs_tp1"] = _step_over(row, rows, {**row, "tp": 1})
     result = {
         "date": datetime.now(timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -380,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(sys.argv),
         "model": args.model or f"{args.shape} (random weights)",
         "num_steps": args.num_steps,
+        "tp_sizes": args.tp_sizes,
         "policy": args.policy,
         "load": f"{args.load_requests} requests, batch = in flight" if args.in_flight else "batch",
         "rows": rows,

@@ -375,6 +375,27 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
     ]
 
 
+def test_profile_spec_step_at_two_tp_sizes(tmp_path, smollm2_path):
+    """--tp-sizes 1,2: every engine at both sizes (EAGLE3 drafting on rank 0 at TP=2); each row
+    over plain decoding at its own size, and a TP=2 row over the same engine at TP=1."""
+    profile = load_script("profile_spec_step")
+    argv = ["--shape", "tiny", "--methods", "EAGLE3", "--batch-sizes", "1", "--max-tokens", "6"]
+    result = profile.main([*argv, "--repeats", "1", "--tp-sizes", "1,2", "--num-steps", "2"])
+    rows = {(r["tp"], r["engine"]): r for r in result["rows"]}
+    assert sorted(rows) == [(1, "EAGLE3"), (1, "none"), (2, "EAGLE3"), (2, "none")]
+    assert result["tp_sizes"] == [1, 2]
+    for (tp, engine), row in rows.items():
+        ms = row["step_ms_median"]
+        assert math.isclose(row["step_vs_plain_step"], ms / rows[(tp, "none")]["step_ms_median"])
+        assert (row["spec"].get("verify_steps", 0) > 0) == (engine == "EAGLE3")
+        if tp == 1:
+            assert "step_vs_tp1" not in row
+        else:
+            assert math.isclose(row["step_vs_tp1"], ms / rows[(1, engine)]["step_ms_median"])
+    with pytest.raises(SystemExit):
+        profile.main([*argv, "--tp-sizes", "2,2"])
+
+
 def test_profile_spec_step_ranks_gpu_activities_by_time():
     """The dearest GPU activities by name, microseconds per engine step; host events aside."""
     profile = load_script("profile_spec_step")
