@@ -108,7 +108,7 @@ def engine_config(
     args: argparse.Namespace, tp: int, max_tokens: int, decode_graphs: bool
 ) -> EngineConfig:
     """KV for one prompt of ``max_tokens`` or ``LARGE_BATCH`` decode requests of
-    ``--context`` (all start at page 0: the timed steps need the shapes, not the cached values).
+    ``--context`` on pages of their own (the timed steps need the shapes, not cached values).
     """
     pages = max(-(-max_tokens // 16), LARGE_BATCH * -(-(args.context + 1) // 16))
     return EngineConfig(

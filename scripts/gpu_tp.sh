@@ -6,8 +6,8 @@
 #      symmetric-memory all-reduce equal to NCCL (eager, in a CUDA graph, end to end). A hang
 #      (NCCL's teardown waiting on a live CUDA graph was one) dumps every thread's stack after
 #      --hang-s seconds;
-#   2. scripts/bench_tp.py: the Qwen3-8B-shape targets (decode bs1, prefill 2,048, piecewise vs
-#      a whole compiled graph, start-up), with cold compile caches, NCCL only and then with the
+#   2. scripts/bench_tp.py: the Qwen3-8B-shape targets (decode at batch 1 and 32, prefill 2,048,
+#      piecewise vs a whole compiled graph, start-up), with cold compile caches, NCCL only and then with the
 #      one-shot all-reduce up to 512 KiB.
 # The default model's tokenizer must be in PCGSPEC_CACHE_DIR (the tests' prompts use it; its
 # weights are not needed). NVLink multicast stays off. Writes tp_gpu_tests.log, bench_tp.log,

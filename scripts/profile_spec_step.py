@@ -295,15 +295,17 @@ def _top_activities(events: list, steps: int, top: int = 20) -> dict[str, float]
     return {name: round(us / steps, 1) for name, us in totals.most_common(top)}
 
 
-def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace) -> dict:
+def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace, tp: int = 1) -> dict:
     """One row; under ``--in-flight`` the engine runs at most ``batch`` requests throughout."""
     if not args.in_flight:
-        return _profile(llm, name, batch, args, batch)
+        return _profile(llm, name, batch, args, batch, tp)
     with running_at_most({name: llm}, batch):
-        return _profile(llm, name, batch, args, args.load_requests)
+        return _profile(llm, name, batch, args, args.load_requests, tp)
 
 
-def _profile(llm: LLM, name: str, batch: int, args: argparse.Namespace, requests: int) -> dict:
+def _profile(
+    llm: LLM, name: str, batch: int, args: argparse.Namespace, requests: int, tp: int
+) -> dict:
     prompts = cycled(prompt_pool(args.prompts, llm.get_tokenizer()), requests)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
@@ -362,7 +364,8 @@ def _profile(llm: LLM, name: str, batch: int, args: argparse.Namespace, requests
         profiler = cProfile.Profile()
         profiler.runcall(llm.generate, prompts, params, use_tqdm=False)
         _sync()
-        profiler.dump_stats(str(args.cprofile / f"{name}_{batch}.prof"))
+        suffix = "" if tp == 1 else f"_tp{tp}"
+        profiler.dump_stats(str(args.cprofile / f"{name}_{batch}{suffix}.prof"))
     return row
 
 
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
     for tp, method in ((tp, m) for tp in args.tp_sizes for m in methods):
         llm = LLM(model, **base, tp_size=tp, **_engine_kwargs(method, model, args))
         for batch in args.batch_sizes:
-            row = {"tp": tp, **profile_batch(llm, method, batch, args)}
+            row = {"tp": tp, **profile_batch(llm, method, batch, args, tp)}
             same = {"tp": tp, "engine": "none", "batch": batch}  # plain decoding, this TP size
             row["step_vs_plain_step"] = _step_over(row, rows, same)
             rows.append(row)

@@ -110,3 +110,14 @@ def test_padding_requests_of_padded_batches_write_and_read_no_kv() -> None:
         assert (padded.out_cache_loc[~rows] == -1).all(), name
         assert (padded.seq_lens[~valid] == 0).all(), name
         assert padded.positions.view(b, k1)[~valid].tolist() == [list(range(k1))] * 2, name
+    offsets = torch.randint(0, 3, (b, k1), generator=gen)  # a tree's nodes at their depths
+    tree = build_verify_batch(tokens, starts, table, page_size, bounds, row_offsets=offsets)
+    padded_tree = build_verify_batch(
+        tokens, starts, table, page_size, bounds, row_offsets=offsets, valid=valid
+    )
+    rows = valid.repeat_interleave(k1)
+    assert torch.equal(tree.positions[rows], padded_tree.positions[rows])
+    with pytest.raises(ValueError, match="valid must be None"):
+        build_verify_batch(
+            tokens, starts, table, page_size, bounds, graph_rows=object(), valid=valid
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_spec_distribution import P_MIN, P_WRONG, START, TARGET, V, _chi_square_p, _seeds
+from test_tree_attention import chain_parents
 
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyStrategy,
@@ -19,11 +20,6 @@ from pcgspec.speculative.tree import depths_of
 
 GREEDY, MATCH = VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH
 SHAPE = [-1, 0, 0, 1, 1, 2, 3, 6]  # depth 4: the root's two children, a long branch
-
-
-def chain_parents(batch_size: int, num_nodes: int, device: torch.device) -> torch.Tensor:
-    """``[B, N]`` parents of a chain: -1, 0, 1, .., N-2."""
-    return (torch.arange(num_nodes, device=device) - 1).expand(batch_size, num_nodes).contiguous()
 
 
 def _random_trees(b: int, n: int, vocab: int, gen: torch.Generator):

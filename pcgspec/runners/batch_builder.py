@@ -202,7 +202,7 @@ def build_verify_batch(
     graph's static buffers, whose views the batch then holds. ``row_offsets`` [B, k+1] are
     added to the rows' consecutive positions (a draft tree's nodes sit at their depths).
     ``valid`` [B] (bool, device) marks the real requests of a padded batch: the others write no
-    KV and read none (length 0), their rows at position 0.
+    KV and read none (length 0), their rows at positions 0 onwards.
     """
     b, k1 = tokens.drafts.shape[0], tokens.drafts.shape[1] + 1
     common = dict(
@@ -268,7 +268,8 @@ def build_padded_batch(
     draft catch-up padded to k+1 rows, whose rows from ``num_valid[b]`` on write no KV and
     whose logits are each request's last valid row's. ``seq_len_bounds``: host upper bounds of
     ``starts + k+1``, for sizing. ``valid`` [B] (bool, device) marks the real requests of a
-    padded batch: the others write no KV and read none (length 0), their rows at position 0.
+    padded batch: the others write no KV and read none (length 0), their rows at positions 0
+    onwards (with ``num_valid`` their logits index means nothing).
     """
     b, k1 = input_ids.shape
     every_row = num_valid is None  # a verify pass's logits: every row's

@@ -445,7 +445,7 @@ class ModelProposer(Proposer):
             step.page_table,
             self.runner.page_size,
             (step.max_seq_len,) * bs,
-            buf.num[:bs],
+            num_valid=buf.num[:bs],
             valid=step.valid,
         )
         hidden = None if buf.hidden is None else buf.hidden[: bs * k1]
