@@ -102,9 +102,13 @@ def torchrun_nodes(
 def finish(
     procs: list[subprocess.Popen], logs: Path, timeout: float = 180
 ) -> list[tuple[int, str, str]]:
-    """Each node's exit code, stdout and stderr (killed when not done within ``timeout``)."""
+    """Each node's exit code, stdout and stderr (killed when not done within ``timeout``, and
+    then every node's stderr tail in the failure, to say which one hung where)."""
     try:
         codes = [p.wait(timeout) for p in procs]
+    except subprocess.TimeoutExpired as timed_out:
+        tails = {i: (logs / f"{i}.err").read_text()[-3000:] for i in range(len(procs))}
+        raise AssertionError(f"{timed_out}; stderr of each node: {tails}") from timed_out
     finally:
         for p in procs:
             if p.poll() is None:
