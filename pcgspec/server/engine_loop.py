@@ -172,6 +172,8 @@ def run_engine(config: EngineConfig, channel: Channel, freeze: bool = False) -> 
         logger.exception("the engine loop died")
         loop.fail_all(EngineDeadError(f"the engine failed: {e}"))
         channel.send(("died", f"the engine loop died: {e!r}"))
+    finally:
+        engine.runner.shutdown()  # tensor-parallel workers leave now, not at this process's exit
 
 
 class EngineLoop:
