@@ -64,10 +64,6 @@ class DraftTree:
     depths: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
-    @property
-    def num_nodes(self) -> int:
-        return self.tokens.shape[1] + 1
-
 
 def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best ids of every row of ``logits`` [R, V] with their log-probabilities, each

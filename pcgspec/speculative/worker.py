@@ -173,21 +173,23 @@ class SpecWorker:
         """
         reqs = batch.requests
         page_table = self._page_table(reqs)
-        flags = self.slots.flags(reqs)
         graphs = self.step_graphs
-        bound = max(r.num_tokens for r in reqs) + self.slots_ahead + 1
-        if graphs is not None and graphs.can_run(
-            StepBatch(len(reqs), flags, page_table.shape[1], bound)
-        ):
+        if graphs is not None and graphs.can_run(self._step_batch(reqs, page_table)):
             self.proposer.prepare_replay(reqs)
             slots = self.slots.slot_indices(reqs)
-            results = graphs.replay(slots, page_table, bool(flags["all_greedy"]))
+            all_greedy = bool(self.slots.flags(reqs)["all_greedy"])  # the flags _step_batch kept
+            results = graphs.replay(slots, page_table, all_greedy)
             drafter_rows = self.proposer.replayed(reqs)
         else:
             results, drafter_rows = self._run(reqs, page_table)
         launched = LaunchedSpecStep.start(self, reqs, results, drafter_rows)
         self._unread += 1
         return launched
+
+    def _step_batch(self, reqs: Sequence[Request], page_table: torch.Tensor) -> StepBatch:
+        """What the step graphs' ``can_run`` asks of this batch."""
+        bound = max(r.num_tokens for r in reqs) + self.slots_ahead + 1
+        return StepBatch(len(reqs), self.slots.flags(reqs), page_table.shape[1], bound)
 
     def _run(
         self, reqs: Sequence[Request], page_table: torch.Tensor
