@@ -17,9 +17,19 @@ from pcgspec.speculative.tree import (
     TreeExpansion,
     TreeShape,
     ancestor_mask,
-    depths_of,
     path_rows,
 )
+
+
+def depths_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[B, N]`` depth of every node of trees given by ``parents`` [B, N], hop by hop (the
+    reference for the depths a drafted tree carries)."""
+    depth = torch.zeros_like(parents)
+    cur = parents
+    for _ in range(max_depth):
+        depth += (cur >= 0).long()
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp_min(0)), -1)
+    return depth
 
 
 def chain_parents(batch_size: int, num_nodes: int, device: torch.device) -> torch.Tensor:

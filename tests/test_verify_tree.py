@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_spec_distribution import P_MIN, P_WRONG, START, TARGET, V, _chi_square_p, _seeds
-from test_tree_attention import chain_parents
+from test_tree_attention import chain_parents, depths_of
 
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyStrategy,
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
-from pcgspec.speculative.tree import depths_of
 
 GREEDY, MATCH = VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH
 SHAPE = [-1, 0, 0, 1, 1, 2, 3, 6]  # depth 4: the root's two children, a long branch

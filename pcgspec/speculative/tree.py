@@ -153,22 +153,9 @@ class TreeExpansion:
         node_parents = torch.where(parent_ids < 0, 0, node)
         root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
         all_parents = torch.cat([root, node_parents], dim=1)
-        return DraftTree(
-            tokens.gather(1, chosen),
-            all_parents,
-            depths_of(all_parents, max_depth),
-            ancestor_mask(all_parents, max_depth),
-        )
-
-
-def depths_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """``[B, N]`` depth of every node of trees given by ``parents`` [B, N]."""
-    depth = torch.zeros_like(parents)
-    cur = parents
-    for _ in range(max_depth):
-        depth += (cur >= 0).long()
-        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp_min(0)), -1)
-    return depth
+        mask = ancestor_mask(all_parents, max_depth)
+        depths = mask.sum(dim=2) - 1  # a node's ancestors, itself left out
+        return DraftTree(tokens.gather(1, chosen), all_parents, depths, mask)
 
 
 @dataclass(frozen=True)
