@@ -44,7 +44,7 @@ from pcgspec.kernels.launches import CompiledLaunches
 from pcgspec.kernels.sample_tokens import argmax_row, sample_row
 from pcgspec.kernels.tree_walk import check_tree, walk_trees, walk_trees_ref
 from pcgspec.sampling.rng import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TOKEN, uniform
-from pcgspec.sampling.sampler import sample_from_probs
+from pcgspec.sampling.sampler import probs_from_logits, sample_from_probs
 
 _TOKEN = tl.constexpr(STREAM_TOKEN)
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -170,6 +170,13 @@ def _accept_kernel(Accept, Cand, Draft, AcceptLen, Out, K, BLOCK_K: tl.constexpr
 # NOTE: a verify step is host-bound at small batch: launch without Triton's binder.
 _VERIFY_ROWS = CompiledLaunches(_verify_rows_kernel)
 _ACCEPT_RUNS = CompiledLaunches(_accept_kernel)
+
+
+def match_targets(processed: torch.Tensor, is_greedy: torch.Tensor) -> torch.Tensor:
+    """TARGET_MATCH's rows from processed logits [R, V]: probabilities, except the rows of
+    greedy requests (``is_greedy`` [R]), which keep their logits: pass the requests' flags as
+    ``is_greedy`` and the kernel takes their argmax, as plain decoding does."""
+    return torch.where(is_greedy[:, None], processed, probs_from_logits(processed))
 
 
 def _require(ok: bool, msg: str) -> None:

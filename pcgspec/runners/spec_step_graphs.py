@@ -13,9 +13,8 @@ Here one replay runs, per bucket of ``bs`` requests (those past the batch paddin
 3. the verify pass: its rows (``[last token, drafts]`` per request; a draft tree's nodes at
    their depths, under its ancestor mask) built on the device, then the verify graph's
    decoder step (``DecodeGraphRunner.decoder_step``);
-4. the LM head over every row, the target rows (GREEDY: the logits; SAMPLED:
-   ``softmax(logits / temperature)`` for sampled rows and the logits for greedy ones, whose
-   requests take the argmax), ``verify_draft_tokens``, for a tree the accepted nodes' K/V moved
+4. the LM head over every row, the target rows (GREEDY: the logits; SAMPLED: the eager
+   path's ``match_targets`` of the temperature-scaled logits), ``verify_draft_tokens``, for a tree the accepted nodes' K/V moved
    into place, the commit of the emitted tokens into the sampling slots
    (``advance_positions``) and the step's results row ``[accept_len, num_drafts, tokens]``;
 5. what the next step's drafting reads (``Proposer.keep_captured``: the emitted tokens and
@@ -49,6 +48,7 @@ from pcgspec.kernels.padded_rows import VerifyTokens
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyOutput,
     VerifyStrategy,
+    match_targets,
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
@@ -58,6 +58,7 @@ from pcgspec.runners.decode_graph_runner import capture_stream
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.refusals import GuardedRunner
 from pcgspec.sampling.batch import GREEDY_EPS
+from pcgspec.sampling.sampler import scale_by_temperature
 from pcgspec.speculative.base import CapturedStep, DraftProposal
 from pcgspec.speculative.tree import VerifyTree, move_accepted_kv, path_rows
 
@@ -201,8 +202,7 @@ class SpecStepGraphs(GuardedRunner):
             rows = step.slots.repeat_interleave(n)  # [bs * n] each row's slot
             temperature = table.temperature[rows]
             greedy = temperature < GREEDY_EPS
-            probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], -1)
-            target = torch.where(greedy[:, None], logits, probs)  # greedy rows: argmax
+            target = match_targets(scale_by_temperature(logits, temperature), greedy)
             depths = self.chain_depths[:bs] if tree is None else tree.depths
             position = table.position[rows] + depths.reshape(-1)
             verified = self._verify(

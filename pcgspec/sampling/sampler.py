@@ -38,13 +38,17 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     logits = apply_penalties(logits, sb)
     if sb.all_greedy:
         return logits
-    temperature = torch.where(sb.is_greedy, 1.0, sb.temperature)
-    logits = logits / temperature[:, None]  # a fresh tensor: the filter may mask it in place
+    logits = scale_by_temperature(logits, sb.temperature)  # fresh: the filter masks in place
     if sb.needs_penalties:  # NOTE: a tiny repetition penalty overflows; the filters need finite
         logits.clamp_(-_F32_MAX, _F32_MAX)
     if sb.needs_filters:
         logits.masked_fill_(logits < _filter_threshold(logits, sb), float("-inf"))
     return logits
+
+
+def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """A new ``logits / temperature`` [R, V]; greedy rows (temperature 0) stay as they are."""
+    return logits / torch.where(temperature < GREEDY_EPS, 1.0, temperature)[:, None]
 
 
 def _filter_threshold(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -53,7 +53,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pcgspec.engine.request import Request, RequestStatus, SpecCounters
 from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
@@ -61,6 +60,7 @@ from pcgspec.kernels.padded_rows import VerifyTokens
 from pcgspec.kernels.verify_draft_tokens import (
     VerifyOutput,
     VerifyStrategy,
+    match_targets,
     verify_draft_tokens,
     verify_draft_tokens_ref,
 )
@@ -74,7 +74,7 @@ from pcgspec.runners.forward_batch import ForwardMode
 from pcgspec.runners.model_runner import ForwardOutput, ModelRunner
 from pcgspec.runners.spec_step_graphs import SpecStepGraphs, StepBatch
 from pcgspec.sampling.batch import SamplingBatch
-from pcgspec.sampling.sampler import probs_from_logits, process_logits
+from pcgspec.sampling.sampler import process_logits
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.speculative.base import DraftProposal, ProposeInput, Proposer
 from pcgspec.speculative.config import SpeculativeConfig
@@ -286,15 +286,21 @@ class SpecWorker:
         eagerly; a tree's rows draw at the output positions of their depths."""
         b, n = drafts.shape[0], drafts.shape[1] + 1
         with torch.inference_mode():
-            target, strategy = _target_rows(process_logits(logits, sampling), sampling)
+            processed = process_logits(logits, sampling)
             verify = (
                 verify_draft_tokens if logits.device.type == "cuda" else verify_draft_tokens_ref
             )
             position = sampling.position.view(b, n)
-            tree_kw = {}
+            kw = {}
             if tree is not None:
                 position = position + tree.row_offsets
-                tree_kw = dict(parents=tree.parents, max_depth=tree.max_depth)
+                kw = dict(parents=tree.parents, max_depth=tree.max_depth)
+            if sampling.all_greedy:
+                target, strategy = processed, VerifyStrategy.GREEDY
+            else:
+                target = match_targets(processed, sampling.is_greedy)
+                strategy = VerifyStrategy.TARGET_MATCH
+                kw["is_greedy"] = sampling.is_greedy.view(b, n)[:, 0].contiguous()
             return verify(
                 target.view(b, n, -1),
                 drafts,
@@ -302,7 +308,7 @@ class SpecWorker:
                 seed=sampling.seed.view(b, n),
                 position=position,
                 num_draft=num_drafts,
-                **tree_kw,
+                **kw,
             )
 
     # read: accept + commit / rollback on the host ----------------------------------------
@@ -408,20 +414,6 @@ class LaunchedSpecStep:
     def read(self, eos_token_ids: frozenset[int]) -> list[Request]:
         """Wait for the results and commit them (``SpecWorker.read``)."""
         return self.worker.read(self)
-
-
-def _target_rows(
-    processed: torch.Tensor, sampling: SamplingBatch
-) -> tuple[torch.Tensor, VerifyStrategy]:
-    """What the verify kernel scores: processed logits under GREEDY when every row is greedy;
-    else probabilities under TARGET_MATCH, greedy rows as one-hot argmax rows (so they pick
-    exactly the token plain decoding's argmax picks).
-    """
-    if sampling.all_greedy:
-        return processed, VerifyStrategy.GREEDY
-    probs = probs_from_logits(processed)
-    one_hot = F.one_hot(processed.argmax(dim=-1), probs.shape[-1]).to(probs.dtype)
-    return torch.where(sampling.is_greedy[:, None], one_hot, probs), VerifyStrategy.TARGET_MATCH
 
 
 def _path_hidden(
