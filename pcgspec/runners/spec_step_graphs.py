@@ -14,8 +14,9 @@ Here one replay runs, per bucket of ``bs`` requests (those past the batch paddin
    their depths, under its ancestor mask) built on the device, then the verify graph's
    decoder step (``DecodeGraphRunner.decoder_step``);
 4. the LM head over every row, the target rows (GREEDY: the logits; SAMPLED: the eager
-   path's ``match_targets`` of the temperature-scaled logits), ``verify_draft_tokens``, for a tree the accepted nodes' K/V moved
-   into place, the commit of the emitted tokens into the sampling slots
+   path's ``match_targets`` of the temperature-scaled logits), ``verify_draft_tokens``, for a
+   tree the accepted nodes' K/V moved into place, the commit of the emitted tokens into the
+   sampling slots
    (``advance_positions``) and the step's results row ``[accept_len, num_drafts, tokens]``;
 5. what the next step's drafting reads (``Proposer.keep_captured``: the emitted tokens and
    their hidden rows).
