@@ -8,7 +8,12 @@ model itself (transformers, same dtype) scores the plain prefix: the two tokens 
 between its top two logits say whether the divergence is a tie of that precision (a gap of zero
 or one rounding step) rather than a fault.
 
+With ``--served FILE`` (a ``bench_serving.py`` result) nothing is generated: the texts of its
+text check are scored instead, each configuration's against the first configuration's, on the
+requests' chat prompts, after re-tokenizing the texts.
+
     python scripts/check_spec_ties.py --dtype bfloat16 --out ties.json
+    python scripts/check_spec_ties.py --served bench/results/served_x.json --dtype float32
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--configs", default="chain,tree", help=f"of {', '.join(CONFIGS)}")
+    p.add_argument("--served", default=None, help="score a bench_serving.py text check")
     p.add_argument("--out", default=None, help="write the JSON here")
     args = p.parse_args(argv)
+    if args.served:
+        return _report(args, argv, served_ties(args.served, args.model, args.dtype))
     from pcgspec import LLM, SamplingParams
     from pcgspec.llm import chat_prompt
     from pcgspec.models.default_model import default_model_path
@@ -72,18 +80,57 @@ def main(argv: list[str] | None = None) -> dict:
         results[name] = [_compare(hf, q, w, g) for q, w, g in zip(prompts, want, got)]
         for i, row in enumerate(results[name]):
             print(name, i, row)
+    return _report(args, argv, {"configs": {n: CONFIGS[n] for n in results}, "results": results})
+
+
+def _report(args: argparse.Namespace, argv: list[str] | None, body: dict) -> dict:
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "device": f"{platform.machine()} CPU" if args.device == "cpu" else args.device,
         "torch": torch.__version__,
         "command": "scripts/check_spec_ties.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "dtype": args.dtype,
-        "configs": {n: CONFIGS[n] for n in results},
-        "results": results,
+        **body,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report
+
+
+def served_ties(served: str, model: str | None, dtype: str) -> dict:
+    """Where each configuration's text-check texts in a ``bench_serving.py`` result first depart
+    from the first configuration's, scored by the model (transformers, ``dtype``) on the plain
+    prefix; texts are re-tokenized, so a divergence is placed at the first differing token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pcgspec.llm import chat_prompt
+    from pcgspec.models.default_model import default_model_path
+
+    path = model or str(default_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    checks = json.loads(Path(served).read_text())["text_check"]
+    results: dict[str, dict[str, list[dict]]] = {}
+    for dataset, by_config in checks.items():
+        base_name, *others = by_config
+        base = by_config[base_name]["texts"]
+        prompts = [
+            chat_prompt(tok, [{"role": "user", "content": text}])[1]
+            for text in load(dataset)[: len(base)]
+        ]
+        for name in others:
+            rows = [
+                _compare(hf, q, _ids(tok, w), _ids(tok, g))
+                for q, w, g in zip(prompts, base, by_config[name]["texts"])
+            ]
+            results.setdefault(name, {})[dataset] = rows
+            for i, row in enumerate(rows):
+                print(f"{name} vs {base_name}", dataset, i, row)
+    return {"served": served, "results": results}
+
+
+def _ids(tok: object, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
 
 
 @torch.inference_mode()

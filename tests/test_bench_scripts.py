@@ -650,3 +650,30 @@ def test_check_spec_ties_finds_float32_equal(tmp_path, monkeypatch):
     rows = [row for rows in report["results"].values() for row in rows]
     assert len(rows) == 4 and all(row == {"equal": True, "tokens": 12} for row in rows)
     assert json.loads(out.read_text())["dtype"] == "float32"
+
+
+def test_check_spec_ties_scores_a_served_text_check(tmp_path):
+    """``--served``: each configuration's texts against the first configuration's, per dataset;
+    equal texts say so, a departure names the first differing token of the re-tokenized texts
+    and the model's top two at the plain prefix."""
+    from transformers import AutoTokenizer
+
+    from pcgspec.models.default_model import default_model_path
+
+    check = load_script("check_spec_ties")
+    base = ["The capital of France is Paris.", "Water boils at 100 degrees."]
+    other = [base[0], "Water boils at one hundred degrees."]
+    served = tmp_path / "served.json"
+    served.write_text(
+        json.dumps({"text_check": {"chat": {"plain": {"texts": base}, "eagle3": {"texts": other}}}})
+    )
+    out = tmp_path / "ties.json"
+    report = check.main(["--served", str(served), "--dtype", "float32", "--out", str(out)])
+    equal, departed = report["results"]["eagle3"]["chat"]
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    assert equal == {"equal": True, "tokens": len(tok.encode(base[0], add_special_tokens=False))}
+    want, got = (tok.encode(t, add_special_tokens=False) for t in (base[1], other[1]))
+    at = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    assert (departed["at"], departed["plain"], departed["speculative"]) == (at, want[at], got[at])
+    assert len(departed["top2"]) == 2 and departed["top2_gap"] >= 0
+    assert json.loads(out.read_text())["served"] == str(served)
