@@ -25,6 +25,10 @@ choices, e.g. to profile the plain steps of an engine with a drafter); EAGLE3 ru
 head (draft vocabulary --eagle3-draft-vocab; ``--eagle3-draft shipped`` with ``--model`` the
 default model: its shipped head) and STANDALONE drafts with the target itself. Prompts: the
 "repeat" or "general" set, or ``chat`` / ``served-chat`` through the model's chat template.
+A method ``EAGLE3:D/K/N`` is EAGLE3 with a draft tree of depth D, topk K and N nodes (plain
+``EAGLE3`` drafts a chain of --num-steps), so chains and trees profile side by side; each row
+also counts the GPU activities per step by name (``gpu_top_count_per_step``): where a step's
+time goes into many small kernels rather than a few dear ones.
 
     python scripts/profile_spec_step.py --methods EAGLE3,NGRAM --batch-sizes 1,16 \\
         --out bench/results/profile_spec_step_smollm2-shape_h100_$(date +%F).json
@@ -113,6 +117,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile reports")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    for method in args.methods.split(","):
+        try:
+            _tree_kwargs(method.partition(":")[2]) if ":" in method else None
+        except ValueError as e:
+            p.error(str(e))
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     if min(args.tp_sizes) < 1 or len(set(args.tp_sizes)) != len(args.tp_sizes):
@@ -146,10 +155,12 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
     from pcgspec.models.eagle3 import write_eagle3_checkpoint
     from pcgspec.models.loader import load_config
 
+    method, _, tree = method.partition(":")
     kw = {
         "speculative_algorithm": method,
         "speculative_num_steps": args.num_steps,
         "speculative_policy": args.policy,
+        **(_tree_kwargs(tree) if tree else {}),
     }
     if method == "EAGLE3" and args.eagle3_draft == "shipped":
         kw["speculative_draft_model_path"] = None  # the default model's own head
@@ -168,6 +179,19 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
     elif method != "NGRAM":
         raise ValueError(f"--methods: {method!r} is not one of EAGLE3, NGRAM, STANDALONE")
     return kw
+
+
+def _tree_kwargs(tree: str) -> dict:
+    """``D/K/N`` -> the engine keywords of a draft tree of depth D, topk K, N nodes."""
+    try:
+        depth, topk, nodes = (int(v) for v in tree.split("/"))
+    except ValueError:
+        raise ValueError(f"--methods: a tree is EAGLE3:DEPTH/TOPK/NODES, got {tree!r}") from None
+    return {
+        "speculative_num_steps": depth,
+        "speculative_eagle_topk": topk,
+        "speculative_num_draft_tokens": nodes,
+    }
 
 
 # the stages of a decode step whose host time --host-stages reports: (owner, attribute names)
@@ -295,6 +319,14 @@ def _top_activities(events: list, steps: int, top: int = 20) -> dict[str, float]
     return {name: round(us / steps, 1) for name, us in totals.most_common(top)}
 
 
+def _top_counts(events: list, steps: int, top: int = 20) -> dict[str, float]:
+    """The GPU activities run most often, by name: how many per engine step."""
+    counts = collections.Counter(
+        e.name[:80] for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return {name: round(n / steps, 2) for name, n in counts.most_common(top)}
+
+
 def profile_batch(llm: LLM, name: str, batch: int, args: argparse.Namespace, tp: int = 1) -> dict:
     """One row; under ``--in-flight`` the engine runs at most ``batch`` requests throughout."""
     if not args.in_flight:
@@ -354,6 +386,7 @@ def _profile(
         "gpu_busy_ms_per_step": _busy_ms(events) / n if on_cuda else None,
         "gpu_activities_per_step": kernels / n if on_cuda else None,  # kernels, copies, sets
         "gpu_top_us_per_step": _top_activities(events, n) if on_cuda else None,
+        "gpu_top_count_per_step": _top_counts(events, n) if on_cuda else None,
         **{label: host[label] / n if on_cuda else None for label in HOST_CALLS.values()},
         "spec": engine.spec_stats(),
         "host_stages_us_per_step": stages,

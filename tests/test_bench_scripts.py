@@ -410,6 +410,29 @@ def test_profile_spec_step_ranks_gpu_activities_by_time():
     events.append(event("cudaLaunchKernel", 0, 500, cuda=False))
     assert profile._top_activities(events, steps=2, top=1) == {"gemm": 20.0}
     assert profile._top_activities(events, steps=2) == {"gemm": 20.0, "attn": 5.0}
+    events.append(event("attn", 50, 51))
+    events.append(event("attn", 51, 52))
+    assert profile._top_counts(events, steps=2) == {"attn": 1.5, "gemm": 1.0}
+
+
+def test_profile_spec_step_profiles_a_tree_beside_the_chain(tmp_path, smollm2_path):
+    """``EAGLE3:D/K/N`` is an EAGLE3 engine drafting a tree of that shape, profiled beside the
+    chain; a malformed tree is refused before any engine starts."""
+    profile = load_script("profile_spec_step")
+    argv = ["--shape", "tiny", "--batch-sizes", "1", "--max-tokens", "6", "--repeats", "1"]
+    result = profile.main([*argv, "--methods", "EAGLE3,EAGLE3:2/2/4", "--num-steps", "3"])
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert sorted(rows) == ["EAGLE3", "EAGLE3:2/2/4", "none"]
+    for name, depth in (("EAGLE3", 3), ("EAGLE3:2/2/4", 2)):  # the tree's depth, not k's
+        assert rows[name]["spec"]["verify_steps"] > 0
+        assert len(rows[name]["spec"]["accepted_per_position"]) == depth
+    assert profile._tree_kwargs("5/4/16") == {
+        "speculative_num_steps": 5,
+        "speculative_eagle_topk": 4,
+        "speculative_num_draft_tokens": 16,
+    }
+    with pytest.raises(SystemExit):
+        profile.main([*argv, "--methods", "EAGLE3:5/4"])
 
 
 def test_profile_spec_step_in_flight_splits_host_stages_by_kind(tmp_path, smollm2_path):
