@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,10 @@ class LLM:
         self.config = config
         start = time.perf_counter()
         self.engine = Engine(config)
+        # NOTE: tensor-parallel workers are stopped and the groups torn down when the LLM is
+        # collected or at interpreter exit, while CUDA is up: an NCCL group left with live
+        # graphs that captured its collectives waits for its peers forever at teardown
+        self._shutdown = weakref.finalize(self, self.engine.runner.shutdown)
         logger.info(
             "Engine ready in %.1f s (piecewise path %s)",
             time.perf_counter() - start,
@@ -80,8 +85,9 @@ class LLM:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (also done at exit)."""
-        self.engine.runner.shutdown()
+        """Stop the tensor-parallel worker processes, if any (also done when the LLM is
+        collected, and at exit)."""
+        self._shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

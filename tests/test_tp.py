@@ -217,6 +217,27 @@ def test_workers_leave_when_rank0_is_sigtermed(llama_path) -> None:
     assert not any(_running(pid) for pid in workers)
 
 
+def test_an_llm_left_running_shuts_its_group_down_at_exit(llama_path, smollm2_path) -> None:
+    """A script that never calls ``shutdown``: at exit the LLM stops its workers and tears its
+    groups down (``TPDriver.shutdown``, which on CUDA releases the graphs first), rather than
+    leaving the groups to interpreter teardown."""
+    code = (
+        "import pcgspec.distributed.launcher as launcher; from pcgspec import LLM; "
+        "shutdown = launcher.TPDriver.shutdown; "
+        "launcher.TPDriver.shutdown = lambda d: (print('shutdown', flush=True), shutdown(d)); "
+        f"llm = LLM({str(llama_path)!r}, tokenizer={str(smollm2_path)!r}, device='cpu', "
+        "dtype='float32', tp_size=2, max_total_tokens=64, disable_piecewise_cuda_graph=True, "
+        "log_level='warning'); "
+        "print(*[w.pid for w in llm.engine.runner.tp_driver.procs], flush=True); "
+        "llm.generate({'prompt_token_ids': [1, 2, 3]}, use_tqdm=False)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids, said = done.stdout.splitlines()
+    assert said == "shutdown"
+    assert not any(_running(int(pid)) for pid in pids.split())
+
+
 def _running(pid: int) -> bool:
     """``pid`` exists and is not a zombie (an orphan's zombie is reaped by init)."""
     try:
