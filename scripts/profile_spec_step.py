@@ -118,10 +118,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     for method in args.methods.split(","):
-        try:
-            _tree_kwargs(method.partition(":")[2]) if ":" in method else None
-        except ValueError as e:
-            p.error(str(e))
+        if ":" in method:
+            try:
+                _tree_kwargs(method.partition(":")[2])
+            except ValueError as e:
+                p.error(str(e))
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     if min(args.tp_sizes) < 1 or len(set(args.tp_sizes)) != len(args.tp_sizes):
