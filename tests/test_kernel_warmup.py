@@ -22,6 +22,7 @@ from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
+from pcgspec.kernels.top_k import CHUNK, top_k
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.kernels.warmup import (
     AttentionShape,
@@ -413,8 +414,13 @@ def test_warmup_covers_draft_tree_passes(record) -> None:
     """With draft trees: the masked split-KV passes (N nodes per request in verify, topk beams
     over growing levels in drafting) and the tree walk, at every batch size."""
     depth, nodes, topk = 3, 8, 3
+    draft_vocab, dtypes = CHUNK + 300, (torch.float32, torch.bfloat16)  # two chunks: a merge
     tree_warmup = KernelWarmup(
-        attention=(TINY,), split_kv_tokens=(1, K + 1), verify=(K, VOCAB), tree=(depth, nodes, topk)
+        attention=(TINY,),
+        split_kv_tokens=(1, K + 1),
+        verify=(K, VOCAB),
+        tree=(depth, nodes, topk),
+        tree_vocab=(draft_vocab, dtypes),
     )
     warmed = record()
     run_warmup(tree_warmup, torch.device("cpu"))
@@ -452,6 +458,11 @@ def test_warmup_covers_draft_tree_passes(record) -> None:
                 parents=parents.expand(b, -1).contiguous(),
                 max_depth=depth,
             )
-    for name in ("_split_kv_kernel", "_split_kv_reduce_kernel", "_accept_tree_kernel"):
+        for dtype in dtypes:  # each level's top-k over the draft vocabulary, then the tree's
+            top_k(torch.randn(b * topk, draft_vocab).to(dtype), topk, log_softmax=True)
+        top_k(torch.randn(b, topk * topk, dtype=torch.float64), topk)
+        top_k(torch.randn(b, topk + (depth - 1) * topk**2, dtype=torch.float64), nodes - 1)
+    names = ("_split_kv_kernel", "_split_kv_reduce_kernel", "_accept_tree_kernel")
+    for name in (*names, "_chunk_top_k_kernel", "_merge_top_k_kernel"):
         missing = served[name] - warmed[name]
         assert served[name] and not missing, f"{name}: {len(missing)} not warmed"

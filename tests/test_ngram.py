@@ -394,6 +394,15 @@ def test_speculative_config_messages_name_the_value() -> None:
             speculative_eagle_topk=3,
             speculative_num_draft_tokens=1,
         )
+    with pytest.raises(ValueError, match=r"in 2\.\.65 .*at most 65 nodes.* got 66"):
+        SpeculativeConfig(
+            "EAGLE3",
+            speculative_num_steps=3,
+            speculative_eagle_topk=8,
+            speculative_num_draft_tokens=66,
+        )
+    with pytest.raises(ValueError, match="speculative_eagle_topk must be at most 64, got 65"):
+        SpeculativeConfig("EAGLE3", speculative_eagle_topk=65, speculative_num_draft_tokens=4)
     tree = SpeculativeConfig(
         "EAGLE3", speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8
     )

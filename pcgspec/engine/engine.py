@@ -172,6 +172,11 @@ class Engine:
             verify=None if k is None else (k, self.runner.vocab_size),
             ngram=ngram,
             tree=None if spec is None or spec.topk == 1 else (k, spec.num_draft_tokens, spec.topk),
+            tree_vocab=(
+                (proposer.runner.scored_vocab_size, (torch.float32, proposer.runner.dtype))
+                if isinstance(proposer, ModelProposer) and spec.topk > 1
+                else None
+            ),
         )
 
     @property

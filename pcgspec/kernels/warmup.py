@@ -15,7 +15,8 @@ split-KV decode and reduce per tokens per request), ``warm_pad_batch`` (with and
 starts), ``warm_sampling`` (build_sampling_params, advance_positions, the token draw),
 ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the speculative worker
 uses, the accept kernel, and the padded rows of verify passes, in place for a verify graph or
-not, and of draft catch-ups) and ``warm_ngram`` (prompt lookup).
+not, and of draft catch-ups), for draft trees ``warm_verify_tree`` (their walk) and
+``warm_tree_top_k`` (their drafting's top-k), and ``warm_ngram`` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
+from pcgspec.kernels.top_k import CHUNK, top_k
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.sampling.batch import GREEDY_EPS
 from pcgspec.sampling.rng import STREAM_TOKEN
@@ -99,6 +101,8 @@ class KernelWarmup:
     verify: tuple[int, int] | None = None
     ngram: tuple[int, int, int] | None = None
     tree: tuple[int, int, int] | None = None  # draft trees: (depth k, nodes N, topk)
+    # draft trees' top-k over the draft vocabulary: (its size, the dtypes of the head's scores)
+    tree_vocab: tuple[int, tuple[torch.dtype, ...]] | None = None
 
 
 def extend_lengths(shape: AttentionShape) -> list[int]:
@@ -322,6 +326,26 @@ def warm_verify_tree(depth: int, nodes: int, vocab_size: int, device: torch.devi
     return 2 * len(VERIFY_STRATEGIES)
 
 
+def warm_tree_top_k(
+    depth: int,
+    nodes: int,
+    topk: int,
+    vocab: int,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device,
+) -> int:
+    """A tree's top-k as its drafting calls it: each level's over the draft vocabulary
+    (log-probabilities, in each dtype the head scores in), the beams' children and the kept
+    candidates (float64 path scores)."""
+    s = _Scratch(device)
+    for dtype in dict.fromkeys(dtypes):
+        top_k(s.zeros(1, vocab, dtype=dtype), topk, log_softmax=True)
+    if depth > 1:
+        top_k(s.zeros(1, topk * topk, dtype=torch.float64), topk)
+    top_k(s.zeros(1, topk + (depth - 1) * topk * topk, dtype=torch.float64), nodes - 1)
+    return len(dict.fromkeys(dtypes)) * (1 + (vocab > CHUNK)) + (depth > 1) + 1
+
+
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:
     """The prompt-lookup search as ``NgramProposer`` calls it: an int32 token history whose
     rows have a spill column (``SamplingSlots``), int64 slots and lengths.
@@ -349,6 +373,8 @@ def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
             count += sum(warm_split_kv(shape, n, device, tree=True) for n in {nodes, topk})
         if warmup.verify is not None:
             count += warm_verify_tree(depth, nodes, warmup.verify[1], device)
+        if warmup.tree_vocab is not None:
+            count += warm_tree_top_k(depth, nodes, topk, *warmup.tree_vocab, device)
     if warmup.ngram is not None:
         count += warm_ngram(*warmup.ngram, device)
     return count

@@ -143,6 +143,15 @@ class DraftRunner:
     def uses_target_hidden(self) -> bool:
         return self.draft.uses_target_hidden
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.draft.dtype
+
+    @property
+    def scored_vocab_size(self) -> int:
+        """The tokens the head ranks for a tree level (an EAGLE3 head's draft vocabulary)."""
+        return getattr(self.draft, "draft_vocab_size", None) or self.draft.vocab_size
+
     def forward(
         self, batch: ForwardBatch, hidden: torch.Tensor | None, capture_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

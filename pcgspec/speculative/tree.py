@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pcgspec.attention.kv_cache import KVCache
+from pcgspec.kernels.top_k import top_k, top_k_ref
 from pcgspec.runners.batch_builder import page_slots
 
 # NOTE: float64 scores minus a tiny margin per depth: a child that took a probability-1 token
@@ -72,7 +73,13 @@ def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     if k == 1:
         ids = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device), ids
-    return logits.float().log_softmax(dim=-1).topk(k, dim=-1)
+    return _top_k(logits, k, log_softmax=True)
+
+
+def _top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.top_k`` on the GPU (``torch.topk``'s radix select is dear for a few long
+    rows), its torch reference elsewhere."""
+    return (top_k if x.is_cuda else top_k_ref)(x, k, log_softmax)
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -131,7 +138,7 @@ class TreeExpansion:
         self.tokens.append(tokens)
         self.parents.append(parents)
         self.num_candidates += k * k
-        self.beam_scores, best = scores.topk(k, dim=-1)  # [B, k]
+        self.beam_scores, best = _top_k(scores, k)  # [B, k]
         parent_beam = best // k
         self.beam_ids = first + best
         self.beam_tokens = tokens.gather(1, best)
@@ -146,7 +153,7 @@ class TreeExpansion:
         tokens = torch.cat(self.tokens, dim=1)
         b, device = tokens.shape[0], tokens.device
         scores, parents = torch.cat(self.scores, dim=1), torch.cat(self.parents, dim=1)  # [B, C]
-        chosen = scores.topk(num_nodes - 1, dim=-1).indices.sort(dim=-1).values  # [B, N-1]
+        chosen = _top_k(scores, num_nodes - 1)[1].sort(dim=-1).values  # [B, N-1]
         parent_ids = parents.gather(1, chosen)
         # node of a candidate: 1 + its rank among the chosen (chosen is sorted); root: 0
         node = torch.searchsorted(chosen, parent_ids.clamp_min(0)) + 1

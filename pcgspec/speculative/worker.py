@@ -428,8 +428,7 @@ def _path_hidden(
 
 def _check_topk(topk: int, draft: DraftRunner) -> None:
     """Each tree level takes the topk best tokens of the draft's vocabulary."""
-    head = draft.draft
-    vocab = getattr(head, "draft_vocab_size", None) or head.vocab_size
+    vocab = draft.scored_vocab_size
     if topk > vocab:
         raise ValueError(
             f"speculative_eagle_topk {topk} exceeds the draft vocabulary of {vocab} tokens"
