@@ -37,6 +37,7 @@ from pcgspec.sampling.batch import GREEDY_EPS
 from pcgspec.sampling.rng import STREAM_TOKEN
 from pcgspec.sampling.slots import SamplingSlots
 from pcgspec.sampling_params import SamplingParams
+from pcgspec.speculative.tree import TreeExpansion, top_tokens
 
 BF16, F32 = torch.bfloat16, torch.float32
 TINY = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, dtype=F32, page_size=4)
@@ -410,9 +411,13 @@ def test_first_concurrent_wave_compiles_nothing(smollm2_path, speculative, monke
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
-def test_warmup_covers_draft_tree_passes(record) -> None:
+def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
     """With draft trees: the masked split-KV passes (N nodes per request in verify, topk beams
-    over growing levels in drafting) and the tree walk, at every batch size."""
+    over growing levels in drafting), the tree walk and the drafting's top-k, at every batch
+    size."""
+    from pcgspec.speculative import tree
+
+    monkeypatch.setattr(tree, "_top_k", top_k)  # the kernel, as on CUDA
     depth, nodes, topk = 3, 8, 3
     draft_vocab, dtypes = CHUNK + 300, (torch.float32, torch.bfloat16)  # two chunks: a merge
     tree_warmup = KernelWarmup(
@@ -458,10 +463,12 @@ def test_warmup_covers_draft_tree_passes(record) -> None:
                 parents=parents.expand(b, -1).contiguous(),
                 max_depth=depth,
             )
-        for dtype in dtypes:  # each level's top-k over the draft vocabulary, then the tree's
-            top_k(torch.randn(b * topk, draft_vocab).to(dtype), topk, log_softmax=True)
-        top_k(torch.randn(b, topk * topk, dtype=torch.float64), topk)
-        top_k(torch.randn(b, topk + (depth - 1) * topk**2, dtype=torch.float64), nodes - 1)
+        for dtype in dtypes:  # a tree's drafting as on CUDA: each level's top-k, the tree's
+            expansion = TreeExpansion(*top_tokens(torch.randn(b, draft_vocab).to(dtype), topk))
+            for _ in range(depth - 1):
+                level = torch.randn(b * topk, draft_vocab).to(dtype)
+                expansion.expand(*top_tokens(level, topk))
+            expansion.select(nodes, depth)
     names = ("_split_kv_kernel", "_split_kv_reduce_kernel", "_accept_tree_kernel")
     for name in (*names, "_chunk_top_k_kernel", "_merge_top_k_kernel"):
         missing = served[name] - warmed[name]

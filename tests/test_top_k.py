@@ -62,7 +62,36 @@ def test_minus_infinity_and_nan_rank_last() -> None:
     logp, _ = top_k(x, 2, log_softmax=True)
     want = torch.tensor([2.0, 1.0]) - torch.tensor([2.0, 1.0]).logsumexp(0)
     torch.testing.assert_close(logp[0].cpu(), want)
-    assert logp[1, 0] == 0.0  # the row's only finite entry holds all of its mass
+    assert logp[1].isnan().all()  # as torch.log_softmax of a row holding NaN
+
+
+@pytest.mark.parametrize("v", [1000, 2 * CHUNK])
+def test_plus_infinity_ranks_first_with_nan_log_probabilities(v) -> None:
+    """One launch or two: +inf is the best entry, and the row's log-probabilities are NaN."""
+    x = torch.zeros(1, v, device=DEVICE)
+    x[0, 5] = float("inf")
+    for fn in (top_k, top_k_ref):
+        val, ids = fn(x, 2, log_softmax=True)
+        assert ids.tolist() == [[5, 0]] and val.isnan().all()
+
+
+def test_inputs_closer_than_rounding_keep_their_input_order() -> None:
+    """The rank is the input's: a bump below the log-probabilities' rounding still leads."""
+    x = torch.zeros(1, 2 * CHUNK, device=DEVICE)
+    x[0, 5] = 1e-7
+    for fn in (top_k, top_k_ref):
+        assert fn(x, 2, log_softmax=True)[1].tolist() == [[5, 0]]
+
+
+def test_wide_float64_rows_and_the_largest_k() -> None:
+    """A tree's candidates past one chunk, k = 64 (the bound), against torch.topk's values."""
+    x = _rows((3, 2 * CHUNK + 100), torch.float64, seed=9)
+    _check_equal(x, 64, log_softmax=False)
+    want = x.topk(64, dim=-1)
+    val, ids = top_k(x, 64)
+    assert torch.equal(val, want.values) and torch.equal(ids, want.indices)  # no ties here
+    logp = top_k_ref(x.float(), 8, log_softmax=True)[0]
+    torch.testing.assert_close(logp, x.float().log_softmax(-1).topk(8, dim=-1).values)
 
 
 def test_rows_of_a_strided_view() -> None:

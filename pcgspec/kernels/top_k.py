@@ -9,8 +9,9 @@ position) and, with ``log_softmax``, the chunk's maximum and sum of exponentials
 per row merges the chunks' candidates and their sums into the row's k best and its
 log-sum-exp. A row of at most ``CHUNK`` entries takes the first launch only.
 
-Values come best first; equal values go to the lower index (as a stable descending sort); NaN
-ranks below every number.
+Entries are ranked by their input value, best first; equal inputs go to the lower index (a
+stable descending sort), and NaN ranks as -inf. With ``log_softmax`` a row holding
+NaN or +inf has NaN log-probabilities, as ``torch.log_softmax`` gives.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import triton
 import triton.language as tl
 
 from pcgspec.kernels.launches import CompiledLaunches
+from pcgspec.speculative.config import MAX_TREE_WIDTH as MAX_K  # draft trees call it
 
 CHUNK = 1024  # entries per program of the first launch
-MAX_K = 64
 
 
 @triton.jit
@@ -55,17 +56,19 @@ def _chunk_top_k_kernel(
     lane = tl.arange(0, BLOCK)
     col = chunk * BLOCK + lane
     inside = col < V
-    x = tl.load(X + row.to(tl.int64) * stride + col, mask=inside, other=float("-inf"))
-    x = x.to(tl.float64) if F64 else x.to(tl.float32)
-    x = tl.where(x == x, x, float("-inf"))  # NaN ranks last
+    raw = tl.load(X + row.to(tl.int64) * stride + col, mask=inside, other=float("-inf"))
+    raw = raw.to(tl.float64) if F64 else raw.to(tl.float32)
+    x = tl.where(raw == raw, raw, float("-inf"))  # NaN ranks last
     if LOG_SOFTMAX:
         top = tl.max(x, 0)
         top = tl.where(top == float("-inf"), 0.0, top)  # an all -inf chunk sums to 0
-        total = tl.sum(tl.exp(x - top), 0)
+        total = tl.sum(tl.exp(x - top), 0)  # NOTE: NaN when the chunk holds +inf
+        total = tl.where(tl.max((raw != raw).to(tl.int32), 0) > 0, float("nan"), total)
         if FINAL:
             lse = top + tl.log(total)
         else:
-            tl.store(Max + row * chunks + chunk, tl.where(total > 0, top, float("-inf")))
+            # NOTE: a NaN sum (the chunk held NaN or +inf) reaches the merge and its result
+            tl.store(Max + row * chunks + chunk, tl.where(total != 0, top, float("-inf")))
             tl.store(Sum + row * chunks + chunk, total)
     out = (row * chunks + chunk) * K
     taken = ~inside
@@ -104,7 +107,7 @@ def _merge_top_k_kernel(
         sums = tl.load(Sum + row * chunks + ch, mask=ch < chunks, other=0.0)
         top = tl.max(tops, 0)
         top = tl.where(top == float("-inf"), 0.0, top)
-        lse = top + tl.log(tl.sum(tl.where(sums > 0, sums * tl.exp(tops - top), 0.0), 0))
+        lse = top + tl.log(tl.sum(tl.where(sums != 0, sums * tl.exp(tops - top), 0.0), 0))
     for j in tl.static_range(K):
         best, at = _pick(val, taken, c, BLOCK_C)
         taken = taken | (c == at)
@@ -119,6 +122,11 @@ _CHUNKS = CompiledLaunches(_chunk_top_k_kernel)
 _MERGE = CompiledLaunches(_merge_top_k_kernel)
 
 
+def num_launches(v: int) -> int:
+    """The launches of ``top_k`` over rows of ``v`` entries."""
+    return 1 + (v > CHUNK)
+
+
 def _check(x: torch.Tensor, k: int) -> None:
     if x.dim() != 2:
         raise ValueError(f"top_k takes [R, V] rows, got shape {list(x.shape)}")
@@ -127,7 +135,7 @@ def _check(x: torch.Tensor, k: int) -> None:
 
 
 def top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[R, V] -> (values [R, k], ids [R, k] int64)``, best first, equal values to the lower
+    """``[R, V] -> (values [R, k], ids [R, k] int64)``, best first, equal inputs to the lower
     id; values in float32 (float64 for a float64 ``x``), with ``log_softmax`` the rows'
     log-probabilities. Two launches (one for V <= ``CHUNK``), sized by host ints only."""
     _check(x, k)
@@ -166,11 +174,12 @@ def top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Ten
 def top_k_ref(
     x: torch.Tensor, k: int, log_softmax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``top_k`` in torch: a stable descending sort."""
+    """``top_k`` in torch: a stable descending sort of the input."""
     _check(x, k)
     x = x.double() if x.dtype == torch.float64 else x.float()
-    x = torch.where(x.isnan(), float("-inf"), x)
+    ranked = torch.where(x.isnan(), float("-inf"), x)
+    values, ids = ranked.sort(dim=-1, descending=True, stable=True)
+    values, ids = values[:, :k], ids[:, :k]
     if log_softmax:
-        x = x.log_softmax(dim=-1)
-    values, ids = x.sort(dim=-1, descending=True, stable=True)
-    return values[:, :k], ids[:, :k]
+        values = x.log_softmax(dim=-1).gather(1, ids)
+    return values, ids

@@ -41,7 +41,7 @@ from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
-from pcgspec.kernels.top_k import CHUNK, top_k
+from pcgspec.kernels.top_k import num_launches, top_k
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.sampling.batch import GREEDY_EPS
 from pcgspec.sampling.rng import STREAM_TOKEN
@@ -338,12 +338,15 @@ def warm_tree_top_k(
     (log-probabilities, in each dtype the head scores in), the beams' children and the kept
     candidates (float64 path scores)."""
     s = _Scratch(device)
+    count = 0
     for dtype in dict.fromkeys(dtypes):
         top_k(s.zeros(1, vocab, dtype=dtype), topk, log_softmax=True)
-    if depth > 1:
-        top_k(s.zeros(1, topk * topk, dtype=torch.float64), topk)
-    top_k(s.zeros(1, topk + (depth - 1) * topk * topk, dtype=torch.float64), nodes - 1)
-    return len(dict.fromkeys(dtypes)) * (1 + (vocab > CHUNK)) + (depth > 1) + 1
+        count += num_launches(vocab)
+    candidates = topk + (depth - 1) * topk * topk
+    for width, k in ((topk * topk, topk), (candidates, nodes - 1))[depth == 1 :]:
+        top_k(s.zeros(1, width, dtype=torch.float64), k)
+        count += num_launches(width)
+    return count
 
 
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:

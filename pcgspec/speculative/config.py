@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pcgspec.kernels.top_k import MAX_K  # a tree keeps its nodes by one top-k
+# the most draft-tree nodes kept past the root, and the largest topk: one top-k keeps them
+# (kernels/top_k.py unrolls its k rounds)
+MAX_TREE_WIDTH = 64
 
 SUPPORTED_ALGORITHMS = ("EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 POLICIES = ("auto", "always")
@@ -150,14 +152,14 @@ def _validate_tree_shape(spec: SpeculativeConfig) -> None:
             f"speculative_num_draft_tokens must be speculative_num_steps + 1 = {k + 1} with "
             f"speculative_eagle_topk 1, got {n!r}"
         )
-    most = min(1 + topk + (k - 1) * topk * topk, MAX_K + 1)
-    if topk > MAX_K:
-        raise ValueError(f"speculative_eagle_topk must be at most {MAX_K}, got {topk!r}")
+    most = min(1 + topk + (k - 1) * topk * topk, MAX_TREE_WIDTH + 1)
+    if topk > MAX_TREE_WIDTH:
+        raise ValueError(f"speculative_eagle_topk must be at most {MAX_TREE_WIDTH}, got {topk!r}")
     if topk > 1 and not 2 <= n <= most:
         raise ValueError(
             f"speculative_num_draft_tokens must be in 2..{most} (1 + topk + (num_steps - 1) * "
-            f"topk**2 candidates, at most {MAX_K + 1} nodes) with speculative_eagle_topk {topk} "
-            f"and speculative_num_steps {k}, got {n!r}"
+            f"topk**2 candidates, at most {MAX_TREE_WIDTH + 1} nodes) with "
+            f"speculative_eagle_topk {topk} and speculative_num_steps {k}, got {n!r}"
         )
 
 

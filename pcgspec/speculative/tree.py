@@ -22,6 +22,7 @@ import torch
 from pcgspec.attention.kv_cache import KVCache
 from pcgspec.kernels.top_k import top_k, top_k_ref
 from pcgspec.runners.batch_builder import page_slots
+from pcgspec.speculative.config import MAX_TREE_WIDTH
 
 # NOTE: float64 scores minus a tiny margin per depth: a child that took a probability-1 token
 # still ranks below its parent, so no selection keeps a child without its parent.
@@ -40,8 +41,12 @@ class TreeShape:
     def __post_init__(self) -> None:
         if self.num_nodes == 0:
             object.__setattr__(self, "num_nodes", self.depth + 1)
-        most = 1 + self.topk + (self.depth - 1) * self.topk**2
-        if self.depth < 1 or self.topk < 1 or not 2 <= self.num_nodes <= most:
+        most = min(1 + self.topk + (self.depth - 1) * self.topk**2, MAX_TREE_WIDTH + 1)
+        if (
+            self.depth < 1
+            or not 1 <= self.topk <= MAX_TREE_WIDTH
+            or not 2 <= self.num_nodes <= most
+        ):
             raise ValueError(
                 f"a draft tree of depth {self.depth} and topk {self.topk} holds 2..{most} "
                 f"nodes, got num_nodes={self.num_nodes}"
