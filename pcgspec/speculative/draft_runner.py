@@ -200,23 +200,15 @@ class DraftRunner:
         start = torch.where(valid, catch_up.positions[rows] + 1, 0)  # padding: position 0
         # NOTE: host bounds of each pass's sequence lengths (sizing only, e.g. KV splits).
         bound = max(catch_up.seq_lens_cpu) + topk
+        levels = DraftLevels(catch_up, start, valid, shape, self.page_size)
         if shape.is_chain:
             return self._chain(
-                logits_hidden[rows],
-                next_hidden[rows],
-                catch_up,
-                start,
-                valid,
-                bound,
-                shape.depth,
-                capture_len,
+                logits_hidden[rows], next_hidden[rows], levels, bound, shape.depth, capture_len
             )
         tree = TreeExpansion(*self.draft.top_tokens(logits_hidden[rows], topk))
         hidden = next_hidden[rows].repeat_interleave(topk, dim=0)  # [B * topk, H]
         for level in range(1, shape.depth):
-            step = self._level_batch(
-                catch_up, tree.beam_tokens, tree.beam_mask, start, level, valid, bound
-            )
+            step = levels.batch(level, tree.beam_tokens, tree.beam_mask, bound)
             logits_hidden, next_hidden = self.forward(step, hidden, capture_len)
             parent_beam = tree.expand(*self.draft.top_tokens(logits_hidden, topk))
             width = next_hidden.shape[-1]
@@ -232,9 +224,7 @@ class DraftRunner:
         self,
         logits_hidden: torch.Tensor,
         hidden: torch.Tensor,
-        catch_up: ForwardBatch,
-        start: torch.Tensor,
-        valid: torch.Tensor,
+        levels: DraftLevels,
         bound: int,
         depth: int,
         capture_len: int | None,
@@ -245,46 +235,71 @@ class DraftRunner:
         token = self.draft.top_tokens(logits_hidden, 1)[1]  # [B, 1]
         tokens = [token]
         for level in range(1, depth):
-            step = self._level_batch(catch_up, token, None, start, level, valid, bound)
+            step = levels.batch(level, token, None, bound)
             logits_hidden, hidden = self.forward(step, hidden, capture_len)
             token = self.draft.top_tokens(logits_hidden, 1)[1]
             tokens.append(token)
             bound += 1
         return DraftTree(torch.cat(tokens, dim=1))
 
-    def _level_batch(
+
+class DraftLevels:
+    """The batches of a propose phase's draft levels after the catch-up (``depth - 1`` of
+    ``topk`` beams per request), their tensors built once for every level: one set of kernels
+    a step, not one per level.
+
+    Level ``d`` (1-based) of request ``b`` sits at position ``start[b] + d - 1`` and writes its
+    beams' K/V to slots ``start[b] + (d - 1) * topk ..``; its sequence ends after them.
+    """
+
+    def __init__(
         self,
         catch_up: ForwardBatch,
-        beam_tokens: torch.Tensor,
-        beam_mask: torch.Tensor | None,
         start: torch.Tensor,
-        level: int,
         valid: torch.Tensor,
-        bound: int,
+        shape: TreeShape,
+        page_size: int,
+    ) -> None:
+        topk, n, device = shape.topk, shape.depth - 1, start.device
+        b = len(start)
+        self.catch_up, self.topk, self.page_size = catch_up, topk, page_size
+        level = torch.arange(n, device=device)[:, None]  # [L, 1]
+        beams = start[:, None] + torch.arange(n * topk, device=device)  # [B, L * topk]
+        slots = torch.where(valid[:, None], page_slots(catch_up.page_table, beams, page_size), -1)
+        self.out_cache_loc = _aligned_rows(slots.view(b, n, topk).transpose(0, 1).reshape(n, -1))
+        positions = start + level  # [L, B]
+        self.positions = _aligned_rows(positions.repeat_interleave(topk, dim=1))
+        self.seq_lens = _aligned_rows(torch.where(valid, start + (level + 1) * topk, 0).int())
+        self.extend_lens = torch.full((b,), topk, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(b * topk, device=device)
+
+    def batch(
+        self, level: int, beam_tokens: torch.Tensor, beam_mask: torch.Tensor | None, bound: int
     ) -> ForwardBatch:
-        """The beams of tree level ``level`` (``beam_tokens`` [B, topk] from position
-        ``start``; ``beam_mask``: what each sees of the level's slots, None for a chain), built
-        on the device: one DECODE token per request for a chain.
-        """
-        table, topk = catch_up.page_table, beam_tokens.shape[1]
-        bs, device = len(start), start.device
-        first = start + (level - 1) * topk  # [B] the level's first slot position
-        chain = beam_mask is None
-        beams = first[:, None] if chain else first[:, None] + torch.arange(topk, device=device)
-        slots = page_slots(table, beams, self.page_size)
-        positions = start + level - 1
+        """Level ``level``'s pass over ``beam_tokens`` [B, topk] (``beam_mask``: what each sees
+        of the levels' slots, None for a chain: one DECODE token per request)."""
+        chain, row, bs = beam_mask is None, level - 1, len(self.extend_lens)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE if chain else ForwardMode.DRAFT_EXTEND,
             input_ids=beam_tokens.reshape(-1),
-            positions=positions if chain else positions.repeat_interleave(topk),
-            out_cache_loc=torch.where(valid[:, None], slots, -1).view(-1),
-            seq_lens=torch.where(valid, first + topk, 0).to(torch.int32),
-            extend_lens=torch.full((bs,), topk, dtype=torch.int32, device=device),
-            page_table=table,
+            positions=self.positions[row],
+            out_cache_loc=self.out_cache_loc[row],
+            seq_lens=self.seq_lens[row],
+            extend_lens=self.extend_lens,
+            page_table=self.catch_up.page_table,
             page_size=self.page_size,
             seq_lens_cpu=(bound,) * bs,
-            extend_lens_cpu=(topk,) * bs,
-            logits_indices=torch.arange(bs * topk, device=device),
-            spec_num_draft_tokens=0 if chain else topk,
+            extend_lens_cpu=(self.topk,) * bs,
+            logits_indices=self.logits_indices,
+            spec_num_draft_tokens=0 if chain else self.topk,
             tree_mask=None if chain else beam_mask.contiguous(),
         )
+
+
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [L, n] as a view whose rows start 16 bytes apart (as a tensor of its own would:
+    the Triton kernels specialize pointers on that alignment)."""
+    per = 16 // x.element_size()
+    out = x.new_empty(x.shape[0], -(-x.shape[1] // per) * per)
+    out[:, : x.shape[1]] = x
+    return out[:, : x.shape[1]]
