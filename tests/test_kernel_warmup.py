@@ -22,7 +22,7 @@ from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
-from pcgspec.kernels.top_k import CHUNK, top_k
+from pcgspec.kernels.top_k import CHUNK
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.kernels.warmup import (
     AttentionShape,
@@ -417,7 +417,7 @@ def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
     size."""
     from pcgspec.speculative import tree
 
-    monkeypatch.setattr(tree, "_top_k", top_k)  # the kernel, as on CUDA
+    monkeypatch.setattr(tree, "_use_kernels", lambda x: True)  # as on CUDA
     depth, nodes, topk = 3, 8, 3
     draft_vocab, dtypes = CHUNK + 300, (torch.float32, torch.bfloat16)  # two chunks: a merge
     tree_warmup = KernelWarmup(
@@ -464,12 +464,13 @@ def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
                 max_depth=depth,
             )
         for dtype in dtypes:  # a tree's drafting as on CUDA: each level's top-k, the tree's
-            expansion = TreeExpansion(*top_tokens(torch.randn(b, draft_vocab).to(dtype), topk))
+            first = top_tokens(torch.randn(b, draft_vocab).to(dtype), topk)
+            expansion = TreeExpansion(*first, depth)
             for _ in range(depth - 1):
                 level = torch.randn(b * topk, draft_vocab).to(dtype)
                 expansion.expand(*top_tokens(level, topk))
             expansion.select(nodes, depth)
     names = ("_split_kv_kernel", "_split_kv_reduce_kernel", "_accept_tree_kernel")
-    for name in (*names, "_chunk_top_k_kernel", "_merge_top_k_kernel"):
+    for name in (*names, "_chunk_top_k_kernel", "_merge_top_k_kernel", "_expand_kernel"):
         missing = served[name] - warmed[name]
         assert served[name] and not missing, f"{name}: {len(missing)} not warmed"

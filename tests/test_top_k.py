@@ -113,21 +113,21 @@ def test_bad_arguments_name_what_is_wrong(fn) -> None:
 
 
 def test_a_drafted_tree_is_the_same_through_the_kernel(monkeypatch) -> None:
-    """``TreeExpansion`` (each level's beams and the N - 1 kept candidates) with the kernel as
-    with the reference: the same tokens, parents and depths."""
+    """``TreeExpansion`` (each level's beams and the N - 1 kept candidates) through the kernels
+    (top_k, tree_expand) as through their references: the same tokens, parents and depths."""
     from pcgspec.speculative import tree as tree_module
 
-    def draft(pick) -> tree_module.DraftTree:  # noqa: ANN001
-        monkeypatch.setattr(tree_module, "_top_k", pick)
+    def draft(kernels: bool) -> tree_module.DraftTree:
+        monkeypatch.setattr(tree_module, "_use_kernels", lambda x: kernels)
         gen = torch.Generator().manual_seed(3)
         b, vocab, topk, depth = 2, 2 * CHUNK + 3, 3, 4
         logits = torch.randn(b, vocab, generator=gen).to(DEVICE)
-        tree = tree_module.TreeExpansion(*tree_module.top_tokens(logits, topk))
+        tree = tree_module.TreeExpansion(*tree_module.top_tokens(logits, topk), depth)
         for _ in range(depth - 1):
             child = torch.randn(b * topk, vocab, generator=gen).to(DEVICE)
             tree.expand(*tree_module.top_tokens(child, topk))
         return tree.select(16, depth)
 
-    want, got = draft(top_k_ref), draft(top_k)
+    want, got = draft(False), draft(True)
     for name in ("tokens", "parents", "depths", "mask"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -68,17 +68,15 @@ def test_expansion_keeps_the_best_paths_closed_under_parents(topk, depth, nodes)
     gen = torch.Generator().manual_seed(topk * 10 + depth)
     b, vocab = 3, 9
     logp = torch.randn(b, vocab, generator=gen).log_softmax(-1)
-    tree = TreeExpansion(*logp.topk(topk, dim=-1)) if topk > 1 else None
-    if tree is None:
-        tree = TreeExpansion(*logp.topk(1, dim=-1))
+    tree = TreeExpansion(*logp.topk(topk, dim=-1), depth)
     for _ in range(depth - 1):
         child = torch.randn(b * topk, vocab, generator=gen).log_softmax(-1)
         tree.expand(*child.topk(topk, dim=-1))
     out = tree.select(nodes, depth)
     shape = TreeShape(depth, topk, nodes)
     assert out.parents.shape == (b, shape.num_nodes) and out.tokens.shape == (b, nodes - 1)
-    scores = torch.cat(tree.scores, 1)
-    cand_parents = torch.cat(tree.parents, 1)
+    scores, _, cand_parents = tree.candidates
+    assert tree.num_candidates == scores.shape[1] == topk + (depth - 1) * topk**2
     for r in range(b):
         parents = out.parents[r].tolist()
         assert parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i)

@@ -27,7 +27,7 @@ CHUNK = 1024  # entries per program of the first launch
 
 
 @triton.jit
-def _pick(values, taken, lane, SIZE: tl.constexpr):
+def pick_best(values, taken, lane, SIZE: tl.constexpr):
     """The best value not yet taken and the lowest lane holding it (``SIZE``: none left)."""
     masked = tl.where(taken, float("-inf"), values)
     best = tl.max(masked, 0)
@@ -73,7 +73,7 @@ def _chunk_top_k_kernel(
     out = (row * chunks + chunk) * K
     taken = ~inside
     for j in tl.static_range(K):
-        best, at = _pick(x, taken, lane, BLOCK)
+        best, at = pick_best(x, taken, lane, BLOCK)
         taken = taken | (lane == at)
         if LOG_SOFTMAX and FINAL:
             best = best - lse
@@ -109,7 +109,7 @@ def _merge_top_k_kernel(
         top = tl.where(top == float("-inf"), 0.0, top)
         lse = top + tl.log(tl.sum(tl.where(sums != 0, sums * tl.exp(tops - top), 0.0), 0))
     for j in tl.static_range(K):
-        best, at = _pick(val, taken, c, BLOCK_C)
+        best, at = pick_best(val, taken, c, BLOCK_C)
         taken = taken | (c == at)
         if LOG_SOFTMAX:
             best = best - lse

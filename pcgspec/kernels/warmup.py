@@ -16,7 +16,8 @@ starts), ``warm_sampling`` (build_sampling_params, advance_positions, the token 
 ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the speculative worker
 uses, the accept kernel, and the padded rows of verify passes, in place for a verify graph or
 not, and of draft catch-ups), for draft trees ``warm_verify_tree`` (their walk) and
-``warm_tree_top_k`` (their drafting's top-k), and ``warm_ngram`` (prompt lookup).
+``warm_tree_drafting`` (their drafting's top-k and expansion), and ``warm_ngram`` (prompt
+lookup).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
 from pcgspec.kernels.top_k import num_launches, top_k
+from pcgspec.kernels.tree_expand import Beams, expand_beams
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.sampling.batch import GREEDY_EPS
 from pcgspec.sampling.rng import STREAM_TOKEN
@@ -326,7 +328,7 @@ def warm_verify_tree(depth: int, nodes: int, vocab_size: int, device: torch.devi
     return 2 * len(VERIFY_STRATEGIES)
 
 
-def warm_tree_top_k(
+def warm_tree_drafting(
     depth: int,
     nodes: int,
     topk: int,
@@ -334,19 +336,27 @@ def warm_tree_top_k(
     dtypes: Sequence[torch.dtype],
     device: torch.device,
 ) -> int:
-    """A tree's top-k as its drafting calls it: each level's over the draft vocabulary
-    (log-probabilities, in each dtype the head scores in), the beams' children and the kept
-    candidates (float64 path scores)."""
+    """A tree's drafting as it calls its kernels: each level's top-k over the draft vocabulary
+    (log-probabilities, in each dtype the head scores in), each level's expansion (one variant
+    per width of the beams' masks) and the top-k of the kept candidates (float64 scores)."""
     s = _Scratch(device)
     count = 0
     for dtype in dict.fromkeys(dtypes):
         top_k(s.zeros(1, vocab, dtype=dtype), topk, log_softmax=True)
         count += num_launches(vocab)
     candidates = topk + (depth - 1) * topk * topk
-    for width, k in ((topk * topk, topk), (candidates, nodes - 1))[depth == 1 :]:
-        top_k(s.zeros(1, width, dtype=torch.float64), k)
-        count += num_launches(width)
-    return count
+    scores = s.zeros(1, candidates, dtype=torch.float64)
+    tables = (scores, s.zeros(1, candidates), s.zeros(1, candidates))
+    for level in range(1, depth):
+        mask = s.zeros(1, topk, level * topk, dtype=torch.bool)
+        beams = Beams(
+            s.zeros(1, topk, dtype=torch.float64), s.zeros(1, topk), s.zeros(1, topk), mask
+        )
+        lp = s.zeros(topk, topk, dtype=torch.float32)
+        expand_beams(beams, lp, s.zeros(topk, topk), tables, topk, 0.0)
+        count += 1
+    top_k(scores, nodes - 1)
+    return count + num_launches(candidates)
 
 
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:
@@ -377,7 +387,7 @@ def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
         if warmup.verify is not None:
             count += warm_verify_tree(depth, nodes, warmup.verify[1], device)
         if warmup.tree_vocab is not None:
-            count += warm_tree_top_k(depth, nodes, topk, *warmup.tree_vocab, device)
+            count += warm_tree_drafting(depth, nodes, topk, *warmup.tree_vocab, device)
     if warmup.ngram is not None:
         count += warm_ngram(*warmup.ngram, device)
     return count

@@ -205,7 +205,7 @@ class DraftRunner:
             return self._chain(
                 logits_hidden[rows], next_hidden[rows], levels, bound, shape.depth, capture_len
             )
-        tree = TreeExpansion(*self.draft.top_tokens(logits_hidden[rows], topk))
+        tree = TreeExpansion(*self.draft.top_tokens(logits_hidden[rows], topk), shape.depth)
         hidden = next_hidden[rows].repeat_interleave(topk, dim=0)  # [B * topk, H]
         for level in range(1, shape.depth):
             step = levels.batch(level, tree.beam_tokens, tree.beam_mask, bound)

@@ -21,6 +21,7 @@ import torch
 
 from pcgspec.attention.kv_cache import KVCache
 from pcgspec.kernels.top_k import top_k, top_k_ref
+from pcgspec.kernels.tree_expand import Beams, expand_beams, expand_beams_ref
 from pcgspec.runners.batch_builder import page_slots
 from pcgspec.speculative.config import MAX_TREE_WIDTH
 
@@ -81,10 +82,15 @@ def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return _top_k(logits, k, log_softmax=True)
 
 
+def _use_kernels(x: torch.Tensor) -> bool:
+    """The Triton kernels (``kernels.top_k``, ``kernels.tree_expand``) on the GPU, their torch
+    references elsewhere."""
+    return x.is_cuda
+
+
 def _top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.top_k`` on the GPU (``torch.topk``'s radix select is dear for a few long
-    rows), its torch reference elsewhere."""
-    return (top_k if x.is_cuda else top_k_ref)(x, k, log_softmax)
+    """``kernels.top_k`` (``torch.topk``'s radix select is dear for a few long rows)."""
+    return (top_k if _use_kernels(x) else top_k_ref)(x, k, log_softmax)
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -112,52 +118,52 @@ def path_rows(hidden: torch.Tensor, path: torch.Tensor, num_nodes: int) -> torch
 
 
 class TreeExpansion:
-    """The candidates of one propose phase, per request, as the head expands them."""
+    """The candidates of one propose phase, per request, as the head expands them: candidate
+    tables ``candidates`` (path scores float64, tokens, parent candidate ids; [B, C] for the
+    ``depth`` levels) and the current level's ``beams``."""
 
-    def __init__(self, scores: torch.Tensor, tokens: torch.Tensor) -> None:
+    def __init__(self, scores: torch.Tensor, tokens: torch.Tensor, depth: int) -> None:
         """Depth 1 from the head's first ``top_tokens``: ``scores``, ``tokens`` [B, k]."""
         b, topk = tokens.shape
         self.topk, device = topk, tokens.device
-        self.scores = [scores.double() - _STRICT]
-        self.tokens = [tokens]
-        self.parents = [torch.full((b, topk), -1, dtype=torch.int64, device=device)]
-        self.beam_scores = self.scores[0]  # [B, k]
-        self.beam_ids = torch.arange(topk, device=device).expand(b, topk)  # candidate index
-        self.beam_tokens = tokens
-        self.beam_mask = torch.eye(topk, dtype=torch.bool, device=device).expand(b, -1, -1)
+        size = topk + (depth - 1) * topk * topk
+        self.candidates = (
+            torch.empty(b, size, dtype=torch.float64, device=device),
+            torch.empty(b, size, dtype=torch.int64, device=device),
+            torch.empty(b, size, dtype=torch.int64, device=device),
+        )
+        first = scores.double() - _STRICT
+        self.candidates[0][:, :topk] = first
+        self.candidates[1][:, :topk] = tokens
+        self.candidates[2][:, :topk] = -1
+        ids = torch.arange(topk, device=device).repeat(b, 1)  # candidate index
+        mask = torch.eye(topk, dtype=torch.bool, device=device).repeat(b, 1, 1)
+        self.beams = Beams(first, ids, tokens, mask)
         self.num_candidates = topk
+
+    @property
+    def beam_tokens(self) -> torch.Tensor:
+        return self.beams.tokens
+
+    @property
+    def beam_mask(self) -> torch.Tensor:
+        return self.beams.mask
 
     def expand(self, child_lp: torch.Tensor, child_tok: torch.Tensor) -> torch.Tensor:
         """One depth from the beams' ``top_tokens`` (``[B * k, k]`` each, beam-major): record
-        the k * k children, keep the k best as beams. Returns the beams' parent beam ``[B, k]``
-        (which row of the last pass each new beam continues).
+        the k * k children, keep the k best as beams (``kernels.tree_expand``). Returns the
+        beams' parent beam ``[B, k]`` (which row of the last pass each new beam continues).
         """
-        k = self.topk
-        b = self.beam_scores.shape[0]
-        child = self.beam_scores[..., None] + child_lp.view(b, k, k).double() - _STRICT
-        scores = child.view(b, k * k)
-        tokens = child_tok.reshape(b, k * k)
-        parents = self.beam_ids.repeat_interleave(k, dim=1)  # [B, k*k]
+        expand = expand_beams if _use_kernels(child_lp) else expand_beams_ref
         first = self.num_candidates
-        self.scores.append(scores)
-        self.tokens.append(tokens)
-        self.parents.append(parents)
-        self.num_candidates += k * k
-        self.beam_scores, best = _top_k(scores, k)  # [B, k]
-        parent_beam = best // k
-        self.beam_ids = first + best
-        self.beam_tokens = tokens.gather(1, best)
-        width = self.beam_mask.shape[2]
-        grown = self.beam_mask.gather(1, parent_beam[..., None].expand(-1, -1, width))
-        fresh = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(b, -1, -1)
-        self.beam_mask = torch.cat([grown, fresh], dim=2)  # [B, k, width + k]
-        return parent_beam
+        self.beams = expand(self.beams, child_lp, child_tok, self.candidates, first, _STRICT)
+        self.num_candidates += self.topk * self.topk
+        return self.beams.parent
 
     def select(self, num_nodes: int, max_depth: int) -> DraftTree:
         """The ``num_nodes - 1`` best candidates as a tree (``num_nodes`` with the root)."""
-        tokens = torch.cat(self.tokens, dim=1)
+        scores, tokens, parents = (t[:, : self.num_candidates] for t in self.candidates)
         b, device = tokens.shape[0], tokens.device
-        scores, parents = torch.cat(self.scores, dim=1), torch.cat(self.parents, dim=1)  # [B, C]
         chosen = _top_k(scores, num_nodes - 1)[1].sort(dim=-1).values  # [B, N-1]
         parent_ids = parents.gather(1, chosen)
         # node of a candidate: 1 + its rank among the chosen (chosen is sorted); root: 0

@@ -1,0 +1,81 @@
+"""``expand_beams`` (Triton; the interpreter on CPU) against ``expand_beams_ref``: the same
+candidates written, the same next beams, masks and parent beams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcgspec.kernels.tree_expand import Beams, expand_beams, expand_beams_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+STRICT = 1e-9
+
+
+def _setup(b: int, k: int, level: int, seed: int, ties: bool = False):
+    """Beams of level ``level`` (masks over ``level * k`` slots) and their children, and
+    candidate tables with the earlier levels' columns filled."""
+    gen = torch.Generator().manual_seed(seed)
+    width = level * k
+    first = k + (level - 1) * k * k
+    size = first + k * k + 5  # NOTE: columns past this level's stay untouched
+    beams = Beams(
+        torch.randn(b, k, generator=gen, dtype=torch.float64).to(DEVICE),
+        torch.randint(0, first, (b, k), generator=gen).to(DEVICE),
+        torch.randint(0, 1000, (b, k), generator=gen).to(DEVICE),
+        (torch.rand(b, k, width, generator=gen) < 0.5).to(DEVICE),
+    )
+    lp = torch.randn(b * k, k, generator=gen)
+    if ties:
+        lp = lp.round()
+        beams = beams._replace(scores=beams.scores.round())
+    child_tok = torch.randint(0, 1000, (b * k, k), generator=gen).to(DEVICE)
+    tables = (
+        torch.randn(b, size, generator=gen, dtype=torch.float64).to(DEVICE),
+        torch.randint(0, 9, (b, size), generator=gen).to(DEVICE),
+        torch.randint(0, 9, (b, size), generator=gen).to(DEVICE),
+    )
+    return beams, lp.to(DEVICE), child_tok, tables, first
+
+
+@pytest.mark.parametrize(
+    ("b", "k", "level", "ties"),
+    [(1, 2, 1, False), (3, 4, 2, False), (2, 3, 4, True), (5, 8, 1, True), (2, 5, 3, False)],
+)
+def test_expand_beams_equals_the_reference(b, k, level, ties) -> None:
+    beams, lp, tok, tables, first = _setup(b, k, level, seed=b * 100 + k * 10 + level, ties=ties)
+    want_tables = tuple(t.clone() for t in tables)
+    want = expand_beams_ref(beams, lp, tok, want_tables, first, STRICT)
+    got = expand_beams(beams, lp, tok, tables, first, STRICT)
+    for name in Beams._fields:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for got_t, want_t in zip(tables, want_tables):
+        assert torch.equal(got_t, want_t)
+    assert got.mask.shape == (b, k, (level + 1) * k)
+
+
+def test_the_reference_keeps_the_best_children_and_grows_their_masks() -> None:
+    """By hand: two beams of two children each."""
+    beams = Beams(
+        torch.tensor([[-1.0, -2.0]], dtype=torch.float64),
+        torch.tensor([[0, 1]]),
+        torch.tensor([[7, 8]]),
+        torch.tensor([[[True, False], [False, True]]]),
+    )
+    lp = torch.tensor([[-3.0, -0.5], [-0.125, -4.0]])  # beam 0: -4, -1.5; beam 1: -2.125, -6
+    tok = torch.tensor([[10, 11], [12, 13]])
+    tables = (torch.zeros(1, 6, dtype=torch.float64), torch.zeros(1, 6, dtype=torch.int64))
+    tables = (*tables, torch.zeros(1, 6, dtype=torch.int64))
+    for fn in (expand_beams_ref, expand_beams):
+        out = fn(beams, lp, tok, tuple(t.clone() for t in tables), 2, 0.0)
+        assert out.tokens.tolist() == [[11, 12]] and out.ids.tolist() == [[3, 4]]
+        assert out.scores.tolist() == [[-1.5, -2.125]] and out.parent.tolist() == [[0, 1]]
+        assert out.mask.tolist() == [[[True, False, True, False], [False, True, False, True]]]
+
+
+def test_shapes_are_checked() -> None:
+    beams, lp, tok, tables, first = _setup(2, 3, 1, seed=0)
+    with pytest.raises(ValueError, match=r"child_lp must be \[6, 3\]"):
+        expand_beams(beams, lp[:5], tok, tables, first, STRICT)
+    with pytest.raises(ValueError, match="one row-major"):
+        expand_beams(beams, lp, tok, (tables[0], tables[1].t().contiguous().t(), tables[2]), 1, 0)
