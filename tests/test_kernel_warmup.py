@@ -471,6 +471,12 @@ def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
                 expansion.expand(*top_tokens(level, topk))
             expansion.select(nodes, depth)
     names = ("_split_kv_kernel", "_split_kv_reduce_kernel", "_accept_tree_kernel")
-    for name in (*names, "_chunk_top_k_kernel", "_merge_top_k_kernel", "_expand_kernel"):
+    tree_kernels = (
+        "_chunk_top_k_kernel",
+        "_merge_top_k_kernel",
+        "_expand_kernel",
+        "_select_kernel",
+    )
+    for name in (*names, *tree_kernels):
         missing = served[name] - warmed[name]
         assert served[name] and not missing, f"{name}: {len(missing)} not warmed"

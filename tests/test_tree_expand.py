@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcgspec.kernels.tree_expand import Beams, expand_beams, expand_beams_ref
+from pcgspec.kernels.top_k import top_k_ref
+from pcgspec.kernels.tree_expand import (
+    Beams,
+    expand_beams,
+    expand_beams_ref,
+    select_nodes,
+    select_nodes_ref,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 STRICT = 1e-9
@@ -79,3 +86,35 @@ def test_shapes_are_checked() -> None:
         expand_beams(beams, lp[:5], tok, tables, first, STRICT)
     with pytest.raises(ValueError, match="one row-major"):
         expand_beams(beams, lp, tok, (tables[0], tables[1].t().contiguous().t(), tables[2]), 1, 0)
+
+
+@pytest.mark.parametrize(("b", "k", "depth", "nodes"), [(1, 2, 3, 6), (3, 4, 5, 16), (2, 3, 4, 28)])
+def test_select_nodes_equals_the_reference(b, k, depth, nodes) -> None:
+    """Trees grown by the reference's expansion, their best ``nodes - 1`` candidates handed
+    over in a shuffled order: the same drafts, parents, depths and masks."""
+    gen = torch.Generator().manual_seed(b + k + depth)
+    size = k + (depth - 1) * k * k
+    tables = (
+        torch.empty(b, size, dtype=torch.float64),
+        torch.randint(0, 1000, (b, size), generator=gen),
+        torch.empty(b, size, dtype=torch.int64),
+    )
+    scores = torch.randn(b, k, generator=gen, dtype=torch.float64) - STRICT
+    tables[0][:, :k], tables[2][:, :k] = scores, -1
+    beams = Beams(
+        scores,
+        torch.arange(k).repeat(b, 1),
+        tables[1][:, :k],
+        torch.eye(k, dtype=torch.bool).repeat(b, 1, 1),
+    )
+    for level in range(1, depth):
+        lp = torch.randn(b * k, k, generator=gen).log_softmax(-1)
+        tok = torch.randint(0, 1000, (b * k, k), generator=gen)
+        beams = expand_beams_ref(beams, lp, tok, tables, k + (level - 1) * k * k, STRICT)
+    chosen = top_k_ref(tables[0], nodes - 1)[1]
+    shuffled = chosen.gather(1, torch.rand(chosen.shape, generator=gen).argsort(dim=-1))
+    want = select_nodes_ref(chosen, tables[1], tables[2], depth)
+    got = select_nodes(shuffled.to(DEVICE), tables[1].to(DEVICE), tables[2].to(DEVICE), depth)
+    for name, g, w in zip(("tokens", "parents", "depths", "mask"), got, want):
+        assert torch.equal(g.cpu(), w), name
+    assert want[2].max() == depth  # drafts at depths 1..depth, the root at 0

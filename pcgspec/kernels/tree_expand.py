@@ -1,6 +1,7 @@
-"""One depth of a draft tree's expansion (``speculative.tree.TreeExpansion.expand``) in one
-Triton launch, with a torch reference.
+"""A draft tree's drafting kernels (``speculative.tree.TreeExpansion``), each one Triton launch
+with its torch reference: a depth's expansion, and the selection of the kept nodes.
 
+Expansion (``expand_beams``).
 Per request, from its ``k`` beams (path scores, candidate ids, ancestor masks over the levels
 so far) and the head's ``k`` best children of each beam (log-probabilities, tokens): record
 the ``k * k`` children as candidates (score: the beam's plus the child's, less ``strict``;
@@ -8,6 +9,10 @@ token; parent: the beam's candidate id) at columns ``first ..`` of the candidate
 the ``k`` best as the next beams (ties to the lower child index, as ``kernels.top_k``), and
 grow their masks by the new level (each new beam sees its parent beam's ancestors and itself).
 Eager torch took about a dozen small kernels a depth for the same.
+
+Selection (``select_nodes``): from the ``N - 1`` chosen candidates of a request (any order),
+the tree in candidate order (a parent's id is below its children's, so parents come first):
+the nodes' tokens, parent nodes, depths and ancestor mask. Eager torch took about 25.
 """
 
 from __future__ import annotations
@@ -191,3 +196,112 @@ def expand_beams_ref(
         torch.cat([grown, fresh], dim=2),
         parent,
     )
+
+
+@triton.jit(
+    do_not_specialize=["stride_cand"],
+    do_not_specialize_on_alignment=[
+        "Chosen",
+        "CandTokens",
+        "CandParents",
+        "Tokens",
+        "Parents",
+        "Depths",
+        "Mask",
+    ],
+)
+def _select_kernel(
+    Chosen,
+    CandTokens,
+    CandParents,
+    Tokens,
+    Parents,
+    Depths,
+    Mask,
+    stride_cand,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)  # lanes: node i (0 the root), or pick i - 1 of ``Chosen``
+    real = (i >= 1) & (i < N)
+    cand = tl.load(Chosen + b * (N - 1) + i - 1, mask=real, other=0)
+    # node of pick i: 1 + the picks with a lower candidate id (candidate order is depth order)
+    below = (cand[None, :] < cand[:, None]) & real[None, :]
+    node = tl.where(real, tl.sum(below.to(tl.int32), 1) + 1, 0)
+    # node m's candidate: the pick whose node is m
+    sorted_cand = tl.sum(tl.where(node[None, :] == i[:, None], cand[None, :], 0), 1)
+    row = b * stride_cand + sorted_cand
+    token = tl.load(CandTokens + row, mask=real, other=0)
+    up = tl.load(CandParents + row, mask=real, other=-1)  # the parent's candidate id
+    parent_node = tl.sum(((cand[None, :] < up[:, None]) & real[None, :]).to(tl.int32), 1) + 1
+    parent = tl.where(i == 0, -1, tl.where(up < 0, 0, parent_node))
+    # ancestor rows in node order: node m sees what its parent sees, and itself
+    mask = (i[:, None] == i[None, :]) & (i[:, None] == 0)
+    for m in tl.static_range(1, N):
+        p = tl.sum(tl.where(i == m, parent, 0), 0)
+        seen = tl.sum(tl.where(i[:, None] == p, mask.to(tl.int32), 0), 0) > 0
+        mask = tl.where(i[:, None] == m, seen[None, :] | (i[None, :] == m), mask)
+    depth = tl.sum(mask.to(tl.int32), 1) - 1
+    tl.store(Tokens + b * (N - 1) + i - 1, token, mask=real)
+    tl.store(Parents + b * N + i, parent.to(tl.int64), mask=i < N)
+    tl.store(Depths + b * N + i, depth.to(tl.int64), mask=i < N)
+    both = (i[:, None] < N) & (i[None, :] < N)
+    tl.store(Mask + b * N * N + i[:, None] * N + i[None, :], mask, mask=both)
+
+
+_SELECT = CompiledLaunches(_select_kernel)
+
+
+def select_nodes(
+    chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree of the candidates ``chosen`` [B, N-1] (candidate ids, any order) of candidate
+    tables ``tokens``, ``parents`` [B, C]: its drafts [B, N-1], parent nodes [B, N] (the root
+    -1), depths [B, N] and ancestor mask [B, N, N], in one launch (``max_depth``: the
+    reference's, unused here)."""
+    b, n = chosen.shape[0], chosen.shape[1] + 1
+    if tokens.stride() != parents.stride() or tokens.stride(1) != 1:
+        raise ValueError("the candidate tables must share one row-major [B, C] layout")
+    device = chosen.device
+    out = (
+        torch.empty(b, n - 1, dtype=tokens.dtype, device=device),
+        torch.empty(b, n, dtype=torch.int64, device=device),
+        torch.empty(b, n, dtype=torch.int64, device=device),
+        torch.empty(b, n, n, dtype=torch.bool, device=device),
+    )
+    constants = {"N": n, "BLOCK": triton.next_power_of_2(n)}
+    _SELECT((b, 1, 1), (chosen.contiguous(), tokens, parents, *out), (tokens.stride(0),), constants)
+    return out
+
+
+def select_nodes_ref(
+    chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``select_nodes`` in torch (``max_depth``: the most hops of the ancestor mask)."""
+    chosen = chosen.sort(dim=-1).values  # [B, N-1]
+    b, device = chosen.shape[0], chosen.device
+    parent_ids = parents.gather(1, chosen)
+    # node of a candidate: 1 + its rank among the chosen (chosen is sorted); root: 0
+    node = torch.searchsorted(chosen, parent_ids.clamp_min(0)) + 1
+    node_parents = torch.where(parent_ids < 0, 0, node)
+    root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
+    all_parents = torch.cat([root, node_parents], dim=1)
+    mask = ancestor_mask(all_parents, max_depth)
+    depths = mask.sum(dim=2) - 1  # a node's ancestors, itself left out
+    return tokens.gather(1, chosen), all_parents, depths, mask
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``mask[b, i, j]`` iff node j is node i or one of its ancestors
+    (at most ``max_depth`` hops up). Built on the device in ``max_depth`` gathers.
+    """
+    b, n = parents.shape
+    cur = torch.arange(n, device=parents.device).expand(b, n)
+    up = parents.clamp_min(0)  # NOTE: the root is its own parent, so hops stop there
+    mask = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
+    mask.scatter_(2, cur[..., None], True)
+    for _ in range(max_depth):
+        cur = up.gather(1, cur)
+        mask.scatter_(2, cur[..., None], True)
+    return mask

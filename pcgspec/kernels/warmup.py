@@ -43,7 +43,7 @@ from pcgspec.kernels.pad_batch import pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
 from pcgspec.kernels.top_k import num_launches, top_k
-from pcgspec.kernels.tree_expand import Beams, expand_beams
+from pcgspec.kernels.tree_expand import Beams, expand_beams, select_nodes
 from pcgspec.kernels.verify_draft_tokens import VerifyStrategy, verify_draft_tokens
 from pcgspec.sampling.batch import GREEDY_EPS
 from pcgspec.sampling.rng import STREAM_TOKEN
@@ -337,8 +337,9 @@ def warm_tree_drafting(
     device: torch.device,
 ) -> int:
     """A tree's drafting as it calls its kernels: each level's top-k over the draft vocabulary
-    (log-probabilities, in each dtype the head scores in), each level's expansion (one variant
-    per width of the beams' masks) and the top-k of the kept candidates (float64 scores)."""
+        (log-probabilities, in each dtype the head scores in), each level's expansion (one variant
+        per width of the beams' masks), the top-k of the kept candidates (float64 scores) and their
+    selection."""
     s = _Scratch(device)
     count = 0
     for dtype in dict.fromkeys(dtypes):
@@ -355,8 +356,8 @@ def warm_tree_drafting(
         lp = s.zeros(topk, topk, dtype=torch.float32)
         expand_beams(beams, lp, s.zeros(topk, topk), tables, topk, 0.0)
         count += 1
-    top_k(scores, nodes - 1)
-    return count + num_launches(candidates)
+    select_nodes(top_k(scores, nodes - 1)[1], *tables[1:], depth)
+    return count + num_launches(candidates) + 1
 
 
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:

@@ -21,7 +21,14 @@ import torch
 
 from pcgspec.attention.kv_cache import KVCache
 from pcgspec.kernels.top_k import top_k, top_k_ref
-from pcgspec.kernels.tree_expand import Beams, expand_beams, expand_beams_ref
+from pcgspec.kernels.tree_expand import (
+    Beams,
+    ancestor_mask,
+    expand_beams,
+    expand_beams_ref,
+    select_nodes,
+    select_nodes_ref,
+)
 from pcgspec.runners.batch_builder import page_slots
 from pcgspec.speculative.config import MAX_TREE_WIDTH
 
@@ -93,21 +100,6 @@ def _top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Te
     return (top_k if _use_kernels(x) else top_k_ref)(x, k, log_softmax)
 
 
-def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """``[B, N, N]`` bool: ``mask[b, i, j]`` iff node j is node i or one of its ancestors
-    (at most ``max_depth`` hops up). Built on the device in ``max_depth`` gathers.
-    """
-    b, n = parents.shape
-    cur = torch.arange(n, device=parents.device).expand(b, n)
-    up = parents.clamp_min(0)  # NOTE: the root is its own parent, so hops stop there
-    mask = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
-    mask.scatter_(2, cur[..., None], True)
-    for _ in range(max_depth):
-        cur = up.gather(1, cur)
-        mask.scatter_(2, cur[..., None], True)
-    return mask
-
-
 def path_rows(hidden: torch.Tensor, path: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """Rows of ``hidden`` [B * N, H] (a tree verify pass's, N rows per request) along the
     accepted paths ``path`` [B, k+1] (node indices, -1 past the end): ``[B * (k+1), H]``.
@@ -163,17 +155,9 @@ class TreeExpansion:
     def select(self, num_nodes: int, max_depth: int) -> DraftTree:
         """The ``num_nodes - 1`` best candidates as a tree (``num_nodes`` with the root)."""
         scores, tokens, parents = (t[:, : self.num_candidates] for t in self.candidates)
-        b, device = tokens.shape[0], tokens.device
-        chosen = _top_k(scores, num_nodes - 1)[1].sort(dim=-1).values  # [B, N-1]
-        parent_ids = parents.gather(1, chosen)
-        # node of a candidate: 1 + its rank among the chosen (chosen is sorted); root: 0
-        node = torch.searchsorted(chosen, parent_ids.clamp_min(0)) + 1
-        node_parents = torch.where(parent_ids < 0, 0, node)
-        root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
-        all_parents = torch.cat([root, node_parents], dim=1)
-        mask = ancestor_mask(all_parents, max_depth)
-        depths = mask.sum(dim=2) - 1  # a node's ancestors, itself left out
-        return DraftTree(tokens.gather(1, chosen), all_parents, depths, mask)
+        chosen = _top_k(scores, num_nodes - 1)[1]  # [B, N-1]
+        select = select_nodes if _use_kernels(chosen) else select_nodes_ref
+        return DraftTree(*select(chosen, tokens, parents, max_depth))
 
 
 @dataclass(frozen=True)
