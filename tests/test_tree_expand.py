@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcgspec.kernels.top_k import top_k_ref
+from pcgspec.kernels.top_k import top_k, top_k_ref
 from pcgspec.kernels.tree_expand import (
     Beams,
     expand_beams,
@@ -16,7 +16,7 @@ from pcgspec.kernels.tree_expand import (
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-STRICT = 1e-9
+STRICT = 2.0**-30  # the tree's margin: exact in float32, as compiled kernels take floats
 
 
 def _setup(b: int, k: int, level: int, seed: int, ties: bool = False):
@@ -118,3 +118,38 @@ def test_select_nodes_equals_the_reference(b, k, depth, nodes) -> None:
     for name, g, w in zip(("tokens", "parents", "depths", "mask"), got, want):
         assert torch.equal(g.cpu(), w), name
     assert want[2].max() == depth  # drafts at depths 1..depth, the root at 0
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_equal_the_references_on_cuda() -> None:
+    """Compiled, not interpreted: scalars typed as the compiled launch types them (scores small
+    enough that a rounded margin would show), the chunked top-k and the node selection."""
+    for b, k, level in ((3, 4, 2), (2, 3, 4), (1, 8, 1)):
+        beams, lp, tok, tables, first = _setup(b, k, level, seed=k)
+        beams = beams._replace(scores=beams.scores * 1e-9)
+        want_tables = tuple(t.clone() for t in tables)
+        want = expand_beams_ref(beams, lp * 1e-9, tok, want_tables, first, STRICT)
+        got = expand_beams(beams, lp * 1e-9, tok, tables, first, STRICT)
+        for name in Beams._fields:
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert all(torch.equal(g, w) for g, w in zip(tables, want_tables))
+    gen = torch.Generator().manual_seed(0)
+    for shape, dtype, k, log_softmax in (
+        ((4, 8192), torch.bfloat16, 4, True),
+        ((3, 2200), torch.float64, 16, False),
+        ((2, 49152), torch.float32, 8, True),
+    ):
+        x = torch.randn(shape, generator=gen).to(dtype).cuda()
+        got_val, got_ids = top_k(x, k, log_softmax)
+        want_val, want_ids = top_k_ref(x, k, log_softmax)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_val, want_val, rtol=1e-5, atol=1e-5)
+    scores = torch.randn(3, 68, generator=gen, dtype=torch.float64).cuda()
+    parents = torch.cat(
+        [torch.full((3, 4), -1), torch.arange(4).repeat_interleave(16)[None].expand(3, -1)], 1
+    )
+    chosen = top_k_ref(scores[:, :4], 4)[1]  # the four roots' children: a valid tree of depth 1
+    tokens = torch.randint(0, 100, (3, 68), generator=gen).cuda()
+    got = select_nodes(chosen, tokens, parents.cuda().contiguous(), 1)
+    want = select_nodes_ref(chosen, tokens, parents.cuda().contiguous(), 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

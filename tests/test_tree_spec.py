@@ -168,6 +168,26 @@ def test_greedy_equals_plain_with_deep_accepted_paths(plain, spec, batch):
     assert_all_pages_free(spec)
 
 
+@pytest.mark.parametrize(("topk", "nodes"), [(1, 2), (2, 3)])
+def test_one_draft_level_greedy_equals_plain(paths, plain, topk, nodes):
+    """``speculative_num_steps`` 1: the catch-up's candidates alone, no draft level after it."""
+    spec = _llm(
+        paths,
+        None,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=paths["head"],
+        speculative_num_steps=1,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=nodes,
+        speculative_policy="always",
+    )
+    prompts = _prompts(3)
+    want = plain.generate(prompts, _greedy(16), use_tqdm=False)
+    got = spec.generate(prompts, _greedy(16), use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.spec_stats()["verify_steps"] > 0
+
+
 def test_nextn_trees_greedy_equal_plain(tmp_path, paths):
     """A MiMo target whose own MTP layer drafts trees (NEXTN, no draft path)."""
     target = write_mtp_checkpoint(tmp_path / "mimo", shape_config("tiny"), seed=1, layout="mimo")

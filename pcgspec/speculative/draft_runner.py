@@ -266,7 +266,9 @@ class DraftLevels:
         level = torch.arange(n, device=device)[:, None]  # [L, 1]
         beams = start[:, None] + torch.arange(n * topk, device=device)  # [B, L * topk]
         slots = torch.where(valid[:, None], page_slots(catch_up.page_table, beams, page_size), -1)
-        self.out_cache_loc = _aligned_rows(slots.view(b, n, topk).transpose(0, 1).reshape(n, -1))
+        self.out_cache_loc = _aligned_rows(
+            slots.view(b, n, topk).transpose(0, 1).reshape(n, b * topk)
+        )
         positions = start + level  # [L, B]
         self.positions = _aligned_rows(positions.repeat_interleave(topk, dim=1))
         self.seq_lens = _aligned_rows(torch.where(valid, start + (level + 1) * topk, 0).int())

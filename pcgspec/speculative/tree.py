@@ -34,7 +34,7 @@ from pcgspec.speculative.config import MAX_TREE_WIDTH
 
 # NOTE: float64 scores minus a tiny margin per depth: a child that took a probability-1 token
 # still ranks below its parent, so no selection keeps a child without its parent.
-_STRICT = 1e-9
+_STRICT = 2.0**-30  # NOTE: exact in float32, as the expansion kernel takes it
 
 
 @dataclass(frozen=True)
