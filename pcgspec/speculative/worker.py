@@ -174,11 +174,11 @@ class SpecWorker:
         reqs = batch.requests
         page_table = self._page_table(reqs)
         graphs = self.step_graphs
-        if graphs is not None and graphs.can_run(self._step_batch(reqs, page_table)):
+        step = None if graphs is None else self._step_batch(reqs, page_table)
+        if step is not None and graphs.can_run(step):
             self.proposer.prepare_replay(reqs)
             slots = self.slots.slot_indices(reqs)
-            all_greedy = bool(self.slots.flags(reqs)["all_greedy"])  # the flags _step_batch kept
-            results = graphs.replay(slots, page_table, all_greedy)
+            results = graphs.replay(slots, page_table, bool(step.flags["all_greedy"]))
             drafter_rows = self.proposer.replayed(reqs)
         else:
             results, drafter_rows = self._run(reqs, page_table)
