@@ -33,6 +33,12 @@ goes through the model's chat template.
     python scripts/bench_spec.py --methods NGRAM,STANDALONE,EAGLE3,EAGLE3:untrained \\
         --batch-sizes 1,4,16,32
 
+A method ``EAGLE3:D/K/N`` drafts a tree of depth D, topk K and N nodes (beside the chain of
+``EAGLE3`` in the same run):
+
+    python scripts/bench_spec.py --methods EAGLE3,EAGLE3:5/4/16,EAGLE3:6/4/24 --num-steps 3 \\
+        --prompts served-chat --batch-sizes 1 --max-tokens 128
+
 The served benchmark's chat requests in process, 1 to 64 in flight (the shipped head):
 
     python scripts/bench_spec.py --methods EAGLE3 --num-steps 3 --prompts served-chat \\
@@ -545,6 +551,8 @@ def _run_batch(
         if name == "none":
             row.update(_plain_host(llm, batches, params))
         else:
+            shape = llm.engine.spec_worker.shape
+            row["draft_shape"] = f"{shape.depth}/{shape.topk}/{shape.num_nodes}"  # D/K/N
             row.update(llm.engine.spec_stats())
             row["policy_times"] = llm.engine.spec_worker.policy.step_times()
             row["policy_choices"] = choices.summary()  # over the timed repeats
@@ -564,7 +572,12 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--methods", default="NGRAM", help="comma-separated speculative algorithms")
+    p.add_argument(
+        "--methods",
+        default="NGRAM",
+        help="comma-separated speculative algorithms; EAGLE3:D/K/N (or NEXTN:D/K/N) drafts a "
+        "tree of depth D, topk K and N nodes",
+    )
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
     p.add_argument(
         "--eagle-topk",
@@ -652,6 +665,12 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--standalone-draft-shape needs --random-weights")
 
     methods = [m for m in args.methods.split(",") if m]
+    for method in methods:
+        if "/" in method:
+            try:
+                tree_kwargs(method.partition(":")[2])
+            except ValueError as e:
+                p.error(str(e))
     engines = _engines(args, methods)
     rows = []
     tokenizer = engines["none"].engine.tokenizer
@@ -753,24 +772,42 @@ def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
     engines = {"none": LLM(args.model, **base)}
     drafts = _draft_paths(args, engines["none"].engine.model_dir, methods)
     for method in methods:
-        algorithm = method.split(":")[0]
-        tree = {}
-        if algorithm in ("EAGLE3", "NEXTN"):
-            tree = {
-                "speculative_eagle_topk": args.eagle_topk,
-                "speculative_num_draft_tokens": args.num_draft_tokens,
-            }
+        algorithm, _, variant = method.partition(":")
+        shape = {"speculative_num_steps": args.num_steps}
+        if "/" in variant:
+            shape = tree_kwargs(variant)
+        elif algorithm in ("EAGLE3", "NEXTN"):
+            shape["speculative_eagle_topk"] = args.eagle_topk
+            shape["speculative_num_draft_tokens"] = args.num_draft_tokens
         engines[method] = LLM(
             args.model,
             speculative_algorithm=algorithm,
-            speculative_num_steps=args.num_steps,
-            speculative_draft_model_path=drafts.get(method),
+            speculative_draft_model_path=drafts.get(_draft_key(method)),
             speculative_policy=args.policy,
-            **tree,
+            **shape,
             **base,
         )
     freeze_start_up()  # NOTE: this script owns its process, as the server does its own
     return engines
+
+
+def tree_kwargs(tree: str) -> dict:
+    """``D/K/N`` -> the engine keywords of a draft tree of depth D, topk K, N nodes."""
+    try:
+        depth, topk, nodes = (int(v) for v in tree.split("/"))
+    except ValueError:
+        raise ValueError(f"--methods: a tree is EAGLE3:DEPTH/TOPK/NODES, got {tree!r}") from None
+    return {
+        "speculative_num_steps": depth,
+        "speculative_eagle_topk": topk,
+        "speculative_num_draft_tokens": nodes,
+    }
+
+
+def _draft_key(method: str) -> str:
+    """The draft a method runs: a tree (``EAGLE3:5/4/16``) drafts with its algorithm's."""
+    algorithm, _, variant = method.partition(":")
+    return algorithm if "/" in variant else method
 
 
 def _random_checkpoint(shape: str, tokenizer: str, seed: int) -> str:
@@ -812,13 +849,13 @@ def _draft_paths(args: argparse.Namespace, target_dir: Path, methods: list[str])
             paths["EAGLE3"] = None
         else:
             paths["EAGLE3"] = untrained_eagle3
-    if "NEXTN" in methods:
+    if any(m.startswith("NEXTN") for m in methods):
         paths["NEXTN"] = (
             args.nextn_draft
             if args.nextn_draft != UNTRAINED
             else str(write_mtp_checkpoint(root / "mtp", config, seed=0))
         )
-    return {m: paths[m] for m in methods if m in paths}
+    return {key: paths[key] for key in map(_draft_key, methods) if key in paths}
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ from bench_spec import (  # noqa: E402
     cycled,
     prompt_pool,
     running_at_most,
+    tree_kwargs,
 )
 
 from pcgspec import LLM, SamplingParams  # noqa: E402
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for method in args.methods.split(","):
         if ":" in method:
             try:
-                _tree_kwargs(method.partition(":")[2])
+                tree_kwargs(method.partition(":")[2])
             except ValueError as e:
                 p.error(str(e))
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -161,7 +162,7 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
         "speculative_algorithm": method,
         "speculative_num_steps": args.num_steps,
         "speculative_policy": args.policy,
-        **(_tree_kwargs(tree) if tree else {}),
+        **(tree_kwargs(tree) if tree else {}),
     }
     if method == "EAGLE3" and args.eagle3_draft == "shipped":
         kw["speculative_draft_model_path"] = None  # the default model's own head
@@ -180,19 +181,6 @@ def _engine_kwargs(method: str, model: str, args: argparse.Namespace) -> dict:
     elif method != "NGRAM":
         raise ValueError(f"--methods: {method!r} is not one of EAGLE3, NGRAM, STANDALONE")
     return kw
-
-
-def _tree_kwargs(tree: str) -> dict:
-    """``D/K/N`` -> the engine keywords of a draft tree of depth D, topk K, N nodes."""
-    try:
-        depth, topk, nodes = (int(v) for v in tree.split("/"))
-    except ValueError:
-        raise ValueError(f"--methods: a tree is EAGLE3:DEPTH/TOPK/NODES, got {tree!r}") from None
-    return {
-        "speculative_num_steps": depth,
-        "speculative_eagle_topk": topk,
-        "speculative_num_draft_tokens": nodes,
-    }
 
 
 # the stages of a decode step whose host time --host-stages reports: (owner, attribute names)

@@ -426,7 +426,7 @@ def test_profile_spec_step_profiles_a_tree_beside_the_chain(tmp_path, smollm2_pa
     for name, depth in (("EAGLE3", 3), ("EAGLE3:2/2/4", 2)):  # the tree's depth, not k's
         assert rows[name]["spec"]["verify_steps"] > 0
         assert len(rows[name]["spec"]["accepted_per_position"]) == depth
-    assert profile._tree_kwargs("5/4/16") == {
+    assert profile.tree_kwargs("5/4/16") == {
         "speculative_num_steps": 5,
         "speculative_eagle_topk": 4,
         "speculative_num_draft_tokens": 16,
@@ -647,18 +647,26 @@ def test_bench_extend_prefix_writes_json(tmp_path):
 
 
 def test_bench_spec_runs_tree_drafting(tmp_path, smollm2_path, monkeypatch):
-    """``--eagle-topk`` / ``--num-draft-tokens``: EAGLE3 drafts trees (an untrained head), the
-    result names them and reports the accept length."""
+    """``--eagle-topk`` / ``--num-draft-tokens`` shape every EAGLE3 engine's tree, a method
+    ``EAGLE3:D/K/N`` one engine's (beside the others in the same run); rows name their shapes
+    and report accept lengths. Untrained heads."""
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
     bench = load_script("bench_spec")
     out = tmp_path / "tree.json"
-    args = ["--model", str(smollm2_path), "--methods", "EAGLE3:untrained", "--num-steps", "3"]
-    args += ["--eagle-topk", "2", "--num-draft-tokens", "5", "--batch-sizes", "2"]
-    args += ["--max-tokens", "6", "--repeats", "1", "--prompts", "general", "--out", str(out)]
-    result = bench.main([*args, "--policy", "always", "--eagle3-draft-vocab", "1024"])
+    args = ["--model", str(smollm2_path), "--methods", "EAGLE3:untrained,EAGLE3:2/3/6"]
+    args += ["--num-steps", "3", "--eagle-topk", "2", "--num-draft-tokens", "5"]
+    args += ["--batch-sizes", "2", "--max-tokens", "6", "--repeats", "1", "--prompts", "general"]
+    result = bench.main(
+        [*args, "--out", str(out), "--policy", "always", "--eagle3-draft-vocab", "1024"]
+    )
     assert (result["eagle_topk"], result["num_draft_tokens"]) == (2, 5)
-    tree = next(r for r in result["rows"] if r["method"] == "EAGLE3:untrained")
-    assert tree["avg_accept_length"] >= 1.0 and tree["speculative_steps"] > 0
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["EAGLE3:untrained"]["draft_shape"] == "3/2/5"
+    assert rows["EAGLE3:2/3/6"]["draft_shape"] == "2/3/6"
+    for method in ("EAGLE3:untrained", "EAGLE3:2/3/6"):
+        assert rows[method]["avg_accept_length"] >= 1.0 and rows[method]["speculative_steps"] > 0
+    with pytest.raises(SystemExit):
+        bench.main([*args[:3], "EAGLE3:2/3", "--out", str(out)])
 
 
 def test_check_spec_ties_finds_float32_equal(tmp_path, monkeypatch):
