@@ -64,7 +64,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -665,12 +665,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--standalone-draft-shape needs --random-weights")
 
     methods = [m for m in args.methods.split(",") if m]
-    for method in methods:
-        if "/" in method:
-            try:
-                tree_kwargs(method.partition(":")[2])
-            except ValueError as e:
-                p.error(str(e))
+    check_trees(p, (m.partition(":")[2] for m in methods if "/" in m))
     engines = _engines(args, methods)
     rows = []
     tokenizer = engines["none"].engine.tokenizer
@@ -802,6 +797,16 @@ def tree_kwargs(tree: str) -> dict:
         "speculative_eagle_topk": topk,
         "speculative_num_draft_tokens": nodes,
     }
+
+
+def check_trees(parser: argparse.ArgumentParser, trees: Iterable[str]) -> None:
+    """``parser``'s error for the first of ``trees`` (methods' ``D/K/N`` suffixes) that is not
+    one."""
+    for tree in trees:
+        try:
+            tree_kwargs(tree)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def _draft_key(method: str) -> str:

@@ -63,6 +63,7 @@ from bench_spec import (  # noqa: E402
     StepTimes,
     _sync,
     add_in_flight_args,
+    check_trees,
     cycled,
     prompt_pool,
     running_at_most,
@@ -118,12 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cprofile", type=Path, default=None, help="folder for cProfile reports")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    for method in args.methods.split(","):
-        if ":" in method:
-            try:
-                tree_kwargs(method.partition(":")[2])
-            except ValueError as e:
-                p.error(str(e))
+    check_trees(p, (m.partition(":")[2] for m in args.methods.split(",") if ":" in m))
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     if min(args.tp_sizes) < 1 or len(set(args.tp_sizes)) != len(args.tp_sizes):

@@ -337,8 +337,8 @@ def warm_tree_drafting(
     device: torch.device,
 ) -> int:
     """A tree's drafting as it calls its kernels: each level's top-k over the draft vocabulary
-        (log-probabilities, in each dtype the head scores in), each level's expansion (one variant
-        per width of the beams' masks), the top-k of the kept candidates (float64 scores) and their
+    (log-probabilities, in each dtype the head scores in), each level's expansion (one variant
+    per width of the beams' masks), the top-k of the kept candidates (float64 scores) and their
     selection."""
     s = _Scratch(device)
     count = 0
