@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.attention.torch_backend import TorchAttentionBackend
@@ -204,6 +205,23 @@ def test_inductor_pieces_one_trace_and_cached_second_start(tmp_path):
         hits.append(counters["inductor"]["fxgraph_cache_hit"])
     assert hits[0] >= 1  # the two middle pieces are the same graph over other weights
     assert hits[1] == 4  # every piece
+
+
+@pytest.mark.slow
+def test_inductor_pieces_keep_residual_adds_out_of_the_gemms(tmp_path):
+    """A Llama's pieces under Inductor: every projection a plain GEMM (no ``addmm`` taking a
+    residual, which CUDA would copy before each GEMM: ``compile/passes.py``), eager's outputs.
+    """
+    model, driver = llama_setup()
+    decoder = CompiledDecoder(model, PiecewiseBackend("inductor", cache_dir=tmp_path))
+    batch = driver.batch(9, prefix=2)
+    expected = driver.run(model, batch)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got, code = run_and_get_code(driver.run, decoder, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    code = "\n".join(code)
+    assert "extern_kernels.addmm(" not in code
+    assert code.count("extern_kernels.mm(") == 4 * 4  # qkv, o, gate_up, down in 4 layers
 
 
 def test_plain_torch_compile_with_guards_traces_once_then_refuses_to_retrace():
