@@ -1,15 +1,16 @@
 """Inductor graph passes of the compiled pieces.
 
 ``UnfusedResidualAdds``: Inductor turns ``residual + x @ w`` into ``addmm(residual, x, w)``
-wherever the sum has a user that is not pointwise (the next layer's residual add, once that is
-an ``addmm`` itself, or the piece's output), so every decoder layer's two residual adds become
-``addmm``s. ATen's CUDA ``addmm`` copies a whole-matrix ``residual`` into its output before the
-GEMM (cuBLAS adds ``beta * C`` in place), so each is a device-to-device copy and a GEMM: two
-copies a layer, about 56 of a SmolLM2 decode step's 450 GPU activities (H200 profile). The
-pass, after Inductor's own, splits them back into ``x @ w`` and an add that Inductor fuses into
-the RMSNorm reading it, as the eager model computes it (the GEMM's output rounded to the
-model's dtype before the add). An ``addmm`` of a bias row (a linear layer's bias, added in the
-GEMM's epilogue without a copy) stays.
+(on CUDA wherever the sum has a user that is not pointwise: the next layer's residual add, once
+that is an ``addmm`` itself, or the piece's output; elsewhere always), so every decoder layer's
+two residual adds become ``addmm``s. ATen's CUDA ``addmm`` copies a whole-matrix ``residual``
+into its output before the GEMM (cuBLAS adds ``beta * C`` in place), so each is a
+device-to-device copy and a GEMM: two copies a layer, about 56 of a SmolLM2 decode step's 450
+GPU activities (H200 profile). The pass, after Inductor's own, splits them back into ``x @ w``
+and an add that Inductor fuses into the RMSNorm reading it, as the eager model computes it (the
+GEMM's output rounded to the model's dtype before the add). An ``addmm`` of a bias row (a linear
+layer's bias, added in the GEMM's epilogue without a copy) stays, and so does one with ``beta``
+or ``alpha``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ _PATTERNS = PatternMatcherPass(pass_name="pcgspec_unfused_residual_adds")
 
 
 def _adds_a_whole_matrix(match: Match) -> bool:
-    """The ``addmm``'s input has the product's shape: a residual, not a broadcast bias row."""
-    inp = match.kwargs["inp"]
+    """A plain ``addmm`` (no ``beta`` / ``alpha``, which the pattern would drop) whose input has
+    the product's shape and dtype: a residual, not a broadcast bias row."""
+    node, inp = match.output_node(), match.kwargs["inp"]
+    if node.target is not aten.addmm.default or node.kwargs:
+        return False
     if not isinstance(inp, fx.Node) or not isinstance(inp.meta.get("val"), torch.Tensor):
         return False
-    shape, out = inp.meta["val"].shape, match.output_node().meta["val"].shape
+    if inp.meta["val"].dtype != node.meta["val"].dtype:
+        return False
+    shape, out = inp.meta["val"].shape, node.meta["val"].shape
     # NOTE: sizes compared without guards (the token count is symbolic and must stay so)
     return len(shape) == len(out) and all(statically_known_true(a == b) for a, b in zip(shape, out))
 
