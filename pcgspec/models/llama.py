@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(h).split(self.split_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, KV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D], rows qkv-wide apart
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
