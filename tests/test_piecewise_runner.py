@@ -126,6 +126,31 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
     assert err <= rel * scale, f"max abs diff {err:.3g} > {rel:g} x {scale:.3g}"
 
 
+def check_bf16_logits(runner: ModelRunner, token_counts: Sequence[int]) -> None:
+    """bf16 piecewise logits against bf16 eager ones on mixed batches, row by row: a row's
+    error is its mean absolute difference over its mean |logit|. The median row must be within
+    2% and at most one row in eight past 5%, and the argmax must agree where eager's top two
+    are clear (> 0.5 apart) among the rows within 5%. A wrong stride, position or mask moves
+    most rows; one row apart is bf16's: on random tokens the real model has ill-conditioned
+    rows where an ulp moves the logits wholesale (SmolLM2, the 16-token batch, pieces compiled
+    by Inductor on CPU: one row's eager bf16 logits lie 27 from float32's, mean |logit| 7, the
+    pieces' 2.4; in float32 pieces and eager agree exactly).
+    """
+    for n in token_counts:
+        batch = mixed_batch(runner, n, seed=n)
+        (want, _), (got, _) = eager_and_piecewise(runner, batch)
+        with torch.inference_mode():
+            want = runner.model.compute_logits(want).float()
+            got = runner.model.compute_logits(got).float()
+        rows = (got - want).abs().mean(-1) / want.abs().mean(-1)
+        assert rows.median() < 0.02, (n, rows.median().item())
+        apart = rows > 0.05
+        assert 8 * int(apart.sum()) <= n, (n, rows[apart].tolist())
+        top2 = want.topk(2).values
+        clear = (top2[:, 0] - top2[:, 1] > 0.5) & ~apart
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), n
+
+
 RUNS = "runs"
 
 
@@ -278,6 +303,20 @@ def test_inductor_pieces_through_the_runner(tiny_path):
 # GPU: CUDA graphs per bucket, replayed by the engine ------------------------------------------
 
 
+def test_bf16_inductor_pieces_logits_within_bf16_tolerance(smollm2_path):
+    """The GPU check on CPU: SmolLM2 in bf16, its pieces compiled by Inductor as on CUDA."""
+    llm = LLM(
+        str(smollm2_path),
+        dtype="bfloat16",
+        device="cpu",
+        piecewise_cuda_graph_max_tokens=256,
+        piecewise_cuda_graph_compiler="inductor",
+    )
+    runner = llm.engine.runner
+    runner.piecewise.pad_without_graphs = True
+    check_bf16_logits(runner, (16, 200))
+
+
 def gpu_llm(path, dtype: str) -> LLM:
     # NOTE: decode CUDA graphs off, so every step (prefill and decode) exercises the piecewise
     # runner; a capped KV pool leaves room for the other module fixtures on the device.
@@ -317,14 +356,4 @@ def test_gpu_float32_mixed_batches_at_bucket_boundaries(gpu_fp32):
 
 @pytest.mark.gpu
 def test_gpu_bf16_logits_within_bf16_tolerance(gpu_bf16):
-    runner = gpu_bf16.engine.runner
-    for n in (16, 17, 200, 1000):
-        batch = mixed_batch(runner, n, seed=n)
-        (want, _), (got, _) = eager_and_piecewise(runner, batch)
-        with torch.inference_mode():
-            want, got = runner.model.compute_logits(want), runner.model.compute_logits(got)
-        err = (got - want).abs()
-        assert err.mean() < 0.02 * want.abs().mean(), (err.mean(), want.abs().mean())
-        top2 = want.topk(2).values
-        clear = top2[:, 0] - top2[:, 1] > 0.5  # argmax must agree where there is no near-tie
-        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    check_bf16_logits(gpu_bf16.engine.runner, (16, 17, 200, 1000))
