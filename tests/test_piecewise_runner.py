@@ -300,9 +300,6 @@ def test_inductor_pieces_through_the_runner(tiny_path):
     assert runner.piecewise.backend.num_traces == 1
 
 
-# GPU: CUDA graphs per bucket, replayed by the engine ------------------------------------------
-
-
 def test_bf16_inductor_pieces_logits_within_bf16_tolerance(smollm2_path):
     """The GPU check on CPU: SmolLM2 in bf16, its pieces compiled by Inductor as on CUDA."""
     llm = LLM(
@@ -315,6 +312,9 @@ def test_bf16_inductor_pieces_logits_within_bf16_tolerance(smollm2_path):
     runner = llm.engine.runner
     runner.piecewise.pad_without_graphs = True
     check_bf16_logits(runner, (16, 200))
+
+
+# GPU: CUDA graphs per bucket, replayed by the engine ------------------------------------------
 
 
 def gpu_llm(path, dtype: str) -> LLM:
