@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import re
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.attention.torch_backend import TorchAttentionBackend
@@ -204,6 +206,39 @@ def test_inductor_pieces_one_trace_and_cached_second_start(tmp_path):
         hits.append(counters["inductor"]["fxgraph_cache_hit"])
     assert hits[0] >= 1  # the two middle pieces are the same graph over other weights
     assert hits[1] == 4  # every piece
+
+
+@pytest.mark.slow
+def test_inductor_pieces_keep_residual_adds_out_of_the_gemms(tmp_path):
+    """A Llama's pieces under Inductor: every projection a plain GEMM (no ``addmm`` taking a
+    residual, which CUDA would copy before each GEMM: ``compile/passes.py``) with no kernel more
+    than Inductor's own pieces launch, and eager's outputs."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor_alone(piece: nn.Module, example_inputs: list[object]) -> Callable[..., object]:
+        return compile_fx(piece, example_inputs, config_patches={"triton.cudagraphs": False})
+
+    model, driver = llama_setup()
+    codes = {}
+    for name, compiler in (("pass", "inductor"), ("alone", inductor_alone)):
+        torch._dynamo.reset()
+        decoder = CompiledDecoder(model, PiecewiseBackend(compiler, cache_dir=tmp_path / name))
+        batch = driver.batch(9, prefix=2)
+        with torch._inductor.config.patch(fx_graph_cache=False):  # NOTE: traces and compiles
+            got, code = run_and_get_code(driver.run, decoder, batch)
+        codes[name] = "\n".join(code)
+        torch.testing.assert_close(got, driver.run(model, batch), rtol=1e-5, atol=1e-5)
+        batch = driver.batch(3, prefix=1)
+        expected = driver.run(model, batch)
+        torch.testing.assert_close(driver.run(decoder, batch), expected, rtol=1e-5, atol=1e-5)
+    assert "extern_kernels.addmm(" not in codes["pass"]
+    assert codes["alone"].count("extern_kernels.addmm(") == 2 * 4  # two residual adds a layer
+    assert codes["pass"].count("extern_kernels.mm(") == 4 * 4  # qkv, o, gate_up, down
+
+    def kernels(code: str) -> int:  # launches, not definitions
+        return len(re.findall(r"^\s+cpp_fused_\w+\(", code, re.MULTILINE))
+
+    assert kernels(codes["pass"]) == kernels(codes["alone"]) > 0
 
 
 def test_plain_torch_compile_with_guards_traces_once_then_refuses_to_retrace():

@@ -214,7 +214,9 @@ def _compile_inductor(piece: fx.GraphModule, example_inputs: list[object]) -> Ca
     """Inductor over the symbolic fake inputs: one kernel set for every token count."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(piece, example_inputs, config_patches={"triton.cudagraphs": False})
+    from pcgspec.compile.passes import inductor_patches
+
+    return compile_fx(piece, example_inputs, config_patches=inductor_patches())
 
 
 def _inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[object, ...]:

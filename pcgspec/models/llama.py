@@ -81,14 +81,20 @@ class LlamaAttention(nn.Module):
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q [T, H, D]``, ``k [T, KV, D]`` (RoPE applied) and ``v [T, KV, D]`` of ``h``."""
-        q, k, v = self.qkv_proj(h).split(self.split_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim).contiguous()  # [T, KV, D]
+        """``q [T, H, D]``, ``k [T, KV, D]`` (RoPE applied) and ``v [T, KV, D]`` of ``h``: views
+        whose rows lie further apart than their heads (the attention kernels take row strides),
+        so no copy makes them contiguous. Without q/k norms one RoPE kernel rotates q and k
+        together."""
+        qkv = self.qkv_proj(h)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk_size = (heads + kv_heads) * d
+        v = qkv[:, qk_size:].view(-1, kv_heads, d)  # [T, KV, D]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            q = self.q_norm(qkv[:, : heads * d].view(-1, heads, d))
+            k = self.k_norm(qkv[:, heads * d : qk_size].view(-1, kv_heads, d))
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qk = apply_rotary(qkv[:, :qk_size].view(-1, heads + kv_heads, d), cos, sin)
+        return qk[:, :heads], qk[:, heads:], v
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(h, cos, sin)
