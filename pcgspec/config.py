@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # NOTE: torch is imported where a value needs it, so `pcgspec --help` starts without it.
 _DTYPES = ("float32", "bfloat16", "float16")
 CPU_KV_CACHE_DEFAULT_BYTES = 256 << 20
+DEFAULT_EXTEND_GRAPH_MAX_TOKENS = 256
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -57,6 +58,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False  # run decode batches without CUDA graphs
     disable_radix_cache: bool = False  # no prefix caching (engine/radix_cache.py)
     cuda_graph_max_bs: int = 128  # largest decode batch captured; larger ones run piecewise
+    extend_cuda_graph_max_tokens: int | None = None  # whole-decoder extend graphs; 0: none
     disable_overlap_schedule: bool | None = None  # None: overlap on CUDA, off elsewhere
     random_seed: int = 0
     tp_size: int = 1  # tensor-parallel ranks: GPUs on CUDA, gloo processes on CPU
@@ -110,6 +112,11 @@ class EngineConfig:
         self._check_device()
         for name in ("model", "tokenizer", "speculative_draft_model_path"):
             check_not_hub_id(name, getattr(self, name))
+        extend = self.extend_cuda_graph_max_tokens
+        if extend is not None and (not isinstance(extend, int) or extend < 0):
+            raise ValueError(
+                f"extend_cuda_graph_max_tokens must be a non-negative integer, got {extend!r}"
+            )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}"
@@ -278,6 +285,23 @@ class EngineConfig:
         if self.piecewise_cuda_graph_max_tokens is not None:
             return self.piecewise_cuda_graph_max_tokens
         return min(self.resolved_chunked_prefill_size or 4096, self.max_prefill_tokens)
+
+    @property
+    def resolved_extend_graph_max_tokens(self) -> int:
+        """The largest extend-graph bucket (0: none): the flag, else 256 tokens, within the
+        piecewise buckets' range; on CUDA with CUDA graphs and piecewise graphs on, one rank
+        (under tensor parallelism the piecewise graphs serve every extend batch: extend graphs
+        have not been run on several GPUs).
+        """
+        cuda = self.torch_device.type == "cuda"
+        off = self.disable_cuda_graph or self.disable_piecewise_cuda_graph or self.tp_size > 1
+        if not cuda or off:
+            return 0
+        flag = self.extend_cuda_graph_max_tokens
+        return min(
+            DEFAULT_EXTEND_GRAPH_MAX_TOKENS if flag is None else flag,
+            self.resolved_piecewise_max_tokens,
+        )
 
     @property
     def resolved_piecewise_compiler(self) -> str:

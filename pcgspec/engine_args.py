@@ -99,6 +99,12 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
         "larger batches decode through the piecewise runner)",
         None,
     ),
+    "extend_cuda_graph_max_tokens": (
+        "CUDA only, one GPU: extend batches (prefills, chunks, mixed steps) up to this many "
+        "tokens replay one CUDA graph of the whole decoder, attention included (default 256; "
+        "0: none, the piecewise graphs serve them)",
+        None,
+    ),
     "disable_overlap_schedule": (
         "step synchronously: no scheduling of step N+1 while the GPU "
         "runs step N (default: overlap on CUDA, off on CPU; with "

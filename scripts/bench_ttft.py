@@ -3,6 +3,8 @@
 One timed step = the decoder over the whole prompt + the LM head on the last row:
   eager      ModelRunner.forward(batch), piecewise and decode graphs off
   piecewise  ModelRunner.forward(batch), piecewise CUDA graphs on (inductor pieces on CUDA)
+  extend     the same runner with its whole-decoder extend graphs (what an engine on CUDA runs
+             up to ``extend_cuda_graph_max_tokens``; longer prompts take the piecewise graphs)
   bound      the same step compiled whole (fullgraph, static length, inductor) and captured as
              one CUDA graph with the attention metadata of that fixed batch: what PCG could reach
   hf         transformers on the same weights, one forward with logits_to_keep=1
@@ -44,16 +46,22 @@ import torch
 from pcgspec import envs
 from pcgspec.attention import ATTENTION_BACKENDS
 from pcgspec.compile.forward_context import forward_context
-from pcgspec.config import EngineConfig
+from pcgspec.config import DEFAULT_EXTEND_GRAPH_MAX_TOKENS, EngineConfig
 from pcgspec.models.loader import load_model, resolve_model_dir
 from pcgspec.models.random_weights import SHAPES, random_model, shape_config
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
+from pcgspec.runners.extend_graph_runner import ExtendGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.model_runner import ModelRunner
 
 DEFAULT_LENGTHS = "16,32,64,128,256,512,1024,2048,4096"
-MODES = ("eager", "piecewise", "bound")
-RATIOS = (("piecewise", "bound"), ("piecewise", "eager"), ("hf", "piecewise"))
+MODES = ("eager", "piecewise", "extend", "bound")
+RATIOS = (
+    ("piecewise", "bound"),
+    ("extend", "bound"),
+    ("piecewise", "eager"),
+    ("hf", "piecewise"),
+)
 MAX_REL_ERR = 5e-2  # last-row logits vs eager; bf16 kernels differ by ~1e-2
 MAX_BOUND_LENGTHS = 8  # each is one Dynamo compile of the same code (recompile limit 8)
 
@@ -327,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results = run_modes(args, lengths, prompt, runners, hf)
     stats = _stats(runners.get("piecewise"))
+    extend = getattr(runners.get("piecewise"), "extend_graphs", None)
     if args.cold_start and "piecewise" in runners:
         cold.update(second_construction(args, runners, max_len, model))
 
@@ -335,6 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": settings(args, list(results), runners, device, hf),
         "cold_start": cold,
         "piecewise_stats": stats,
+        "extend_stats": None if extend is None else extend.stats(),
         "rows": table_rows(lengths, results),
     }
     print_table(result)
@@ -361,7 +371,7 @@ def build_runners(
     Triton kernels included); the eager runner serves eager and bound.
     """
     runners: dict[str, ModelRunner] = {}
-    if "piecewise" in args.modes:
+    if {"piecewise", "extend"} & set(args.modes):
         t0 = time.perf_counter()
         runners["piecewise"] = ModelRunner(engine_config(args, max_len, True), model=model)
         _sync(model.device)
@@ -389,6 +399,8 @@ def run_modes(
                 timing = time_bound(runners["eager"], tokens, args)
             elif mode == "hf":
                 timing = time_hf(hf, tokens, args)
+            elif mode == "extend":
+                timing = time_runner(with_extend_graphs(runners["piecewise"]), tokens, args)
             else:
                 timing = time_runner(runners[mode], tokens, args)
             results[mode][n] = timing
@@ -401,6 +413,17 @@ def run_modes(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
+
+
+def with_extend_graphs(runner: ModelRunner) -> ModelRunner:
+    """``runner`` with extend graphs captured over its compiled decoder (once; after the
+    piecewise mode's timings, which must not see them).
+    """
+    if runner.extend_graphs is None:
+        max_tokens = min(DEFAULT_EXTEND_GRAPH_MAX_TOKENS, runner.piecewise.max_tokens)
+        runner.extend_graphs = ExtendGraphRunner(runner, max_tokens)
+        runner.extend_graphs.capture()
+    return runner
 
 
 def second_construction(

@@ -72,7 +72,7 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
             "--warmup",
             "1",
             "--modes",
-            "eager,piecewise,bound",
+            "eager,piecewise,extend,bound",
             "--bound-backend",
             "eager",
             "--bound-lengths",
@@ -100,13 +100,14 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
         "settings",
         "cold_start",
         "piecewise_stats",
+        "extend_stats",
         "rows",
     ):
         assert key in written, key
-    assert written["settings"]["modes"] == ["eager", "piecewise", "bound", "hf"]
+    assert written["settings"]["modes"] == ["eager", "piecewise", "extend", "bound", "hf"]
     assert [row["length"] for row in written["rows"]] == [8, 16]
     for row in written["rows"]:
-        modes = ["eager", "piecewise", "hf"] + (["bound"] if row["length"] == 16 else [])
+        modes = ["eager", "piecewise", "extend", "hf"] + (["bound"] if row["length"] == 16 else [])
         assert sorted(m for m in row if m not in ("length", "ratios")) == sorted(modes)
         for mode in modes:
             assert 0 < row[mode]["median_ms"] <= row[mode]["p90_ms"]
@@ -119,9 +120,10 @@ def test_bench_ttft_writes_json(tmp_path, monkeypatch):
     assert written["cold_start"]["load_s"] > 0
     assert written["cold_start"]["piecewise_runner_s"] > 0
     assert written["cold_start"]["piecewise_runner_warm_cache_s"] > 0
-    stats = written["piecewise_stats"]
-    assert stats["runs"] == 2 * (1 + 2)  # 2 lengths x (warm-up + repeats)
-    assert not any(stats["fallbacks"].values())
+    for name in ("piecewise_stats", "extend_stats"):  # extend mode never reached the pieces
+        stats = written[name]
+        assert stats["runs"] == 2 * (1 + 2), name  # 2 lengths x (warm-up + repeats)
+        assert not any(stats["fallbacks"].values()), name
 
 
 def test_bench_ttft_sliding_windows(tmp_path, monkeypatch):

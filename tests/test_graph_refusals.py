@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
+from pcgspec.runners.extend_graph_runner import ExtendGraphRunner
 from pcgspec.runners.piecewise_runner import PiecewiseRunner
 from pcgspec.runners.refusals import GraphStats, GuardedRunner, hit_ratio
 from pcgspec.server.engine_loop import EngineSnapshot
@@ -44,7 +45,7 @@ def test_can_run_counts_each_refusal_by_reason() -> None:
 
 
 def test_every_graph_runner_uses_the_one_guard() -> None:
-    for cls in (PiecewiseRunner, DecodeGraphRunner, DraftGraphRunner):
+    for cls in (PiecewiseRunner, ExtendGraphRunner, DecodeGraphRunner, DraftGraphRunner):
         assert issubclass(cls, GuardedRunner) and cls.reasons, cls
         assert "can_run" not in vars(cls) and "stats" not in vars(cls), cls
 

@@ -19,7 +19,7 @@ from test_sampling_slots import _Req
 from pcgspec.kernels.attention import decode_attention, decode_workspace, store_kv
 from pcgspec.kernels.extend_attention import extend_attention, plan_extend
 from pcgspec.kernels.ngram_propose import ngram_propose
-from pcgspec.kernels.pad_batch import pad_batch
+from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
 from pcgspec.kernels.top_k import CHUNK
@@ -177,6 +177,18 @@ def _serve_attention_like(shape: AttentionShape, window: int | None) -> None:
             loc,
             start,
         )
+        graph_reqs = [torch.zeros(len(lens) + 2, dtype=torch.int32) for _ in range(3)]
+        pad_batch(  # an extend graph's replay: its requests padded too
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            batch.extend_lens,
+            ids,
+            pos,
+            loc,
+            graph_reqs[0],
+            PaddedRequests(batch.seq_lens, *graph_reqs[1:]),
+        )
         splits = rng.choice([1, 2, 5, 16])  # a long prefix's pieces
         plan = plan_extend(
             lens,
@@ -309,7 +321,7 @@ def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> No
         ngram=NGRAM,
     )
     attention = 3 * 3 * kinds + 2 * (1 + 2 * kinds)
-    assert run_warmup(warmup, torch.device("cpu")) == 2 + 4 + attention + 2 * 2 + 3 + 1
+    assert run_warmup(warmup, torch.device("cpu")) == 3 + 4 + attention + 2 * 2 + 3 + 1
     served = record()
     _serve_like(shape)
     assert (
@@ -336,7 +348,7 @@ def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> No
         assert not missing, f"{name}: {len(missing)} not warmed, e.g. {missing.pop()}"
     # One compiled kernel per family member (the sizes and index alignments are runtime values).
     assert {n: len(k) for n, k in warmed.items()} == {
-        "_pad_batch_kernel": 2,
+        "_pad_batch_kernel": 3,
         "_build_kernel": 1,
         "_advance_kernel": 2,
         "_sample_kernel": 1,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
+from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch, pad_batch_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CASES = [  # extend_lens, rows
@@ -41,6 +41,35 @@ def test_pad_batch_matches_reference(lens: list[int], rows: int, with_start: boo
     assert start.tolist() == want
 
 
+@pytest.mark.parametrize(
+    ("lens", "rows", "num_out"), [([3, 1, 9], 16, 5), ([4], 4, 2), ([1] * 1100, 1200, 1200)]
+)
+def test_pad_batch_pads_requests(lens: list[int], rows: int, num_out: int) -> None:
+    """An extend graph's requests: the batch's, one owning the padded rows, then empty ones."""
+    gen = torch.Generator().manual_seed(rows)
+    n, b = sum(lens), len(lens)
+    src = [torch.randint(0, 1 << 40, (n,), generator=gen).to(DEVICE) for _ in range(3)]
+    extend_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    seq_lens = extend_lens + torch.randint(0, 500, (b,), generator=gen, dtype=torch.int32).to(
+        DEVICE
+    )
+    outs = {}
+    for name, fn in (("kernel", pad_batch), ("ref", pad_batch_ref)):
+        bufs = [torch.full((rows,), 7, dtype=torch.int64, device=DEVICE) for _ in range(3)]
+        start, out_seq, out_ext = (
+            torch.full((num_out,), -5, dtype=torch.int32, device=DEVICE) for _ in range(3)
+        )
+        fn(*src, extend_lens, *bufs, start, PaddedRequests(seq_lens, out_seq, out_ext))
+        outs[name] = (*bufs, start, out_seq, out_ext)
+    for got, want in zip(outs["kernel"], outs["ref"]):
+        assert torch.equal(got, want)
+    *_, start, out_seq, out_ext = outs["kernel"]
+    empty = [0] * (num_out - b - 1)
+    assert out_ext.tolist() == [*lens, rows - n, *empty]
+    assert out_seq.tolist() == [*seq_lens.tolist(), rows - n, *empty]
+    assert start.tolist() == [sum(lens[:i]) for i in range(b)] + [n] + [rows] * len(empty)
+
+
 def test_pad_batch_rejects_bad_shapes() -> None:
     i64 = dict(dtype=torch.int64, device=DEVICE)
     tokens = [torch.zeros(5, **i64) for _ in range(3)]
@@ -53,3 +82,6 @@ def test_pad_batch_rejects_bad_shapes() -> None:
         pad_batch(*tokens[:2], torch.zeros(10, **i64)[::2], lens, *tokens, start)
     with pytest.raises(ValueError, match="out_start"):
         pad_batch(*tokens, lens, *tokens, start.long())
+    one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="do not hold 1 requests and the padding one"):
+        pad_batch(*tokens, lens, *tokens, start, PaddedRequests(lens, one, one.clone()))

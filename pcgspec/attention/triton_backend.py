@@ -21,8 +21,9 @@ class TritonAttentionMetadata:
 
     NOTE: in a CUDA graph (``init_capture_metadata``) the tensors are the runner's static
     buffers (padded requests: ``seq_len`` 0, slot -1), every row counts as real, and
-    ``num_kv_splits`` is fixed per captured batch size for the longest context; the workspace
-    is allocated inside the captured region, so it is graph memory.
+    ``num_kv_splits`` is fixed per captured batch size for the longest context (an extend
+    graph's plan splits no prefix); the workspace is allocated inside the captured region, so
+    it is graph memory.
     """
 
     tokens_per_seq: int  # > 0: split-KV path (DECODE: 1, TARGET_VERIFY: k+1); 0: extend path
@@ -60,39 +61,56 @@ class TritonAttentionBackend(AttentionBackend):
         self.metadata = self._metadata(batch, _tokens_per_seq(batch), sum(ext_cpu), num_splits)
 
     def init_capture_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
-        """Split-KV over every row of ``batch`` (padded requests: ``seq_len`` 0, zero output)
-        with a ``num_kv_splits`` fixed for ``max_seq_len``; captured: DECODE, TARGET_VERIFY and
-        padded draft catch-ups.
+        """DECODE, TARGET_VERIFY and padded draft catch-ups: split-KV over every row of
+        ``batch`` (padded requests: ``seq_len`` 0, zero output) with a ``num_kv_splits`` fixed
+        for ``max_seq_len``. EXTEND (extend graphs): the fused kernel planned for the worst case
+        of the batch's rows and requests, one request owning every row; every row belongs to a
+        request (an extend graph's padding request owns the padded ones), so none is zeroed,
+        and the prefix is not split.
         """
         tokens_per_seq = _tokens_per_seq(batch)
-        if not tokens_per_seq:
+        if tokens_per_seq:
+            num_splits = self._num_kv_splits(batch.batch_size, max_seq_len)
+            self.metadata = self._metadata(batch, tokens_per_seq, batch.num_tokens, num_splits)
+        elif batch.forward_mode is ForwardMode.EXTEND and batch.tree_mask is None:
+            rows = batch.num_tokens
+            plan = self._plan((rows,) + (0,) * (batch.batch_size - 1), rows, max_prefix=0)
+            self.metadata = self._metadata(batch, 0, rows, 1, plan)
+        else:
             raise ValueError(
-                f"graph capture needs DECODE or TARGET_VERIFY with the same number of tokens per "
-                f"request, got {batch.forward_mode.name} with {batch.extend_lens_cpu}"
+                f"graph capture needs EXTEND, or DECODE / TARGET_VERIFY with the same number of "
+                f"tokens per request, got {batch.forward_mode.name} with {batch.extend_lens_cpu}"
             )
-        num_splits = self._num_kv_splits(batch.batch_size, max_seq_len)
-        self.metadata = self._metadata(batch, tokens_per_seq, batch.num_tokens, num_splits)
+
+    def _plan(self, extend_lens: tuple[int, ...], num_rows: int, max_prefix: int) -> ExtendPlan:
+        return plan_extend(
+            extend_lens,
+            num_rows,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_cache.spec.dtype,
+            self.kv_cache.page_size,
+            self.scale,
+            max_prefix=max_prefix,
+            num_sms=_num_sms(self.kv_cache.k[0].device),
+        )
 
     def _metadata(
-        self, batch: ForwardBatch, tokens_per_seq: int, num_real: int, num_splits: int
+        self,
+        batch: ForwardBatch,
+        tokens_per_seq: int,
+        num_real: int,
+        num_splits: int,
+        plan: ExtendPlan | None = None,
     ) -> TritonAttentionMetadata:
-        plan = None
         if batch.tree_mask is not None and not tokens_per_seq:
             raise ValueError("a tree_mask needs the same number of tokens per request")
-        if not tokens_per_seq:
+        if not tokens_per_seq and plan is None:
             ext = batch.extend_lens_cpu
-            plan = plan_extend(
-                ext,
-                batch.num_tokens,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.kv_cache.spec.dtype,
-                self.kv_cache.page_size,
-                self.scale,
-                max_prefix=max((s - n for s, n in zip(batch.seq_lens_cpu, ext)), default=0),
-                num_sms=_num_sms(self.kv_cache.k[0].device),
-            )
+            prefixes = (s - n for s, n in zip(batch.seq_lens_cpu, ext))
+            plan = self._plan(ext, batch.num_tokens, max(prefixes, default=0))
+        if plan is not None:
             num_splits = plan.num_splits
         workspace = None
         if tokens_per_seq or num_splits > 1:

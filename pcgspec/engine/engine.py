@@ -267,7 +267,7 @@ class Engine:
 
     def graph_stats(self) -> dict[str, GraphStats]:
         """Runs, padding and fallbacks by reason of every graph runner built, by name: the
-        target's ``piecewise``, ``decode``, ``verify``, the whole speculative step's
+        target's ``piecewise``, ``extend``, ``decode``, ``verify``, the whole speculative step's
         ``spec_step``; a model drafter's ``draft`` (its propose phase) and ``draft_piecewise``
         (a STANDALONE draft's long catch-ups).
         """

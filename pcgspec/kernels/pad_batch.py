@@ -1,14 +1,22 @@
-"""Padding a batch into a graph runner's static buffers, in one launch (piecewise prefill and
-decode / verify graphs).
+"""Padding a batch into a graph runner's static buffers, in one launch (piecewise prefill,
+extend graphs, decode / verify graphs).
 
 Before a piecewise replay the token ids, positions and KV slots of a batch go into the static
 buffers the graphs were captured with, padded to the bucket (slot -1: no KV write), and the
 extend kernel needs each request's first row (the exclusive cumsum of ``extend_lens``). As
 torch ops that is five or six small launches before the GPU has any work; a short prefill is
 host-bound, so they are one kernel here. Padded ids and positions are left as they are.
+
+An extend graph also pads the requests (``PaddedRequests``): a graph of ``R`` requests sees the
+batch's ``B``, then one padding request that owns the padded rows (as many new tokens as padded
+rows and no prefix: it attends over its own rows only, so every row of the graph gets a finite
+output and the kernel's grid need not know the real token count), then empty requests (no new
+token, no prefix) up to ``R``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,8 +30,8 @@ _BLOCK = 1024  # tokens per program; also requests per scan step
 # NOTE: the sizes, and the alignment of the inputs (views into one packed upload), change from
 # batch to batch: not specialized, so nothing compiles at serving.
 @triton.jit(
-    do_not_specialize=["num_tokens", "num_rows", "num_reqs"],
-    do_not_specialize_on_alignment=["InputIds", "Positions", "Loc", "ExtendLens"],
+    do_not_specialize=["num_tokens", "num_rows", "num_reqs", "num_out_reqs"],
+    do_not_specialize_on_alignment=["InputIds", "Positions", "Loc", "ExtendLens", "SeqLens"],
 )
 def _pad_batch_kernel(
     InputIds,
@@ -34,11 +42,16 @@ def _pad_batch_kernel(
     OutPositions,
     OutLoc,
     OutStart,
+    SeqLens,
+    OutSeqLens,
+    OutExtendLens,
     num_tokens,
     num_rows,
     num_reqs,
+    num_out_reqs,
     BLOCK: tl.constexpr,
     HAS_START: tl.constexpr,
+    PAD_REQS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -49,15 +62,33 @@ def _pad_batch_kernel(
     tl.store(OutLoc + offs, loc, mask=offs < num_rows)
     if HAS_START and pid == 0:  # the exclusive cumsum of extend_lens, BLOCK requests at a time
         carry = tl.zeros([], dtype=tl.int32)
-        for r0 in range(0, num_reqs, BLOCK):
+        for r0 in range(0, num_out_reqs, BLOCK):
             r = r0 + tl.arange(0, BLOCK)
-            lens = tl.load(ExtendLens + r, mask=r < num_reqs, other=0).to(tl.int32)
+            real = r < num_reqs
+            lens = tl.load(ExtendLens + r, mask=real, other=0).to(tl.int32)
+            if PAD_REQS:  # request num_reqs owns the padded rows; those after it are empty
+                pad = tl.where(r == num_reqs, num_rows - num_tokens, 0).to(tl.int32)
+                seq = tl.load(SeqLens + r, mask=real, other=0).to(tl.int32)
+                lens = tl.where(real, lens, pad)
+                tl.store(OutExtendLens + r, lens, mask=r < num_out_reqs)
+                tl.store(OutSeqLens + r, tl.where(real, seq, pad), mask=r < num_out_reqs)
             inclusive = tl.cumsum(lens, 0)
-            tl.store(OutStart + r, carry + inclusive - lens, mask=r < num_reqs)
+            tl.store(OutStart + r, carry + inclusive - lens, mask=r < num_out_reqs)
             carry += tl.sum(lens, 0)
 
 
 _PAD_BATCH = CompiledLaunches(_pad_batch_kernel)
+
+
+@dataclass(frozen=True)
+class PaddedRequests:
+    """An extend graph's per-request buffers: the batch's ``B`` requests, the padding request,
+    then empty ones up to ``R`` (module docstring).
+    """
+
+    seq_lens: torch.Tensor  # [B] int32, the batch's
+    out_seq_lens: torch.Tensor  # [R > B] int32
+    out_extend_lens: torch.Tensor  # [R] int32
 
 
 def _check(
@@ -69,6 +100,7 @@ def _check(
     out_positions: torch.Tensor,
     out_loc: torch.Tensor,
     out_start: torch.Tensor | None,
+    requests: PaddedRequests | None,
 ) -> None:
     n, rows = len(input_ids), len(out_ids)
     tensors = (input_ids, positions, out_cache_loc, out_ids, out_positions, out_loc)
@@ -76,10 +108,26 @@ def _check(
         raise ValueError("token ids, positions and slots must be contiguous [T] int64")
     if not len(positions) == len(out_cache_loc) == n <= rows == len(out_positions) == len(out_loc):
         raise ValueError(f"{n} tokens (ids, positions, slots) do not pad to {rows} rows")
-    if out_start is not None and (
+    if requests is not None:
+        _check_requests(extend_lens, out_start, requests)
+    elif out_start is not None and (
         extend_lens.shape != out_start.shape or out_start.dtype != torch.int32
     ):
         raise ValueError("out_start must be int32 with extend_lens' shape")
+
+
+def _check_requests(
+    extend_lens: torch.Tensor, out_start: torch.Tensor | None, requests: PaddedRequests
+) -> None:
+    num_reqs, r = len(extend_lens), requests
+    outs = (out_start, r.out_seq_lens, r.out_extend_lens)
+    if any(t is None or t.dtype != torch.int32 or t.shape != outs[1].shape for t in outs):
+        raise ValueError("padded requests need int32 out_start, out_seq_lens, out_extend_lens [R]")
+    if r.seq_lens.shape != extend_lens.shape or len(r.out_seq_lens) <= num_reqs:
+        raise ValueError(
+            f"{len(r.out_seq_lens)} padded requests do not hold {num_reqs} requests and the "
+            "padding one"
+        )
 
 
 def pad_batch(
@@ -90,15 +138,24 @@ def pad_batch(
     out_ids: torch.Tensor,  # [rows >= n] int64; rows past n keep their values
     out_positions: torch.Tensor,  # [rows] int64; rows past n keep their values
     out_loc: torch.Tensor,  # [rows] int64; rows past n get -1
-    out_start: torch.Tensor | None,  # [B] int32: the first row of each request; None: not wanted
+    out_start: torch.Tensor | None,  # [B] (or [R]) int32: each request's first row; None: no
+    requests: PaddedRequests | None = None,  # an extend graph's requests, padded to R
 ) -> None:
     """Copy a batch's ``n`` tokens into ``rows``-row buffers (padded slots -1) and write each
-    request's first row: one launch.
+    request's first row (with ``requests``, also the padded requests' lengths): one launch.
     """
     _check(
-        input_ids, positions, out_cache_loc, extend_lens, out_ids, out_positions, out_loc, out_start
+        input_ids,
+        positions,
+        out_cache_loc,
+        extend_lens,
+        out_ids,
+        out_positions,
+        out_loc,
+        out_start,
+        requests,
     )
-    has_start = out_start is not None
+    has_start, r = out_start is not None, requests
     tensors = (
         input_ids,
         positions,
@@ -108,10 +165,12 @@ def pad_batch(
         out_positions,
         out_loc,
         out_start if has_start else out_ids,
+        *((extend_lens,) * 3 if r is None else (r.seq_lens, r.out_seq_lens, r.out_extend_lens)),
     )
-    scalars = (len(input_ids), len(out_ids), len(extend_lens))
+    num_out_reqs = len(extend_lens) if r is None else len(r.out_seq_lens)
+    scalars = (len(input_ids), len(out_ids), len(extend_lens), num_out_reqs)
     grid = (max(1, triton.cdiv(len(out_ids), _BLOCK)), 1, 1)
-    constants = {"BLOCK": _BLOCK, "HAS_START": has_start}
+    constants = {"BLOCK": _BLOCK, "HAS_START": has_start, "PAD_REQS": r is not None}
     _PAD_BATCH(grid, tensors, scalars, constants)
 
 
@@ -124,15 +183,33 @@ def pad_batch_ref(
     out_positions: torch.Tensor,
     out_loc: torch.Tensor,
     out_start: torch.Tensor | None,
+    requests: PaddedRequests | None = None,
 ) -> None:
     """``pad_batch`` in torch ops (off CUDA, and the tests' reference)."""
     _check(
-        input_ids, positions, out_cache_loc, extend_lens, out_ids, out_positions, out_loc, out_start
+        input_ids,
+        positions,
+        out_cache_loc,
+        extend_lens,
+        out_ids,
+        out_positions,
+        out_loc,
+        out_start,
+        requests,
     )
-    n = len(input_ids)
+    n, rows, num_reqs = len(input_ids), len(out_ids), len(extend_lens)
     out_ids[:n] = input_ids
     out_positions[:n] = positions
     out_loc[:n] = out_cache_loc
     out_loc[n:] = -1
+    if requests is not None:
+        for out, real in (
+            (requests.out_extend_lens, extend_lens),
+            (requests.out_seq_lens, requests.seq_lens),
+        ):
+            out[:num_reqs] = real
+            out[num_reqs:] = 0
+            out[num_reqs] = rows - n
+        extend_lens = requests.out_extend_lens
     if out_start is not None:
         out_start.copy_(torch.cumsum(extend_lens, 0) - extend_lens)

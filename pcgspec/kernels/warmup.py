@@ -12,7 +12,8 @@ cache) and loads all of them. Every launch writes no KV (slots -1) and no engine
 Per family: ``warm_extend`` (per ``BLOCK_M`` that ``plan_extend`` can choose for the head config,
 one launch whole and one with its prefix split, and its merge), ``warm_split_kv`` (KV store +
 split-KV decode and reduce per tokens per request), ``warm_pad_batch`` (with and without request
-starts), ``warm_sampling`` (build_sampling_params, advance_positions, the token draw),
+starts, and with an extend graph's padded requests), ``warm_sampling`` (build_sampling_params,
+advance_positions, the token draw),
 ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the speculative worker
 uses, the accept kernel, and the padded rows of verify passes, in place for a verify graph or
 not, and of draft catch-ups), for draft trees ``warm_verify_tree`` (their walk) and
@@ -39,7 +40,7 @@ from pcgspec.kernels.build_sampling_params import (
 )
 from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_extend
 from pcgspec.kernels.ngram_propose import ngram_propose
-from pcgspec.kernels.pad_batch import pad_batch
+from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
 from pcgspec.kernels.sample_tokens import sample_tokens
 from pcgspec.kernels.top_k import num_launches, top_k
@@ -228,20 +229,29 @@ def warm_split_kv(
 
 
 def warm_pad_batch(device: torch.device) -> int:
-    """``pad_batch`` with request starts (piecewise prefill) and without (graph replays)."""
+    """``pad_batch`` with request starts (piecewise prefill), without (decode / verify graph
+    replays), and with padded requests (extend graph replays).
+    """
     s = _Scratch(device)
-    for out_start in (s.zeros(1, dtype=torch.int32), None):
+    one = s.full(1, 1, dtype=torch.int32)
+    two = [s.zeros(2, dtype=torch.int32) for _ in range(3)]
+    for out_start, requests in (
+        (s.zeros(1, dtype=torch.int32), None),
+        (None, None),
+        (two[0], PaddedRequests(one, two[1], two[2])),
+    ):
         pad_batch(
             s.zeros(1),
             s.zeros(1),
             s.full(-1, 1),
-            s.full(1, 1, dtype=torch.int32),
+            one,
             s.zeros(2),
             s.zeros(2),
             s.full(-1, 2),
             out_start,
+            requests,
         )
-    return 2
+    return 3
 
 
 def warm_sampling(

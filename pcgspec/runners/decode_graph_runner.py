@@ -2,63 +2,38 @@
 the runner's mode with the same number of tokens per request: DECODE (1) or TARGET_VERIFY (k+1,
 so a bucket of ``bs`` requests holds ``bs * (k+1)`` tokens).
 
-What is captured is one whole step of the decoder stack: the piecewise runner's compiled
-pieces (called outside a piecewise capture/replay step, they run their compiled code directly,
-so no second compile) or the plain decoder, with the attention between them reading metadata
-built by ``AttentionBackend.init_capture_metadata`` over static buffers. DECODE graphs also
-capture the LM head over every row (each request's one token is sampled), as SGLang's decode
-graphs do: its launches leave the host's step (on an H100 the 1B shape's device step at batch 1
-fell from 1.69 to 1.57 ms).
-Verify graphs leave it to the caller (k+1 rows of float32 logits per request would hold a large
-static buffer). Buckets are captured largest first into one memory pool.
+Each is a whole decoder step (``whole_graphs.py``). DECODE graphs also capture the LM head over
+every row (each request's one token is sampled), as SGLang's decode graphs do: its launches
+leave the host's step (on an H100 the 1B shape's device step at batch 1 fell from 1.69 to
+1.57 ms). Verify graphs leave it to the caller (k+1 rows of float32 logits per request would
+hold a large static buffer).
 
 Static buffers hold ``max_bs`` requests; bucket ``bs`` sees requests ``[:bs]``. A replay copies
 the batch into the first ``B`` requests' rows (in place, three launches), makes requests
 ``B..bs`` padding (``out_cache_loc`` -1: no KV write, ``seq_len`` 0: no KV read), replays the
 smallest bucket ``bs >= B`` and returns the real requests' output rows. Padded ids and positions,
 and page-table entries past a request's pages, keep older values: no real row reads them.
-
-NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
-Off CUDA the piecewise ``_EagerGraph`` stands in for ``torch.cuda.CUDAGraph`` (replay reruns the
-captured step on the static buffers), so capture and replay are tested on CPU.
 """
 
 from __future__ import annotations
 
-import functools
-import gc
 import logging
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from pcgspec.compile.buckets import pad_to_bucket
-from pcgspec.compile.forward_context import forward_context
-from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
 from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.kernels.padded_rows import GraphRows
-from pcgspec.progress import progress
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
-from pcgspec.runners.refusals import GuardedRunner
+from pcgspec.runners.whole_graphs import GraphOutput, WholeGraphRunner
 
 if TYPE_CHECKING:
     from pcgspec.runners.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-DecoderOutput = tuple[torch.Tensor, torch.Tensor | None]  # hidden [T, H], aux [T, A] | None
-
-
-class GraphOutput(NamedTuple):
-    """A replay's rows: graph memory, overwritten by the next replay."""
-
-    hidden: torch.Tensor  # [T, H]
-    aux: torch.Tensor | None  # [T, A]: the auxiliary hidden states, when captured
-    logits: torch.Tensor | None  # [T, V] float32: every row's logits (DECODE graphs)
 
 
 def decode_batch_sizes(max_bs: int) -> list[int]:
@@ -67,20 +42,6 @@ def decode_batch_sizes(max_bs: int) -> list[int]:
         raise ValueError(f"max_bs must be >= 1, got {max_bs}")
     sizes = {n for n in (1, 2, 4) if n <= max_bs} | set(range(8, max_bs + 1, 8)) | {max_bs}
     return sorted(sizes)
-
-
-@contextmanager
-def capture_stream(device: torch.device) -> Iterator[None]:
-    """Warm-ups and captures on a side stream (capture refuses the default stream)."""
-    if device.type != "cuda":
-        yield
-        return
-    current = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        yield
-    current.wait_stream(stream)
 
 
 @dataclass(frozen=True)
@@ -177,7 +138,7 @@ class StaticBuffers:
             self.seq_lens[n:bs].zero_()
 
 
-class DecodeGraphRunner(GuardedRunner):
+class DecodeGraphRunner(WholeGraphRunner):
     """Captures and replays steps of ``mode`` with ``tokens_per_seq`` tokens per request
     (DECODE: 1; TARGET_VERIFY: k+1) for ``model_runner``'s model, KV cache and attention.
 
@@ -186,7 +147,6 @@ class DecodeGraphRunner(GuardedRunner):
     the plain ``model.model``.
     """
 
-    num_warmup: int = 2  # eager runs per bucket before its capture: kernels compile there
     reasons = (
         "not_captured",
         "mode",
@@ -210,17 +170,9 @@ class DecodeGraphRunner(GuardedRunner):
             raise ValueError(f"mode must be DECODE or TARGET_VERIFY, got {mode.name}")
         if tokens_per_seq < 1 or (mode is ForwardMode.DECODE and tokens_per_seq != 1):
             raise ValueError(f"tokens_per_seq {tokens_per_seq} does not fit mode {mode.name}")
-        super().__init__()
+        super().__init__(model_runner)
         self.mode, self.tokens_per_seq = mode, tokens_per_seq
-        config, piecewise = model_runner.config, model_runner.piecewise
-        self.decoder: Callable[..., DecoderOutput] = (
-            piecewise.decoder if piecewise is not None else model_runner.model.model
-        )
-        self.attn_backend = model_runner.attn_backend
-        self.device = model_runner.device
-        self.page_size = model_runner.page_size
-        self.max_seq_len = model_runner.context_length
-        self.max_pages = -(-self.max_seq_len // self.page_size)
+        config = model_runner.config
         self.capture_hidden_mode = model_runner.capture_hidden_mode(mode)
         self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = (
             model_runner.model.compute_logits if mode is ForwardMode.DECODE else None
@@ -238,56 +190,30 @@ class DecodeGraphRunner(GuardedRunner):
                 raise ValueError("tree graphs are TARGET_VERIFY graphs")
             shape = (self.max_bs, tokens_per_seq, tokens_per_seq)
             self.tree_mask = torch.ones(shape, dtype=torch.bool, device=self.device)
-        self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
-        self.outputs: dict[int, GraphOutput] = {}
-        self.pool: tuple[int, int] | None = None
 
     # Capture ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one pool."""
-        on_cuda = self.device.type == "cuda"
-        if on_cuda:
-            gc.collect()
-            torch.cuda.empty_cache()
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
-        start, before = time.perf_counter(), self._reserved_bytes()
         self.buffers.out_cache_loc.fill_(-1)  # NOTE: warm-ups and captures must write no KV
         self.buffers.seq_lens.zero_()
-        order = self.batch_sizes[::-1]
         what = f"{self.mode.name.lower()} graphs"
-        with capture_stream(self.device):
-            for bs in progress(order, desc=f"Capturing {what}", unit="bucket"):
-                self._capture_one(bs)
+        seconds, mib = self.capture_keys(self.batch_sizes, what)
         logger.info(
             "Captured %d %s (batch %d..%d, %d tokens per request, %s) in %.1f s, %.0f MiB",
-            len(order),
+            len(self.batch_sizes),
             what,
-            order[-1],
-            order[0],
+            self.batch_sizes[0],
+            self.max_bs,
             self.tokens_per_seq,
-            "CUDA" if on_cuda else "eager stand-in",
-            time.perf_counter() - start,
-            (self._reserved_bytes() - before) / 2**20,
+            "CUDA" if self.device.type == "cuda" else "eager stand-in",
+            seconds,
+            mib,
         )
 
-    def _capture_one(self, bs: int) -> None:
-        step = functools.partial(self.decoder_step, self._static_batch(bs))
-        for _ in range(self.num_warmup):
-            step()  # compiles Triton/inductor kernels for this shape outside the capture
-        graph = _CudaGraph(self.pool) if self.device.type == "cuda" else _EagerGraph()
-        self.outputs[bs] = graph.capture(step, ())
-        self.graphs[bs] = graph
-
-    def decoder_step(self, batch: ForwardBatch) -> GraphOutput:
-        """One step of the decoder over ``batch``, whose tensors a graph holds (the static
-        buffers, or those a captured speculative step builds): the captured region."""
-        self.attn_backend.init_capture_metadata(batch, self.max_seq_len)
-        with forward_context(batch, self.attn_backend):
-            hidden, aux = self.decoder(batch.input_ids, batch.positions)
-        logits = None if self.compute_logits is None else self.compute_logits(hidden)
-        return GraphOutput(hidden, aux, logits)
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None if self.compute_logits is None else self.compute_logits(hidden)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         verify = self.mode is ForwardMode.TARGET_VERIFY
@@ -300,12 +226,6 @@ class DecodeGraphRunner(GuardedRunner):
             spec_num_draft_tokens=self.tokens_per_seq if verify else 0,
             tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
         )
-
-    def _reserved_bytes(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_reserved(self.device)
 
     # Replay ----------------------------------------------------------------------------------
 
@@ -355,14 +275,3 @@ class DecodeGraphRunner(GuardedRunner):
         self._count_run((bs - n) * self.tokens_per_seq)
         t = batch.num_tokens
         return GraphOutput(*(None if out is None else out[:t] for out in self.outputs[bs]))
-
-    def reset(self) -> None:
-        """Free every graph; ``can_run`` refuses every batch from then on."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.outputs.clear()
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self.graphs)

@@ -24,9 +24,10 @@ import torch
 from pcgspec.compile.buckets import pad_to_bucket
 from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
 from pcgspec.progress import progress
-from pcgspec.runners.decode_graph_runner import StaticBuffers, capture_stream, decode_batch_sizes
+from pcgspec.runners.decode_graph_runner import StaticBuffers, decode_batch_sizes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
 from pcgspec.runners.refusals import GuardedRunner
+from pcgspec.runners.whole_graphs import capture_stream
 from pcgspec.speculative.tree import DraftTree, TreeShape
 
 if TYPE_CHECKING:

@@ -23,8 +23,10 @@ from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.batch_wire import to_message
-from pcgspec.runners.decode_graph_runner import DecodeGraphRunner, GraphOutput
+from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
+from pcgspec.runners.extend_graph_runner import ExtendGraphRunner
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
+from pcgspec.runners.whole_graphs import GraphOutput
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
 
@@ -106,6 +108,7 @@ class ModelRunner:
         self.drafter_reads_hidden = drafter_reads_hidden
         self.extend_capture_hidden_mode = self._configure_aux_hidden_layers()
         self.piecewise: PiecewiseRunner | None = None
+        self.extend_graphs: ExtendGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         self.verify_graphs: DecodeGraphRunner | None = None
         self._init_graph_runners()
@@ -138,15 +141,19 @@ class ModelRunner:
 
     def _init_graph_runners(self) -> None:
         """Piecewise graphs serve extend batches when ``config.use_piecewise`` (CUDA; pieces
-        without graphs on CPU only when asked); decode graphs, and with speculation
-        TARGET_VERIFY graphs of k+1 tokens per request, need CUDA. All capture after the KV
-        cache exists.
+        without graphs on CPU only when asked), whole-decoder extend graphs the small ones;
+        decode graphs, and with speculation TARGET_VERIFY graphs of k+1 tokens per request,
+        need CUDA. All capture after the KV cache exists.
         """
         if self.config.use_piecewise:
             from pcgspec.runners.piecewise_runner import PiecewiseRunner
 
             self.piecewise = PiecewiseRunner(self)
             self.piecewise.capture()
+        if self.config.resolved_extend_graph_max_tokens:
+            max_tokens = self.config.resolved_extend_graph_max_tokens
+            self.extend_graphs = ExtendGraphRunner(self, max_tokens)
+            self.extend_graphs.capture()
         if self.device.type == "cuda" and not self.config.disable_cuda_graph:
             self.decode_graphs = DecodeGraphRunner(self)
             self.decode_graphs.capture()
@@ -221,7 +228,8 @@ class ModelRunner:
         ``EngineConfig.aux_hidden_state_layers`` instead when graphs are on.
         """
         traced = any(
-            r is not None for r in (self.piecewise, self.decode_graphs, self.verify_graphs)
+            r is not None
+            for r in (self.piecewise, self.extend_graphs, self.decode_graphs, self.verify_graphs)
         )
         if traced and tuple(layer_ids) != self.model.model.aux_hidden_layers:
             raise RuntimeError(
@@ -245,8 +253,8 @@ class ModelRunner:
             self.tp_driver.shutdown()
 
     def release_graphs(self) -> None:
-        """Free the piecewise, decode and verify graphs; passes run eagerly from then on. Under
-        tensor parallelism every rank does so before leaving its group: NCCL's teardown waits
+        """Free the piecewise, extend, decode and verify graphs; passes run eagerly from then on.
+        Under tensor parallelism every rank does so before leaving its group: NCCL's teardown waits
         forever on a live graph that captured its collectives (pytorch#115388; seen on two
         H100s).
         """
@@ -254,15 +262,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         if self.piecewise is not None:
             self.piecewise.graphs.reset()
-        for graphs in (self.decode_graphs, self.verify_graphs):
+        for graphs in (self.extend_graphs, self.decode_graphs, self.verify_graphs):
             if graphs is not None:
                 graphs.reset()
-        self.piecewise = self.decode_graphs = self.verify_graphs = None
+        self.piecewise = self.extend_graphs = self.decode_graphs = self.verify_graphs = None
 
     def graph_runners(self) -> dict[str, GuardedRunner]:
         """The target's graph runners by name (those built), for their ``stats()``."""
         runners = {
             "piecewise": self.piecewise,
+            "extend": self.extend_graphs,
             "decode": self.decode_graphs,
             "verify": self.verify_graphs,
         }
@@ -286,6 +295,7 @@ class ModelRunner:
     def _run_decoder(self, batch: ForwardBatch) -> GraphOutput:
         """Hidden states, auxiliary hidden states and (from a decode graph) every row's logits."""
         graphs = {
+            ForwardMode.EXTEND: self.extend_graphs,
             ForwardMode.DECODE: self.decode_graphs,
             ForwardMode.TARGET_VERIFY: self.verify_graphs,
         }.get(batch.forward_mode)

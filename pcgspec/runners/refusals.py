@@ -1,10 +1,11 @@
 """The one guard every graph runner has, and the one way it counts.
 
-A graph runner (piecewise, decode, verify, draft) serves a batch only where ``can_run(batch)``
-holds; that asks ``_refusal(batch)`` for a reason not to (None: it serves it), and a refusal is
-counted under its reason before the caller runs the batch another way (eagerly, or the piecewise
-runner after the decode graphs). ``stats()`` has one shape for every runner; the engine reports
-it per runner (``Engine.graph_stats``), and the server exports it in /server_info and /metrics.
+A graph runner (piecewise, extend, decode, verify, draft) serves a batch only where
+``can_run(batch)`` holds; that asks ``_refusal(batch)`` for a reason not to (None: it serves it),
+and a refusal is counted under its reason before the caller runs the batch another way (eagerly,
+or the piecewise runner after the extend or decode graphs). ``stats()`` has one shape for every
+runner; the engine reports it per runner (``Engine.graph_stats``), and the server exports it in
+/server_info and /metrics.
 """
 
 from __future__ import annotations

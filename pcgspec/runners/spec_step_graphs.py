@@ -55,9 +55,9 @@ from pcgspec.kernels.verify_draft_tokens import (
 )
 from pcgspec.progress import progress
 from pcgspec.runners.batch_builder import build_verify_batch
-from pcgspec.runners.decode_graph_runner import capture_stream
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.refusals import GuardedRunner
+from pcgspec.runners.whole_graphs import capture_stream
 from pcgspec.sampling.batch import GREEDY_EPS
 from pcgspec.sampling.sampler import scale_by_temperature
 from pcgspec.speculative.base import CapturedStep, DraftProposal

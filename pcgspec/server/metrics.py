@@ -256,7 +256,7 @@ class _EngineCollector:
 
     def _graphs(self, snap: EngineSnapshot) -> Iterator[Metric]:
         """Every graph runner's runs, eager fallbacks by reason and hit ratio (runner: piecewise,
-        decode, verify, draft, draft_piecewise; those the engine built).
+        extend, decode, verify, draft, draft_piecewise; those the engine built).
         """
         labels = ["model_name", "runner"]
         runs = CounterMetricFamily(

@@ -1,0 +1,194 @@
+"""Extend graphs: the whole decoder, attention included, as one CUDA graph per token bucket, for
+EXTEND batches up to ``extend_cuda_graph_max_tokens`` tokens (short prefills, chunks, and the
+mixed steps that admit a request beside the running ones).
+
+A piecewise replay launches each layer's attention from the host between its pieces; at a few
+dozen tokens that host work, not the GPU, sets the pass's time (a served arrival's mixed step at
+16 in flight: 30 eager attention launches of about 1 ms on the host, against 0.2 ms of piece
+replays). An extend graph captures the attention too, which needs a launch that does not depend
+on the batch's composition: a bucket of ``T`` tokens holds up to ``R - 1`` requests, and its
+static buffers hold the batch's requests, then one padding request that owns the padded rows
+(no prefix and no KV write, so it attends over its own rows and every row is finite), then empty
+requests up to ``R`` (``pad_batch``'s ``PaddedRequests``, one launch). The fused extend kernel is
+planned for one request owning all ``T`` rows: that grid covers any split of the rows among the
+``R`` requests, and empty requests' programs return at once. The prefix is never split in a
+graph, so batches whose longest prefix the piecewise plan may split go there instead.
+
+A replay fills the static buffers (two launches: ``pad_batch`` and the page table) and replays
+the bucket's graph; the outputs are graph memory, overwritten by the next replay (consume or
+copy them first). What the piecewise runner refuses, more requests than the bucket holds and
+long prefixes go to the piecewise runner (or run eagerly), counted by reason.
+Off CUDA ``_EagerGraph`` stands in for the CUDA graph, so capture and replay are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from pcgspec.compile.buckets import capture_buckets, pad_to_bucket
+from pcgspec.kernels.extend_attention import MIN_PREFIX_SPLIT
+from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch, pad_batch_ref
+from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.whole_graphs import GraphOutput, WholeGraphRunner
+
+if TYPE_CHECKING:
+    from pcgspec.runners.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUESTS = 32  # requests a bucket holds at most: the grid grows with it, mostly idle
+LONG_PREFIX = 2 * MIN_PREFIX_SPLIT  # the piecewise plan may split a prefix this long
+
+
+class ExtendGraphRunner(WholeGraphRunner):
+    """Captures and replays whole EXTEND passes of ``model_runner``'s decoder per token bucket
+    up to ``max_tokens``.
+    """
+
+    reasons = (
+        "not_captured",
+        "mode",
+        "too_many_tokens",
+        "too_many_requests",
+        "hidden_mode",
+        "input_embeds",
+        "input_logprobs",
+        "long_prefix",
+        "seq_len",
+    )
+
+    def __init__(self, model_runner: ModelRunner, max_tokens: int) -> None:
+        super().__init__(model_runner)
+        config = model_runner.config
+        self.hidden_mode = model_runner.extend_capture_hidden_mode
+        self.buckets = capture_buckets(max_tokens, config.piecewise_cuda_graph_tokens)
+        self.max_requests = min(MAX_REQUESTS, config.max_running_requests)
+        rows, reqs = self.buckets[-1], self.requests(self.buckets[-1]) + 1
+
+        def buffer(value: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.full(shape, value, dtype=dtype, device=self.device)
+
+        self.input_ids = buffer(0, torch.int64, rows)
+        self.positions = buffer(0, torch.int64, rows)
+        self.out_cache_loc = buffer(-1, torch.int64, rows)
+        self.seq_lens = buffer(0, torch.int32, reqs)
+        self.extend_lens = buffer(0, torch.int32, reqs)
+        self.extend_start = buffer(0, torch.int32, reqs)
+        self.page_table = buffer(0, torch.int32, reqs, self.max_pages)
+        self._pad = pad_batch if self.device.type == "cuda" else pad_batch_ref
+
+    def requests(self, bucket: int) -> int:
+        """Requests a batch of ``bucket`` tokens may hold (the padding one not counted)."""
+        return min(bucket, self.max_requests)
+
+    # Capture ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one pool."""
+        seconds, mib = self.capture_keys(self.buckets, "extend graphs")
+        logger.info(
+            "Captured %d extend graphs (%d..%d tokens, up to %d requests, %s) in %.1f s, %.0f MiB",
+            len(self.buckets),
+            self.buckets[0],
+            self.buckets[-1],
+            self.requests(self.buckets[-1]),
+            "CUDA" if self.device.type == "cuda" else "eager stand-in",
+            seconds,
+            mib,
+        )
+
+    def _before_capture(self, bucket: int) -> None:
+        # NOTE: an empty batch: the padding request owns every row and writes no KV
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        lens = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._load(empty, empty, empty, lens, lens, bucket)
+
+    def _static_batch(self, bucket: int) -> ForwardBatch:
+        reqs = self.requests(bucket) + 1
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=self.input_ids[:bucket],
+            positions=self.positions[:bucket],
+            out_cache_loc=self.out_cache_loc[:bucket],
+            seq_lens=self.seq_lens[:reqs],
+            extend_lens=self.extend_lens[:reqs],
+            page_table=self.page_table[:reqs],
+            page_size=self.page_size,
+            seq_lens_cpu=(self.max_seq_len,) * reqs,  # bounds, not contents
+            extend_lens_cpu=(bucket,) * reqs,
+            logits_indices=self.out_cache_loc[:0],  # the caller computes the logits
+            capture_hidden_mode=self.hidden_mode,
+            extend_start=self.extend_start[:reqs],
+        )
+
+    # Replay ----------------------------------------------------------------------------------
+
+    def _refusal(self, batch: ForwardBatch) -> str | None:
+        if not self.graphs:
+            return "not_captured"
+        if batch.forward_mode is not ForwardMode.EXTEND or batch.num_tokens == 0:
+            return "mode"
+        bucket = pad_to_bucket(batch.num_tokens, self.buckets)
+        if bucket is None:
+            return "too_many_tokens"
+        if batch.batch_size > self.requests(bucket):
+            return "too_many_requests"
+        if batch.capture_hidden_mode is not self.hidden_mode:
+            return "hidden_mode"
+        if batch.input_embeds is not None:
+            return "input_embeds"
+        if batch.return_input_logprobs:
+            return "input_logprobs"
+        seqs, exts = batch.seq_lens_cpu, batch.extend_lens_cpu
+        if max(s - n for s, n in zip(seqs, exts)) >= LONG_PREFIX:
+            return "long_prefix"
+        if batch.page_table.shape[1] > self.max_pages or max(seqs) > self.max_seq_len:
+            return "seq_len"
+        return None
+
+    @torch.inference_mode()
+    def replay(self, batch: ForwardBatch) -> GraphOutput:
+        """The decoder outputs for ``batch`` (``can_run`` must hold): its rows of graph memory."""
+        n = batch.num_tokens
+        bucket = pad_to_bucket(n, self.buckets)
+        if bucket is None or bucket not in self.graphs:
+            raise ValueError(f"no extend graph for {n} tokens (captured: {sorted(self.graphs)})")
+        self._load(
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            batch.extend_lens,
+            batch.seq_lens,
+            bucket,
+        )
+        self.page_table[: batch.batch_size, : batch.page_table.shape[1]].copy_(batch.page_table)
+        self.graphs[bucket].replay()
+        self._count_run(bucket - n)
+        return GraphOutput(*(None if out is None else out[:n] for out in self.outputs[bucket]))
+
+    def _load(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        extend_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        bucket: int,
+    ) -> None:
+        """A batch's rows and requests into bucket ``bucket``'s static buffers, padded."""
+        reqs = self.requests(bucket) + 1
+        self._pad(
+            input_ids,
+            positions,
+            out_cache_loc,
+            extend_lens,
+            self.input_ids[:bucket],
+            self.positions[:bucket],
+            self.out_cache_loc[:bucket],
+            self.extend_start[:reqs],
+            PaddedRequests(seq_lens, self.seq_lens[:reqs], self.extend_lens[:reqs]),
+        )

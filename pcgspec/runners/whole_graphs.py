@@ -1,0 +1,140 @@
+"""What the runners that capture whole decoder steps share: decode and verify graphs per batch
+size (``decode_graph_runner.py``), extend graphs per token bucket (``extend_graph_runner.py``).
+
+Each captures, per key, one step of the decoder stack over its static buffers: the piecewise
+runner's compiled decoder (called outside a piecewise capture/replay step, its pieces run their
+compiled code directly, so no second compile) or the plain ``model.model``, with the attention
+between the layers reading metadata that ``AttentionBackend.init_capture_metadata`` builds over
+those buffers. Keys are captured largest first into one memory pool, each after ``num_warmup``
+eager runs (kernels compile there, outside the capture).
+
+NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
+Off CUDA the piecewise ``_EagerGraph`` stands in for ``torch.cuda.CUDAGraph`` (replay reruns the
+captured step on the static buffers), so capture and replay are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from pcgspec.compile.forward_context import forward_context
+from pcgspec.compile.piecewise import _CudaGraph, _EagerGraph
+from pcgspec.progress import progress
+from pcgspec.runners.forward_batch import ForwardBatch
+from pcgspec.runners.refusals import GuardedRunner
+
+if TYPE_CHECKING:
+    from pcgspec.runners.model_runner import ModelRunner
+
+DecoderOutput = tuple[torch.Tensor, torch.Tensor | None]  # hidden [T, H], aux [T, A] | None
+
+
+class GraphOutput(NamedTuple):
+    """A replay's rows: graph memory, overwritten by the next replay."""
+
+    hidden: torch.Tensor  # [T, H]
+    aux: torch.Tensor | None  # [T, A]: the auxiliary hidden states, when captured
+    logits: torch.Tensor | None  # [T, V] float32: every row's logits (DECODE graphs)
+
+
+@contextmanager
+def capture_stream(device: torch.device) -> Iterator[None]:
+    """Warm-ups and captures on a side stream (capture refuses the default stream)."""
+    if device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
+class WholeGraphRunner(GuardedRunner):
+    """One captured decoder step per key (a batch size, a token bucket) of ``model_runner``'s
+    model, KV cache and attention. Subclasses give each key's static batch and replay.
+    """
+
+    num_warmup: int = 2  # eager runs per key before its capture: kernels compile there
+
+    def __init__(self, model_runner: ModelRunner) -> None:
+        super().__init__()
+        piecewise = model_runner.piecewise
+        self.decoder: Callable[..., DecoderOutput] = (
+            piecewise.decoder if piecewise is not None else model_runner.model.model
+        )
+        self.attn_backend = model_runner.attn_backend
+        self.device = model_runner.device
+        self.page_size = model_runner.page_size
+        self.max_seq_len = model_runner.context_length
+        self.max_pages = -(-self.max_seq_len // self.page_size)
+        self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
+        self.outputs: dict[int, GraphOutput] = {}
+        self.pool: tuple[int, int] | None = None
+
+    @abstractmethod
+    def _static_batch(self, key: int) -> ForwardBatch:
+        """The batch key ``key``'s graph reads: views of the static buffers."""
+
+    def _before_capture(self, key: int) -> None:
+        """Make the static buffers a batch that writes no KV (warm-ups and the capture run it)."""
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits captured with the step (None: the caller computes them)."""
+        return None
+
+    @torch.inference_mode()
+    def capture_keys(self, keys: Sequence[int], what: str) -> tuple[float, float]:
+        """Capture every key, largest first, into one pool: the seconds and MiB it took."""
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+        start, before = time.perf_counter(), self._reserved_bytes()
+        with capture_stream(self.device):
+            for key in progress(
+                sorted(keys, reverse=True), desc=f"Capturing {what}", unit="bucket"
+            ):
+                self._before_capture(key)
+                step = functools.partial(self.decoder_step, self._static_batch(key))
+                for _ in range(self.num_warmup):
+                    step()  # compiles Triton/inductor kernels for this shape outside the capture
+                graph = _CudaGraph(self.pool) if on_cuda else _EagerGraph()
+                self.outputs[key] = graph.capture(step, ())
+                self.graphs[key] = graph
+        return time.perf_counter() - start, (self._reserved_bytes() - before) / 2**20
+
+    def decoder_step(self, batch: ForwardBatch) -> GraphOutput:
+        """One step of the decoder over ``batch``, whose tensors a graph holds (the static
+        buffers, or those a captured speculative step builds): the captured region."""
+        self.attn_backend.init_capture_metadata(batch, self.max_seq_len)
+        with forward_context(batch, self.attn_backend):
+            hidden, aux = self.decoder(batch.input_ids, batch.positions)
+        return GraphOutput(hidden, aux, self._logits(hidden))
+
+    def _reserved_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device)
+
+    def reset(self) -> None:
+        """Free every graph; ``can_run`` refuses every batch from then on."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
