@@ -289,19 +289,24 @@ class EngineConfig:
     @property
     def resolved_extend_graph_max_tokens(self) -> int:
         """The largest extend-graph bucket (0: none): the flag, else 256 tokens, within the
-        piecewise buckets' range; on CUDA with CUDA graphs and piecewise graphs on, one rank
-        (under tensor parallelism the piecewise graphs serve every extend batch: extend graphs
-        have not been run on several GPUs).
+        piecewise buckets' range (an explicit bucket list must hold one at or below it); on CUDA
+        with CUDA graphs, piecewise graphs and the Triton attention backend on, one rank (under
+        tensor parallelism the piecewise graphs serve every extend batch: extend graphs have not
+        been run on several GPUs).
         """
         cuda = self.torch_device.type == "cuda"
         off = self.disable_cuda_graph or self.disable_piecewise_cuda_graph or self.tp_size > 1
-        if not cuda or off:
+        if not cuda or off or self.resolved_attention_backend != "triton":
             return 0
         flag = self.extend_cuda_graph_max_tokens
-        return min(
+        limit = min(
             DEFAULT_EXTEND_GRAPH_MAX_TOKENS if flag is None else flag,
             self.resolved_piecewise_max_tokens,
         )
+        explicit = self.piecewise_cuda_graph_tokens
+        if explicit is not None and all(n > limit for n in explicit):
+            return 0
+        return limit
 
     @property
     def resolved_piecewise_compiler(self) -> str:

@@ -145,7 +145,10 @@ def check_against_eager(
         assert (aux is None) == (hidden_mode is CaptureHiddenMode.NULL)
         hidden, aux = hidden.clone(), None if aux is None else aux.clone()
         assert_only_slots_written(kv, before, batch.out_cache_loc)
+        written = kv_snapshot(kv)
         want, want_aux = runner.run_eager(batch)
+        for got_kv, want_kv in zip(written, kv_snapshot(kv)):  # eager writes the same values
+            torch.testing.assert_close(got_kv, want_kv, atol=tol, rtol=tol)
         torch.testing.assert_close(hidden, want, atol=tol, rtol=tol)
         if aux is not None:
             torch.testing.assert_close(aux, want_aux, atol=tol, rtol=tol)
@@ -154,6 +157,24 @@ def check_against_eager(
     assert stats["runs"] == len(STEPS)
     assert stats["padded_rows"] == sum(b - sum(n for _, n in new) for b, new in zip(buckets, STEPS))
     assert not any(stats["fallbacks"].values())
+
+
+def test_padding_request_in_the_last_slot(tiny_path) -> None:
+    """A batch with as many requests as its bucket holds and padded rows: the padding request
+    takes the graph's last request slot."""
+    runner = tiny_runner(tiny_path)
+    graphs = ExtendGraphRunner(runner, MAX_TOKENS)
+    graphs.max_requests = 4  # NOTE: before the capture: a bucket then holds 4 requests, R = 5
+    graphs.num_warmup = 0
+    graphs.capture()
+    with torch.inference_mode():
+        reqs = Requests(runner, CaptureHiddenMode.NULL)
+        batch = reqs.step([(0, 2), (1, 1), (2, 2), (3, 1)])  # 6 tokens: bucket 8, 2 padded rows
+        got = graphs.replay(batch).hidden.clone()
+        want, _ = runner.run_eager(batch)
+    assert graphs.requests(8) == batch.batch_size and graphs.stats()["padded_rows"] == 2
+    assert graphs.extend_lens[:5].tolist() == [2, 1, 2, 1, 2]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_model_runner_forward_replays_small_extend_batches(tiny_path) -> None:
@@ -199,10 +220,37 @@ def test_can_run_refusals(tiny_path) -> None:
     assert graphs.stats()["fallbacks"] == {r: 1 for r in ("not_captured", *refused)}
 
 
-def test_extend_graph_flag() -> None:
+def test_extend_graph_flag(monkeypatch) -> None:
     with pytest.raises(ValueError, match="extend_cuda_graph_max_tokens"):
         EngineConfig(device="cpu", extend_cuda_graph_max_tokens=-1)
     assert EngineConfig(device="cpu").resolved_extend_graph_max_tokens == 0  # CUDA only
+    configs = {  # resolved on CUDA
+        256: {},
+        64: {"piecewise_cuda_graph_max_tokens": 64},
+        32: {"extend_cuda_graph_max_tokens": 32},
+        128: {"piecewise_cuda_graph_tokens": (16, 512), "extend_cuda_graph_max_tokens": 128},
+        0: {"piecewise_cuda_graph_tokens": (512, 1024)},  # no bucket at or below 256
+    }
+    off = [
+        {"extend_cuda_graph_max_tokens": 0},
+        {"disable_cuda_graph": True},
+        {"disable_piecewise_cuda_graph": True},
+        {"tp_size": 2},
+        {"attention_backend": "torch"},
+    ]
+    built = {k: EngineConfig(device="cpu", **kw) for k, kw in configs.items()}
+    built_off = [EngineConfig(device="cpu", **kw) for kw in off]
+    monkeypatch.setattr(EngineConfig, "torch_device", property(lambda _: torch.device("cuda")))
+    assert {k: c.resolved_extend_graph_max_tokens for k, c in built.items()} == {
+        k: k for k in configs
+    }
+    assert [c.resolved_extend_graph_max_tokens for c in built_off] == [0] * len(off)
+
+
+def test_no_bucket_is_a_clear_error(tiny_path) -> None:
+    runner = tiny_runner(tiny_path, piecewise_cuda_graph_tokens=(64,))
+    with pytest.raises(ValueError, match="no bucket <= the extend graphs' 32 tokens"):
+        ExtendGraphRunner(runner, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -8,11 +8,12 @@ dozen tokens that host work, not the GPU, sets the pass's time (a served arrival
 replays). An extend graph captures the attention too, which needs a launch that does not depend
 on the batch's composition: a bucket of ``T`` tokens holds up to ``R - 1`` requests, and its
 static buffers hold the batch's requests, then one padding request that owns the padded rows
-(no prefix and no KV write, so it attends over its own rows and every row is finite), then empty
-requests up to ``R`` (``pad_batch``'s ``PaddedRequests``, one launch). The fused extend kernel is
-planned for one request owning all ``T`` rows: that grid covers any split of the rows among the
-``R`` requests, and empty requests' programs return at once. The prefix is never split in a
-graph, so batches whose longest prefix the piecewise plan may split go there instead.
+(no prefix and no KV write: the Triton kernel, which reads a pass's new keys from its rows,
+attends it over its own rows, so every row is finite), then empty requests up to ``R``
+(``pad_batch``'s ``PaddedRequests``, one launch). The fused extend kernel is planned for one
+request owning all ``T`` rows: that grid covers any split of the rows among the ``R`` requests,
+and empty requests' programs return at once. The prefix is never split in a graph, so batches
+whose longest prefix the piecewise plan may split go there instead.
 
 A replay fills the static buffers (two launches: ``pad_batch`` and the page table) and replays
 the bucket's graph; the outputs are graph memory, overwritten by the next replay (consume or
@@ -65,6 +66,11 @@ class ExtendGraphRunner(WholeGraphRunner):
         config = model_runner.config
         self.hidden_mode = model_runner.extend_capture_hidden_mode
         self.buckets = capture_buckets(max_tokens, config.piecewise_cuda_graph_tokens)
+        if not self.buckets:
+            raise ValueError(
+                f"piecewise_cuda_graph_tokens {config.piecewise_cuda_graph_tokens} has no bucket "
+                f"<= the extend graphs' {max_tokens} tokens"
+            )
         self.max_requests = min(MAX_REQUESTS, config.max_running_requests)
         rows, reqs = self.buckets[-1], self.requests(self.buckets[-1]) + 1
 
