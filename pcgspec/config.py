@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pcgspec import envs
+from pcgspec.compile.buckets import capture_buckets
 from pcgspec.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -303,8 +304,7 @@ class EngineConfig:
             DEFAULT_EXTEND_GRAPH_MAX_TOKENS if flag is None else flag,
             self.resolved_piecewise_max_tokens,
         )
-        explicit = self.piecewise_cuda_graph_tokens
-        if explicit is not None and all(n > limit for n in explicit):
+        if limit < 1 or not capture_buckets(limit, self.piecewise_cuda_graph_tokens):
             return 0
         return limit
 

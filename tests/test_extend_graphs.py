@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 from oracle import PROMPTS
-from test_decode_graphs import assert_only_slots_written, kv_snapshot
+from test_decode_graphs import PAGE_SIZE, assert_only_slots_written, kv_snapshot, tiny_runner
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
@@ -32,7 +32,7 @@ from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, Forwa
 from pcgspec.runners.model_runner import ModelRunner
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PAGE_SIZE, MAX_TOKENS = 4, 32
+MAX_TOKENS = 32
 # Steps of (request, new tokens): mixed steps (one-token rows beside chunks), a bucket filled
 # exactly (no padding), a single token, one long chunk, the most requests a small bucket holds.
 STEPS = [
@@ -50,19 +50,6 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("tiny-llama-extend")
     tiny_hf_model("LlamaConfig").save_pretrained(path)  # context length 128
     return path
-
-
-def tiny_runner(path, device: str = "cpu", **kw: object) -> ModelRunner:
-    config = EngineConfig(
-        model=str(path),
-        dtype="float32",
-        device=device,
-        page_size=PAGE_SIZE,
-        max_total_tokens=2048,
-        piecewise_cuda_graph_max_tokens=64,
-        **kw,
-    )
-    return ModelRunner(config, path)
 
 
 def captured(runner: ModelRunner, warm_up: bool = True) -> ExtendGraphRunner:

@@ -150,8 +150,7 @@ class ModelRunner:
 
             self.piecewise = PiecewiseRunner(self)
             self.piecewise.capture()
-        if self.config.resolved_extend_graph_max_tokens:
-            max_tokens = self.config.resolved_extend_graph_max_tokens
+        if max_tokens := self.config.resolved_extend_graph_max_tokens:
             self.extend_graphs = ExtendGraphRunner(self, max_tokens)
             self.extend_graphs.capture()
         if self.device.type == "cuda" and not self.config.disable_cuda_graph:
