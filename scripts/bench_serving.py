@@ -197,22 +197,37 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
 
 def _warmup_prompt(args: argparse.Namespace, prompts: list[str | list[int]]) -> str | list[int]:
     """The first prompt; for the prefix-cache datasets one that shares nothing with them."""
+    if args.dataset == "multi-turn":
+        return "Warm up: " + " ".join(WORDS)
     if args.dataset == "shared-prefix":
         rng, (lo, hi) = random.Random(args.seed + 2), args.random_token_range
         return [rng.randrange(lo, hi) for _ in range(len(prompts[0]))]
     return prompts[0]
 
 
-async def run_load(
-    args: argparse.Namespace, model: str, prompts: list[str | list[int]]
-) -> tuple[list[Result], float]:
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
-    url = args.base_url + path
-    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
-    rng = random.Random(args.seed + 1)
+def _load_path(args: argparse.Namespace) -> str:
+    """The endpoint the load's requests go to (multi-turn chats send their history as text)."""
+    if args.endpoint == "chat" and args.dataset != "multi-turn":
+        return "/v1/chat/completions"
+    return "/v1/completions"
+
+
+async def warm_up(args: argparse.Namespace, model: str) -> None:
+    """``--warmup`` requests one at a time, before the counters of the measured load are read."""
+    prompts = [] if args.dataset == "multi-turn" else load_prompts(args)
+    url = args.base_url + _load_path(args)
     async with open_session(args.api_key) as s:
         for _ in range(args.warmup):
             await one_request(s, url, request_body(args, model, _warmup_prompt(args, prompts)))
+
+
+async def run_load(
+    args: argparse.Namespace, model: str, prompts: list[str | list[int]]
+) -> tuple[list[Result], float]:
+    url = args.base_url + _load_path(args)
+    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    rng = random.Random(args.seed + 1)
+    async with open_session(args.api_key) as s:
 
         async def limited(prompt: str | list[int]) -> Result:
             async with limit:
@@ -244,8 +259,6 @@ async def run_chats(args: argparse.Namespace, model: str) -> tuple[list[Result],
     ]
     limit = asyncio.Semaphore(args.max_concurrency or len(chats))
     async with open_session(args.api_key) as s:
-        for _ in range(args.warmup):
-            await one_request(s, url, request_body(args, model, "Warm up: " + " ".join(WORDS)))
 
         async def chat(questions: list[str]) -> list[Result]:
             history, results = "", []
@@ -308,6 +321,29 @@ def _get_json(base_url: str, path: str, api_key: str | None = None) -> dict[str,
     req = urllib.request.Request(base_url + path, headers=headers)
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
+
+
+def server_step_times(base_url: str, api_key: str | None = None) -> dict[str, dict[str, float]]:
+    """The engine's steps so far, per kind (``Engine.step_stats`` through /server_info); empty
+    without it."""
+    try:
+        return _get_json(base_url, "/server_info", api_key)["internal_states"][0]["step_times"]
+    except (OSError, KeyError, IndexError, ValueError):
+        return {}
+
+
+def step_times_between(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Per kind of step that ran between two ``step_stats`` readings: how many, and their mean
+    time in ``Engine.step`` (ms)."""
+    out = {}
+    for kind, now in after.items():
+        was = before.get(kind, {"steps": 0, "seconds": 0.0})
+        steps = now["steps"] - was["steps"]
+        if steps > 0:
+            out[kind] = {"steps": steps, "ms_mean": 1e3 * (now["seconds"] - was["seconds"]) / steps}
+    return out
 
 
 def spec_counters(base_url: str, api_key: str | None = None) -> tuple[int, int]:
@@ -513,7 +549,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default: on; off in the sweep (answers of their own length)",
     )
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="requests sent one at a time before the measured load (default: 1)",
+    )
     p.add_argument(
         "--repeats",
         type=int,
@@ -685,8 +726,11 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
     server = launch(args, extra_server_args) if args.launch else None
     try:
         model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
+        if args.warmup:
+            asyncio.run(warm_up(args, model))
         steps0, accepted0 = spec_counters(args.base_url, args.api_key)
         histograms = server_histograms(args.base_url)
+        step_times0 = server_step_times(args.base_url, args.api_key)
         wall, cpu = time.perf_counter(), time.process_time()
         repeats = []
         for i in range(args.repeats):
@@ -701,6 +745,7 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
         counters = spec_counters(args.base_url, args.api_key)
         steps, accepted = (a - b for a, b in zip(counters, (steps0, accepted0)))
         times = server_times(histograms, server_histograms(args.base_url))
+        step_times = step_times_between(step_times0, server_step_times(args.base_url, args.api_key))
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -713,6 +758,7 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
     summary["model"] = model
     summary["avg_spec_accept_length"] = (accepted + steps) / steps if steps else None
     summary.update(times)
+    summary["step_times"] = step_times
     summary["client_cpu_busy"] = client_busy
     summary["medians_ms"] = {k: summary[k].get("p50_ms") for k in ("ttft", "tpot", "itl", "e2e")}
     print_report(summary)
@@ -741,9 +787,11 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in load_prompts(args)]
     if args.warmup:
         llm.generate(prompts[: args.warmup], params, use_tqdm=False)
+    steps0 = llm.engine.step_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     duration = time.perf_counter() - start
+    step_times = step_times_between(steps0, llm.engine.step_stats())
     tokens = sum(len(o.token_ids) for o in outs)
     return {
         "duration_s": duration,
@@ -751,6 +799,7 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
         "total_output_tokens": tokens,
         "request_throughput": len(outs) / duration,
         "output_token_throughput": tokens / duration,
+        "step_times": step_times,
     }
 
 
@@ -762,6 +811,12 @@ def compare_engine(served: dict[str, Any], engine: dict[str, Any]) -> dict[str, 
         a, b = served[key], engine[key]
         out[key] = {"served": a, "engine": b, "ratio": a / b if b else None}
         print(f"{key:<28}{a:>12.2f}{b:>12.2f}{a / b if b else float('nan'):>7.3f}x")
+    # NOTE: where the difference goes: each kind of step's count and mean time, both sides
+    served_steps, engine_steps = served.get("step_times", {}), engine.get("step_times", {})
+    for kind in sorted(set(served_steps) | set(engine_steps)):
+        cells = [served_steps.get(kind), engine_steps.get(kind)]
+        shown = [f"{c['steps']:>6d} x {c['ms_mean']:5.2f} ms" if c else f"{'-':>16}" for c in cells]
+        print(f"{kind + ' steps':<28}{shown[0]:>16}{shown[1]:>16}")
     print("=" * 60)
     return out
 

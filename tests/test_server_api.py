@@ -17,6 +17,8 @@ from oracle import PROMPTS
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import API_KEY, DEFAULT_ARGS, MODEL, ServerProcess
 
+from pcgspec.engine.engine import STEP_KINDS
+
 openai = pytest.importorskip("openai")  # NOTE: a test extra; absent where only GPU tests run
 
 GREEDY = {"temperature": 0.0}
@@ -515,6 +517,12 @@ def test_bench_serving_compares_with_the_engine(server, monkeypatch):
     for row in record["engine_comparison"].values():
         assert row["served"] > 0 and row["engine"] > 0
         assert row["ratio"] == pytest.approx(row["served"] / row["engine"])
+    # each side's steps of the measured load alone, by kind: a prefill, then decode steps
+    # (tokens 2 and 3 of each request); the warm-up's steps are in neither
+    for steps in (record["step_times"], engine["step_times"]):
+        assert set(steps) <= set(STEP_KINDS) and steps["decode"]["steps"] >= 2
+        assert all(v["steps"] > 0 and v["ms_mean"] > 0 for v in steps.values())
+        assert sum(steps[k]["steps"] for k in ("prefill", "mixed") if k in steps) >= 1
 
 
 def test_speculative_server_matches_and_reports_accept_length(server, client):
