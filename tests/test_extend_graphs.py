@@ -128,15 +128,18 @@ def check_against_eager(
         assert graphs.can_run(batch)
         before = kv_snapshot(kv)
         hidden, aux, logits = graphs.replay(batch)
-        assert logits is None and hidden.shape == (batch.num_tokens, runner.model.hidden_size)
+        assert hidden.shape == (batch.num_tokens, runner.model.hidden_size)
+        assert logits.shape == (batch.batch_size, runner.vocab_size)  # every request samples
         assert (aux is None) == (hidden_mode is CaptureHiddenMode.NULL)
-        hidden, aux = hidden.clone(), None if aux is None else aux.clone()
+        hidden, aux, logits = hidden.clone(), None if aux is None else aux.clone(), logits.clone()
         assert_only_slots_written(kv, before, batch.out_cache_loc)
         written = kv_snapshot(kv)
         want, want_aux = runner.run_eager(batch)
         for got_kv, want_kv in zip(written, kv_snapshot(kv)):  # eager writes the same values
             torch.testing.assert_close(got_kv, want_kv, atol=tol, rtol=tol)
         torch.testing.assert_close(hidden, want, atol=tol, rtol=tol)
+        want_logits = runner.model.compute_logits(want[batch.logits_indices])
+        torch.testing.assert_close(logits, want_logits, atol=tol, rtol=tol)
         if aux is not None:
             torch.testing.assert_close(aux, want_aux, atol=tol, rtol=tol)
     stats = graphs.stats()

@@ -175,9 +175,9 @@ def test_each_step_launches_before_the_previous_one_is_read(engines, monkeypatch
 
 def test_first_tokens_are_read_early_where_they_are_a_good_share(smollm2_path):
     """A wave of new requests is read before the next launch (a step of its own that only
-    reads); one request joining many running ones is read one step late, like a decode row, so
-    the device does not idle while the next step is built (``FIRST_TOKEN_SHARE``). Its tokens
-    equal a run of its own."""
+    reads); a few requests joining many running ones (a quarter of the sampled rows) are read
+    one step late, like decode rows, so the device does not idle while the next step is built
+    (``FIRST_TOKEN_SHARE``). Their tokens equal a run of their own."""
     llm = _llm(smollm2_path, True)
     engine, tok = llm.engine, llm.get_tokenizer()
     for p in PROMPTS[:9]:
@@ -189,10 +189,12 @@ def test_first_tokens_are_read_early_where_they_are_a_good_share(smollm2_path):
     for _ in range(3):
         engine.step()
     (late,) = engine.add_request(tok.encode(PROMPTS[9]), greedy(6))
+    for p in PROMPTS[:2]:
+        engine.add_request(tok.encode(p), greedy(6))
     while late.num_output_tokens == 0:
         engine.step()
-    assert engine.step_counts["mixed"] == 1  # nine decode rows and the new prompt
-    assert engine.step_counts["first_tokens"] == 1  # 1 of 10 sampled rows: read one step late
+    assert engine.step_counts["mixed"] == 1  # nine decode rows and the three new prompts
+    assert engine.step_counts["first_tokens"] == 1  # 3 of 12 sampled rows: read one step late
     while engine.has_unfinished:
         engine.step()
     alone = llm.generate(PROMPTS[9], greedy(6), use_tqdm=False)[0].outputs[0].token_ids

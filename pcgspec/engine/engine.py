@@ -292,7 +292,7 @@ class Engine:
         isolation.py). Under the overlap schedule the step is launched and the previous one's
         tokens are committed while it runs (overlap.py), speculative steps included; a plain
         step launched over a speculative step takes its decode rows' lengths from the device
-        (``_build_forward_batch``). A step whose sampled rows are first tokens for at least a fifth
+        (``_build_forward_batch``). A step whose sampled rows are first tokens for at least half
         (``overlap.FIRST_TOKEN_SHARE``) is read by a step of its own, which launches nothing:
         those tokens go out before the next step's host work (``_first_tokens_in_flight``).
         Each decode step is timed for the speculation policy (step_timer.py). Returns the
@@ -350,14 +350,14 @@ class Engine:
         time between steps is in none): ``prefill`` (also chunks and resumed requests),
         ``mixed`` (running requests' next tokens beside prefill chunks), ``decode`` (plain),
         ``speculative``, and ``first_tokens``, a step that only read the tokens of a step
-        with prefill work, first tokens for a good share (``_first_tokens_in_flight``)."""
+        with prefill work, first tokens for at least half (``_first_tokens_in_flight``)."""
         return {
             kind: {"steps": self.step_counts[kind], "seconds": self.step_seconds[kind]}
             for kind in STEP_KINDS
         }
 
     def _first_tokens_in_flight(self) -> bool:
-        """Whether a step in flight sampled first tokens for a good share of its rows
+        """Whether a step in flight sampled first tokens for at least half of its rows
         (``overlap.FIRST_TOKEN_SHARE``). Reading them before the next launch costs the overlap
         of one step (the device idles while the next step is built) and takes that step's host
         work off those requests' TTFT: worth it for a wave of new requests, not for one joining

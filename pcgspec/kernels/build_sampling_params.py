@@ -199,16 +199,12 @@ class SamplingTensors:
 
     @classmethod
     def empty(cls, n: int, device: torch.device | str) -> SamplingTensors:
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
-        return cls(
-            torch.empty(n, **f32),
-            torch.empty(n, **f32),
-            torch.empty(n, **i64),
-            torch.empty(n, **f32),
-            torch.empty(n, **i64),
-            torch.empty(n, **i64),
-        )
+        # NOTE: rows of two allocations, not six (a batch's rows are built every step it
+        # changes), each row 16-byte aligned like an allocation (Triton specializes on it)
+        m = -(-n // 4) * 4
+        f32 = torch.empty(3, m, dtype=torch.float32, device=device)[:, :n]
+        i64 = torch.empty(3, m, dtype=torch.int64, device=device)[:, :n]
+        return cls(f32[0], f32[1], i64[0], f32[2], i64[1], i64[2])
 
     def __len__(self) -> int:
         return self.temperature.shape[0]
@@ -220,11 +216,11 @@ class SamplingTensors:
         n, device = len(self), self.temperature.device
         for field, want, t in zip(_FIELDS, _DTYPES, self.tensors()):
             ok = t.shape == (n,) and t.dtype == want and t.device == device and t.is_contiguous()
-            _require(
-                ok,
-                f"{name}.{field} must be contiguous [{n}] {want} on {device}, "
-                f"got {tuple(t.shape)} {t.dtype} on {t.device}",
-            )
+            if not ok:  # NOTE: the message is built on failure only: checks run every step
+                raise ValueError(
+                    f"{name}.{field} must be contiguous [{n}] {want} on {device}, "
+                    f"got {tuple(t.shape)} {t.dtype} on {t.device}"
+                )
 
 
 _FIELDS = tuple(f.name for f in fields(SamplingTensors))
@@ -240,8 +236,12 @@ def _check_index(name: str, x: torch.Tensor | None, n: int, device: torch.device
     if x is None:
         return
     ok = x.shape == (n,) and x.dtype in (torch.int32, torch.int64) and x.is_contiguous()
-    _require(ok, f"{name} must be contiguous [{n}] int32/int64, got {tuple(x.shape)} {x.dtype}")
-    _require(x.device == device, f"{name} is on {x.device}, the request table on {device}")
+    if not ok:
+        raise ValueError(
+            f"{name} must be contiguous [{n}] int32/int64, got {tuple(x.shape)} {x.dtype}"
+        )
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, the request table on {device}")
 
 
 def build_sampling_params(
@@ -263,16 +263,16 @@ def build_sampling_params(
     _check_index("rows_per_request", rows_per_request, num_requests, device)
     _check_index("req_slots", req_slots, num_requests, device)
     _check_index("row_start", row_start, num_requests, device)
-    if req_slots is None:
-        _require(
-            num_requests <= len(requests),
+    if req_slots is None and num_requests > len(requests):
+        raise ValueError(
             f"{num_requests} requests without req_slots "
-            f"need a table of >= {num_requests} entries, got {len(requests)}",
+            f"need a table of >= {num_requests} entries, got {len(requests)}"
         )
     if out is None:
         out = SamplingTensors.empty(num_rows, device)
     out.check("out")
-    _require(len(out) == num_rows, f"out has {len(out)} rows, num_rows is {num_rows}")
+    if len(out) != num_rows:
+        raise ValueError(f"out has {len(out)} rows, num_rows is {num_rows}")
     _require(out.temperature.device == device, "out must be on the request table's device")
     if num_requests == 0:
         return out
@@ -368,15 +368,16 @@ def _check_commit(
         and (tokens.stride(1) == 1 or tokens.shape[1] == 1)
         and tokens.device == device
     )
-    _require(
-        ok,
-        f"tokens must be [{num_requests}, n] int64 on {device} with unit column stride, "
-        f"got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}",
-    )
+    if not ok:
+        raise ValueError(
+            f"tokens must be [{num_requests}, n] int64 on {device} with unit column stride, "
+            f"got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}"
+        )
     ok = (
         last_token.shape == (n,) and last_token.dtype == torch.int64 and last_token.device == device
     )
-    _require(ok and last_token.is_contiguous(), f"last_token must be contiguous [{n}] int64")
+    if not (ok and last_token.is_contiguous()):
+        raise ValueError(f"last_token must be contiguous [{n}] int64")
     if history is None:
         return
     ok = (
@@ -387,12 +388,11 @@ def _check_commit(
         and history.stride(1) == 1
         and history.device == device
     )
-    _require(ok, f"history must be [{n}, L + 1] int32 with unit column stride")
+    if not ok:
+        raise ValueError(f"history must be [{n}, L + 1] int32 with unit column stride")
     ok = prompt_len.shape == (n,) and prompt_len.dtype == torch.int64
-    _require(
-        ok and prompt_len.is_contiguous() and prompt_len.device == device,
-        f"prompt_len must be contiguous [{n}] int64",
-    )
+    if not (ok and prompt_len.is_contiguous() and prompt_len.device == device):
+        raise ValueError(f"prompt_len must be contiguous [{n}] int64")
 
 
 def _slots(req_slots: torch.Tensor | None, num_requests: int) -> list[int]:

@@ -212,7 +212,8 @@ class DecodeGraphRunner(WholeGraphRunner):
             mib,
         )
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Every row's logits (DECODE graphs): a decode batch's logits rows are all its rows."""
         return None if self.compute_logits is None else self.compute_logits(hidden)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -274,4 +275,7 @@ class DecodeGraphRunner(WholeGraphRunner):
         self.graphs[bs].replay()
         self._count_run((bs - n) * self.tokens_per_seq)
         t = batch.num_tokens
-        return GraphOutput(*(None if out is None else out[:t] for out in self.outputs[bs]))
+        hidden, aux, logits = (None if out is None else out[:t] for out in self.outputs[bs])
+        if batch.logits_indices.shape[0] != t:  # NOTE: ascending: as many rows are every row
+            logits = None  # the caller's rows are a subset: it computes them
+        return GraphOutput(hidden, aux, logits)

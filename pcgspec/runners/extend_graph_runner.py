@@ -15,10 +15,11 @@ request owning all ``T`` rows: that grid covers any split of the rows among the 
 and empty requests' programs return at once. The prefix is never split in a graph, so batches
 whose longest prefix the piecewise plan may split go there instead.
 
-A replay fills the static buffers (two launches: ``pad_batch`` and the page table) and replays
-the bucket's graph; the outputs are graph memory, overwritten by the next replay (consume or
-copy them first). What the piecewise runner refuses, more requests than the bucket holds and
-long prefixes go to the piecewise runner (or run eagerly), counted by reason.
+A replay fills the static buffers (three launches: ``pad_batch``, the page table and the
+sampled rows) and replays the bucket's graph, which computes the sampled rows' logits too; the
+outputs are graph memory, overwritten by the next replay (consume or copy them first). What
+the piecewise runner refuses, more requests than the bucket holds and long prefixes go to the
+piecewise runner (or run eagerly), counted by reason.
 Off CUDA ``_EagerGraph`` stands in for the CUDA graph, so capture and replay are tested on CPU.
 """
 
@@ -84,6 +85,10 @@ class ExtendGraphRunner(WholeGraphRunner):
         self.extend_lens = buffer(0, torch.int32, reqs)
         self.extend_start = buffer(0, torch.int32, reqs)
         self.page_table = buffer(0, torch.int32, reqs, self.max_pages)
+        # NOTE: the sampled rows, one per request at most; a bucket's graph computes the logits
+        # of its first ``requests(bucket)`` entries (stale ones are clamped into the bucket)
+        self.logits_rows = buffer(0, torch.int64, self.max_requests)
+        self.compute_logits = model_runner.model.compute_logits
         self._pad = pad_batch if self.device.type == "cuda" else pad_batch_ref
 
     def requests(self, bucket: int) -> int:
@@ -126,10 +131,14 @@ class ExtendGraphRunner(WholeGraphRunner):
             page_size=self.page_size,
             seq_lens_cpu=(self.max_seq_len,) * reqs,  # bounds, not contents
             extend_lens_cpu=(bucket,) * reqs,
-            logits_indices=self.out_cache_loc[:0],  # the caller computes the logits
+            logits_indices=self.logits_rows[: self.requests(bucket)],
             capture_hidden_mode=self.hidden_mode,
             extend_start=self.extend_start[:reqs],
         )
+
+    def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        rows = batch.logits_indices.clamp(max=hidden.shape[0] - 1)
+        return self.compute_logits(hidden.index_select(0, rows))
 
     # Replay ----------------------------------------------------------------------------------
 
@@ -141,8 +150,8 @@ class ExtendGraphRunner(WholeGraphRunner):
         bucket = pad_to_bucket(batch.num_tokens, self.buckets)
         if bucket is None:
             return "too_many_tokens"
-        if batch.batch_size > self.requests(bucket):
-            return "too_many_requests"
+        if max(batch.batch_size, batch.logits_indices.shape[0]) > self.requests(bucket):
+            return "too_many_requests"  # NOTE: or more logits rows than the graph computes
         if batch.capture_hidden_mode is not self.hidden_mode:
             return "hidden_mode"
         if batch.input_embeds is not None:
@@ -172,9 +181,12 @@ class ExtendGraphRunner(WholeGraphRunner):
             bucket,
         )
         self.page_table[: batch.batch_size, : batch.page_table.shape[1]].copy_(batch.page_table)
+        rows = batch.logits_indices.shape[0]
+        self.logits_rows[:rows].copy_(batch.logits_indices)
         self.graphs[bucket].replay()
         self._count_run(bucket - n)
-        return GraphOutput(*(None if out is None else out[:n] for out in self.outputs[bucket]))
+        hidden, aux, logits = self.outputs[bucket]
+        return GraphOutput(hidden[:n], None if aux is None else aux[:n], logits[:rows])
 
     def _load(
         self,

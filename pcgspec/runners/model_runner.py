@@ -278,9 +278,9 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         hidden, aux, logits = self._run_decoder(batch)
-        # NOTE: the logits rows ascend, so as many rows as tokens are every row, in order
-        every_row = batch.logits_indices.shape[0] == batch.num_tokens
-        if logits is None or not every_row:  # a graph's logits are every row's
+        if logits is None:  # NOTE: not captured with the step
+            # NOTE: the logits rows ascend, so as many rows as tokens are every row, in order
+            every_row = batch.logits_indices.shape[0] == batch.num_tokens
             rows = hidden[: batch.num_tokens] if every_row else hidden[batch.logits_indices]
             logits = self.model.compute_logits(rows)
         captured = aux if aux is not None else hidden
@@ -292,7 +292,8 @@ class ModelRunner:
         return ForwardOutput(logits)
 
     def _run_decoder(self, batch: ForwardBatch) -> GraphOutput:
-        """Hidden states, auxiliary hidden states and (from a decode graph) every row's logits."""
+        """Hidden states, auxiliary hidden states and (from an extend or decode graph) the
+        logits of the batch's logits rows."""
         graphs = {
             ForwardMode.EXTEND: self.extend_graphs,
             ForwardMode.DECODE: self.decode_graphs,

@@ -42,7 +42,9 @@ class GraphOutput(NamedTuple):
 
     hidden: torch.Tensor  # [T, H]
     aux: torch.Tensor | None  # [T, A]: the auxiliary hidden states, when captured
-    logits: torch.Tensor | None  # [T, V] float32: every row's logits (DECODE graphs)
+    # [R, V] float32: the logits of the batch's ``logits_indices`` rows, captured with the step;
+    # None where the caller computes them
+    logits: torch.Tensor | None
 
 
 @contextmanager
@@ -88,7 +90,7 @@ class WholeGraphRunner(GuardedRunner):
     def _before_capture(self, key: int) -> None:
         """Make the static buffers a batch that writes no KV (warm-ups and the capture run it)."""
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits captured with the step (None: the caller computes them)."""
         return None
 
@@ -120,7 +122,7 @@ class WholeGraphRunner(GuardedRunner):
         self.attn_backend.init_capture_metadata(batch, self.max_seq_len)
         with forward_context(batch, self.attn_backend):
             hidden, aux = self.decoder(batch.input_ids, batch.positions)
-        return GraphOutput(hidden, aux, self._logits(hidden))
+        return GraphOutput(hidden, aux, self._logits(batch, hidden))
 
     def _reserved_bytes(self) -> int:
         if self.device.type != "cuda":

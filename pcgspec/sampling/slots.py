@@ -18,6 +18,7 @@ position), which ``seq_lens`` reads back as a device tensor.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,6 +37,7 @@ from pcgspec.sampling.batch import FLOAT_FIELDS, SamplingBatch, as_int64, host_f
 from pcgspec.sampling_params import SamplingParams
 
 _PENALTY_FIELDS = slice(3, 6)  # repetition, presence, frequency in FLOAT_FIELDS
+SLOT_INDEX_CACHE = 4  # slot lists kept on the device (``SamplingSlots._indices``)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,9 @@ class SamplingSlots:
         self.prompt_mask: torch.Tensor | None = None  # [S, V] bool
         self._tracked: torch.Tensor | None = None  # [S] bool: the slot's request has penalties
         self._triton = self.device.type == "cuda" if triton is None else triton
-        self._cached_slots: tuple[tuple[int, ...], torch.Tensor] = ((), self._index([]))
+        # the slot indices of the last few request lists (a mixed step indexes its sampled rows,
+        # then its decode rows, then its sampled rows again)
+        self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._version = 0  # bumped by every write: rows expanded before it are stale
         self._rows: dict[int, _Rows] = {}  # the last rows per rows-per-request
         self._flags: tuple[object, dict[str, bool | int | None]] = ((), {})  # (key, flags)
@@ -163,8 +167,11 @@ class SamplingSlots:
                 slot,
             ]
         n = len(reqs)
-        columns = self._upload(floats, torch.float32).view(n, -1)
-        int_columns = self._upload(ints, torch.int64).view(n, -1)
+        # NOTE: one upload: the float32 columns' bytes, then the int64 ones' (24n: aligned)
+        float_bytes = array.array("f", floats).tobytes()
+        packed = self._upload_bytes(float_bytes + array.array("q", ints).tobytes())
+        columns = packed[: len(float_bytes)].view(torch.float32).view(n, -1)
+        int_columns = packed[len(float_bytes) :].view(torch.int64).view(n, -1)
         index = int_columns[:, 4]
         self._floats.index_copy_(1, index, columns.T)
         self._ints[:4].index_copy_(1, index, int_columns[:, :4].T)
@@ -221,9 +228,10 @@ class SamplingSlots:
         The same requests with the same rows per request as the last such call (every step of
         a steady decode run) reuse its rows and only re-read the positions.
         """
-        slots = self.slot_indices(reqs)
+        key = self._slot_key(reqs)
+        slots = self._indices(key)
         per_request = 1 if drafts is None else drafts.shape[1] + 1
-        rows = self._expanded(reqs, slots, per_request)
+        rows = self._expanded(reqs, key, slots, per_request)
         counts = mask = None
         if rows.flags["needs_penalties"]:
             counts = self.output_counts.index_select(0, rows.row_slots)  # [R, V]
@@ -247,12 +255,17 @@ class SamplingSlots:
         )
 
     def _expanded(
-        self, reqs: Sequence[SlotRequest], slots: torch.Tensor, per_request: int
+        self,
+        reqs: Sequence[SlotRequest],
+        slot_key: tuple[int, ...],
+        slots: torch.Tensor,
+        per_request: int,
     ) -> _Rows:
-        """The rows of ``reqs`` (``slots``): the last ones of this ``per_request`` with their
-        positions re-read when the requests and the table are the same, else expanded anew.
+        """The rows of ``reqs`` (``slots``, ``slot_key`` on the host): the last ones of this
+        ``per_request`` with their positions re-read when the requests and the table are the
+        same, else expanded anew.
         """
-        key = (self._cached_slots[0], self._version)
+        key = (slot_key, self._version)
         rows = self._rows.get(per_request)
         if rows is not None and rows.key == key:
             position = rows.tensors.position
@@ -282,8 +295,7 @@ class SamplingSlots:
     def flags(self, reqs: Sequence[SlotRequest]) -> dict[str, bool | int | None]:
         """The host flags of ``rows(reqs)`` (``host_flags``) without building the rows, kept
         while the batch and the tables stay the same."""
-        self.slot_indices(reqs)  # NOTE: keys the batch, as rows() does
-        key = (self._cached_slots[0], self._version)
+        key = (self._slot_key(reqs), self._version)  # NOTE: keyed as rows() keys them
         if self._flags[0] != key:
             values = [self._values[slot] for slot in key[0]]
             self._flags = (key, host_flags([r.params for r in reqs], values, self.vocab_size))
@@ -392,16 +404,32 @@ class SamplingSlots:
 
     def slot_indices(self, reqs: Sequence[SlotRequest]) -> torch.Tensor:
         """[B] int64 device tensor of the requests' slots (reused while the batch repeats)."""
+        return self._indices(self._slot_key(reqs))
+
+    def _slot_key(self, reqs: Sequence[SlotRequest]) -> tuple[int, ...]:
         try:
-            key = tuple(self._slot_of[r] for r in reqs)
+            return tuple(self._slot_of[r] for r in reqs)
         except KeyError as e:
             raise ValueError("a request without a sampling slot (never admitted or freed)") from e
-        if key != self._cached_slots[0]:
-            self._cached_slots = (key, self._index(key))
-        return self._cached_slots[1]
+
+    def _indices(self, key: tuple[int, ...]) -> torch.Tensor:
+        """The slots ``key`` as a device tensor, uploaded unless it is one of the last
+        ``SLOT_INDEX_CACHE`` lists uploaded."""
+        index = self._slot_index.get(key)
+        if index is None:
+            if len(self._slot_index) >= SLOT_INDEX_CACHE:
+                del self._slot_index[next(iter(self._slot_index))]  # the oldest
+            index = self._slot_index[key] = self._index(key)
+        return index
 
     def _index(self, values: Sequence[int]) -> torch.Tensor:
         return self._upload(values, torch.int64)
+
+    def _upload_bytes(self, data: bytes) -> torch.Tensor:
+        """``data`` on the device as uint8, through pinned memory on CUDA (``_upload``)."""
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        host = host.pin_memory() if self.device.type == "cuda" else host
+        return host.to(self.device, non_blocking=True)
 
     def _upload(self, values: Sequence[int | float], dtype: torch.dtype) -> torch.Tensor:
         """A flat list on the device through pinned memory on CUDA: a pageable copy may wait
