@@ -34,6 +34,7 @@ from pcgspec.compile.buckets import capture_buckets, pad_to_bucket
 from pcgspec.kernels.extend_attention import MIN_PREFIX_SPLIT
 from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch, pad_batch_ref
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
+from pcgspec.runners.refusals import prefill_input_refusal
 from pcgspec.runners.whole_graphs import GraphOutput, WholeGraphRunner
 
 if TYPE_CHECKING:
@@ -152,12 +153,8 @@ class ExtendGraphRunner(WholeGraphRunner):
             return "too_many_tokens"
         if max(batch.batch_size, batch.logits_indices.shape[0]) > self.requests(bucket):
             return "too_many_requests"  # NOTE: or more logits rows than the graph computes
-        if batch.capture_hidden_mode is not self.hidden_mode:
-            return "hidden_mode"
-        if batch.input_embeds is not None:
-            return "input_embeds"
-        if batch.return_input_logprobs:
-            return "input_logprobs"
+        if (reason := prefill_input_refusal(batch, self.hidden_mode)) is not None:
+            return reason
         seqs, exts = batch.seq_lens_cpu, batch.extend_lens_cpu
         if max(s - n for s, n in zip(seqs, exts)) >= LONG_PREFIX:
             return "long_prefix"

@@ -32,7 +32,7 @@ from pcgspec.compile.piecewise import PiecewiseGraphs
 from pcgspec.kernels.pad_batch import pad_batch, pad_batch_ref
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import ForwardBatch, ForwardMode
-from pcgspec.runners.refusals import GuardedRunner
+from pcgspec.runners.refusals import GuardedRunner, prefill_input_refusal
 
 if TYPE_CHECKING:
     from pcgspec.runners.model_runner import ModelRunner
@@ -118,12 +118,8 @@ class PiecewiseRunner(GuardedRunner):
             return "empty"
         if batch.forward_mode is ForwardMode.TARGET_VERIFY:
             return "target_verify"
-        if batch.capture_hidden_mode is not self.hidden_mode:
-            return "hidden_mode"
-        if batch.input_embeds is not None:
-            return "input_embeds"
-        if batch.return_input_logprobs:
-            return "input_logprobs"
+        if (reason := prefill_input_refusal(batch, self.hidden_mode)) is not None:
+            return reason
         if batch.num_tokens > self.max_tokens:
             return "too_many_tokens"
         return None

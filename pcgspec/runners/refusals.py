@@ -75,6 +75,19 @@ class GuardedRunner(ABC):
         )
 
 
+def prefill_input_refusal(batch: Any, hidden_mode: Any) -> str | None:
+    """What a runner of the traced decoder refuses in a prefill-like batch (piecewise pieces,
+    extend graphs): hidden states captured in another mode than the trace's
+    (``hidden_mode``), input embeddings instead of token ids, the prompt's own logprobs."""
+    if batch.capture_hidden_mode is not hidden_mode:
+        return "hidden_mode"
+    if batch.input_embeds is not None:
+        return "input_embeds"
+    if batch.return_input_logprobs:
+        return "input_logprobs"
+    return None
+
+
 def hit_ratio(stats: GraphStats) -> float | None:
     """Runs / batches offered (runs + fallbacks); None before the first offer."""
     offered = stats["runs"] + sum(stats["fallbacks"].values())
