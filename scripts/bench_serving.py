@@ -337,6 +337,8 @@ def step_times_between(
 ) -> dict[str, dict[str, float]]:
     """Per kind of step that ran between two ``step_stats`` readings: how many, and their mean
     time in ``Engine.step`` (ms)."""
+    if not before:  # NOTE: the first reading failed: the steps would count the warm-up's too
+        return {}
     out = {}
     for kind, now in after.items():
         was = before.get(kind, {"steps": 0, "seconds": 0.0})
@@ -728,13 +730,15 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
         model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
         if args.warmup:
             asyncio.run(warm_up(args, model))
+            # NOTE: every repeat finds the cache as the first does: holding none of its prompts
+            _post(args.base_url, "/flush_cache", args.api_key)
         steps0, accepted0 = spec_counters(args.base_url, args.api_key)
         histograms = server_histograms(args.base_url)
         step_times0 = server_step_times(args.base_url, args.api_key)
         wall, cpu = time.perf_counter(), time.process_time()
         repeats = []
         for i in range(args.repeats):
-            if i:  # NOTE: each repeat finds the cache as the first did: nothing of its prompts
+            if i:
                 _post(args.base_url, "/flush_cache", args.api_key)
             if args.dataset == "multi-turn":
                 repeats.append(asyncio.run(run_chats(args, model)))
@@ -784,9 +788,13 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
     )
-    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in load_prompts(args)]
-    if args.warmup:
-        llm.generate(prompts[: args.warmup], params, use_tqdm=False)
+    raw = load_prompts(args)
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in raw]
+    warm = _warmup_prompt(args, raw)
+    for _ in range(args.warmup):  # NOTE: as the served side warms up: one at a time, then flush
+        one = {"prompt_token_ids": warm} if isinstance(warm, list) else warm
+        llm.generate(one, params, use_tqdm=False)
+    llm.engine.flush_cache()
     steps0 = llm.engine.step_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -84,11 +84,13 @@ class Requests:
             ForwardMode.EXTEND, chunks, PAGE_SIZE, device, capture_hidden_mode=self.hidden
         )
 
-    def step(self, new: list[tuple[int, int]]) -> ForwardBatch:
+    def step(self, new: list[tuple[int, int]], unsampled: tuple[int, ...] = ()) -> ForwardBatch:
+        """``unsampled``: requests whose chunk samples nothing (a prompt's middle chunk)."""
         chunks = []
         for r, n in new:
             start = self.lens[r]
-            chunks.append(SeqChunk(self.ids[r][start : start + n], start, self.pages[r]))
+            ids = self.ids[r][start : start + n]
+            chunks.append(SeqChunk(ids, start, self.pages[r], r not in unsampled))
             self.lens[r] += n
         return self._batch(chunks)
 
@@ -147,6 +149,24 @@ def check_against_eager(
     assert stats["runs"] == len(STEPS)
     assert stats["padded_rows"] == sum(b - sum(n for _, n in new) for b, new in zip(buckets, STEPS))
     assert not any(stats["fallbacks"].values())
+
+
+def test_logits_of_the_sampled_rows_only(tiny_path) -> None:
+    """A graph computes the logits of the batch's sampled rows: chunks that sample nothing
+    have none, rows left in the buffer by a larger batch before are never read, and a batch
+    that samples nothing gets none."""
+    runner = tiny_runner(tiny_path)
+    graphs = captured(runner)
+    with torch.inference_mode():
+        reqs = Requests(runner, CaptureHiddenMode.NULL)
+        graphs.replay(reqs.step([(0, 3), (1, 5), (2, 7), (3, 4), (4, 9)]))  # rows up to 27
+        for new, unsampled in [([(5, 2), (6, 1), (0, 1)], (6,)), ([(1, 3)], (1,))]:
+            batch = reqs.step(new, unsampled)  # bucket 4: the rows left there lie past it
+            got = graphs.replay(batch).logits.clone()
+            hidden, _ = runner.run_eager(batch)
+            want = runner.model.compute_logits(hidden[batch.logits_indices])
+            assert got.shape == (len(new) - len(unsampled), runner.vocab_size)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_padding_request_in_the_last_slot(tiny_path) -> None:

@@ -12,7 +12,7 @@ import torch
 from oracle import assert_pool_whole
 
 from pcgspec.sampling import SamplingBatch, sample
-from pcgspec.sampling.slots import SamplingSlots
+from pcgspec.sampling.slots import SLOT_INDEX_CACHE, SamplingSlots
 from pcgspec.sampling_params import SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,6 +127,22 @@ def test_a_steady_batch_reuses_its_rows_until_a_slot_is_rewritten(triton: bool) 
             reqs[1].params = SamplingParams(temperature=0.5, top_k=3, seed=1)
             slots.admit(reqs[1])
             assert slots.slot(reqs[1]) == slot
+
+
+def test_slot_lists_stay_on_the_device_for_the_last_few() -> None:
+    """``slot_indices`` uploads a list once while it is one of the last ``SLOT_INDEX_CACHE``
+    uploaded (a mixed step indexes its sampled rows, its decode rows, then its sampled rows
+    again); an older one is uploaded anew, with the same values."""
+    rng = random.Random(3)
+    slots, reqs = _admitted(rng, 8, 6, triton=False)
+    lists = [reqs[: i + 1] for i in range(SLOT_INDEX_CACHE + 1)]
+    first = [slots.slot_indices(r) for r in lists[:SLOT_INDEX_CACHE]]
+    kept = [slots.slot_indices(r) for r in lists[:SLOT_INDEX_CACHE]]
+    assert all(a is b for a, b in zip(kept, first))  # the same tensors, nothing uploaded
+    slots.slot_indices(lists[-1])  # one more: the oldest is dropped
+    again = slots.slot_indices(lists[0])
+    assert again is not first[0] and again.tolist() == [slots.slot(r) for r in lists[0]]
+    assert slots.slot_indices(lists[2]) is first[2]
 
 
 @pytest.mark.parametrize("triton", [False, True])

@@ -22,8 +22,8 @@ never waits for the host; a model drafter hears of that pass once the speculativ
 (``SpecWorker.observe``).
 
 A step whose sampled rows are first tokens for at least half (``FIRST_TOKEN_SHARE``: a wave of
-new requests, or new requests beside fewer running ones) is read before anything else is
-launched, so those tokens wait for no other step's host work (``Engine._first_tokens_in_flight``;
+new requests, or new requests beside as many running ones or fewer) is read before anything else
+is launched, so those tokens wait for no other step's host work (``Engine._first_tokens_in_flight``;
 SGLang offers it between two prefill steps, ``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP``). The
 early read costs the running requests the overlap of one step (the device idles while the next
 step is built), so a few requests joining many are read one step late, like decode rows.

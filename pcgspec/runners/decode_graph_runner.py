@@ -262,7 +262,8 @@ class DecodeGraphRunner(WholeGraphRunner):
 
     @torch.inference_mode()
     def replay(self, batch: ForwardBatch) -> GraphOutput:
-        """The outputs for ``batch`` (``can_run`` must hold): its ``T`` rows of graph memory."""
+        """The outputs for ``batch`` (``can_run`` must hold): its ``T`` rows of graph memory; the
+        logits (DECODE graphs) only where the batch's logits rows are all of them, else None."""
         n = batch.batch_size
         bs = pad_to_bucket(n, self.batch_sizes)
         if bs is None or bs not in self.graphs:

@@ -164,7 +164,8 @@ class ExtendGraphRunner(WholeGraphRunner):
 
     @torch.inference_mode()
     def replay(self, batch: ForwardBatch) -> GraphOutput:
-        """The decoder outputs for ``batch`` (``can_run`` must hold): its rows of graph memory."""
+        """The decoder outputs for ``batch`` (``can_run`` must hold): its rows and the logits of
+        its sampled rows (``logits_indices``), graph memory."""
         n = batch.num_tokens
         bucket = pad_to_bucket(n, self.buckets)
         if bucket is None or bucket not in self.graphs:
