@@ -39,7 +39,10 @@ Requests whose phase ended are awaited, not cut, so a phase may run past its sec
 ``--compare-engine`` (with ``--launch``) then runs the same prompts with the same sampling
 through ``LLM.generate`` in this process, with the server's engine flags (``--server-args``;
 with ``--max-concurrency`` the engine runs at most that many requests at once), and prints the
-served throughput against the engine's own.
+served throughput against the engine's own and each side's steps by kind. With ``--repeats N``
+both sides run the load N times (the served runs first: the engine cannot start while the
+server holds the device) and the ratio of each pair is printed with their median: one run's
+noise is of the order of the differences sought.
 
 ``--random-weights SHAPE`` (with ``--launch``) serves random weights of a named shape
 (``pcgspec.models.random_weights.SHAPES``) with the default model's tokenizer and its
@@ -412,6 +415,7 @@ def _repeat_row(summary: dict[str, Any]) -> dict[str, float]:
         "ttft_p50_ms": summary["ttft"].get("p50_ms"),
         "duration_s": summary["duration_s"],
         "request_throughput": summary["request_throughput"],
+        "output_token_throughput": summary["output_token_throughput"],
         "cached_tokens": summary["total_cached_tokens"],
     }
 
@@ -794,21 +798,28 @@ def engine_run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):  # NOTE: as the served side warms up: one at a time, then flush
         one = {"prompt_token_ids": warm} if isinstance(warm, list) else warm
         llm.generate(one, params, use_tqdm=False)
-    llm.engine.flush_cache()
     steps0 = llm.engine.step_stats()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    duration = time.perf_counter() - start
-    step_times = step_times_between(steps0, llm.engine.step_stats())
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {
+    runs = []  # NOTE: as many as the served side's repeats, each from an empty prefix cache
+    for _ in range(args.repeats):
+        llm.engine.flush_cache()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append((time.perf_counter() - start, len(outs), sum(len(o.token_ids) for o in outs)))
+    duration, requests, tokens = (sum(column) for column in zip(*runs))
+    record = {
         "duration_s": duration,
-        "successful_requests": len(outs),
+        "successful_requests": requests,
         "total_output_tokens": tokens,
-        "request_throughput": len(outs) / duration,
+        "request_throughput": requests / duration,
         "output_token_throughput": tokens / duration,
-        "step_times": step_times,
+        "step_times": step_times_between(steps0, llm.engine.step_stats()),
     }
+    if args.repeats > 1:
+        record["repeats"] = [
+            {"duration_s": t, "request_throughput": n / t, "output_token_throughput": k / t}
+            for t, n, k in runs
+        ]
+    return record
 
 
 def compare_engine(served: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
@@ -819,6 +830,13 @@ def compare_engine(served: dict[str, Any], engine: dict[str, Any]) -> dict[str, 
         a, b = served[key], engine[key]
         out[key] = {"served": a, "engine": b, "ratio": a / b if b else None}
         print(f"{key:<28}{a:>12.2f}{b:>12.2f}{a / b if b else float('nan'):>7.3f}x")
+    pairs = zip(served.get("repeats", []), engine.get("repeats", []))
+    ratios = [a["output_token_throughput"] / b["output_token_throughput"] for a, b in pairs]
+    if ratios:  # NOTE: the served repeats ran one after another, then the engine's
+        out["output_token_throughput"]["repeat_ratios"] = ratios
+        out["output_token_throughput"]["median_ratio"] = statistics.median(ratios)
+        shown = " ".join(f"{r:.3f}" for r in ratios)
+        print(f"{'per repeat':<28}{shown}  (median {statistics.median(ratios):.3f}x)")
     # NOTE: where the difference goes: each kind of step's count and mean time, both sides
     served_steps, engine_steps = served.get("step_times", {}), engine.get("step_times", {})
     for kind in sorted(set(served_steps) | set(engine_steps)):

@@ -489,28 +489,27 @@ def test_bench_serving_compares_with_the_engine(server, monkeypatch):
     monkeypatch.setattr(bench, "launch", lambda args, extra: FakeServer())
     with pytest.raises(SystemExit):
         bench.parse_args(["--compare-engine"])  # needs --launch
-    record = bench.main(
-        [
-            "--base-url",
-            server.base_url,
-            "--api-key",
-            API_KEY,
-            "--launch",
-            "--compare-engine",
-            "--server-args",
-            " ".join(DEFAULT_ARGS),
-            "--num-prompts",
-            "3",
-            "--max-concurrency",
-            "2",
-            "--random-input-len",
-            "8",
-            "--random-output-len",
-            "3",
-            "--warmup",
-            "1",
-        ]
-    )
+    args = [
+        "--base-url",
+        server.base_url,
+        "--api-key",
+        API_KEY,
+        "--launch",
+        "--compare-engine",
+        "--server-args",
+        " ".join(DEFAULT_ARGS),
+        "--num-prompts",
+        "3",
+        "--max-concurrency",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "3",
+        "--warmup",
+        "1",
+    ]
+    record = bench.main(args)
     engine = record["engine"]
     assert engine["successful_requests"] == 3 and engine["total_output_tokens"] == 9
     assert record["total_output_tokens"] == 9
@@ -533,6 +532,19 @@ def test_bench_serving_compares_with_the_engine(server, monkeypatch):
         )
         == 2
     )
+    # --repeats: both sides run the load twice; the ratio of each pair and their median
+    record = bench.main([*args, "--repeats", "2"])
+    row = record["engine_comparison"]["output_token_throughput"]
+    engine_runs, served_runs = record["engine"]["repeats"], record["repeats"]
+    assert (
+        len(engine_runs) == len(served_runs) == 2 and record["engine"]["total_output_tokens"] == 18
+    )
+    want = [
+        a["output_token_throughput"] / b["output_token_throughput"]
+        for a, b in zip(served_runs, engine_runs)
+    ]
+    assert row["repeat_ratios"] == pytest.approx(want)
+    assert row["median_ratio"] == pytest.approx(sum(want) / 2)
 
 
 def test_speculative_server_matches_and_reports_accept_length(server, client):
