@@ -95,6 +95,25 @@ class Requests:
             self.lens[r] += 1
 
 
+def random_kv(gen: torch.Generator, num_pages: int) -> KVCache:
+    """A one-layer KV cache (2 KV heads of 16) filled with noise from ``gen``."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    kv = KVCache(spec, num_pages=num_pages, page_size=PAGE_SIZE, device=DEVICE)
+    for cache in (kv.k[0], kv.v[0]):
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    return kv
+
+
+def attend(attn, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The attention op over ``batch``'s rows of ``q``, ``k``, ``v`` through ``attn`` (NaN where
+    it writes nothing)."""
+    n = batch.num_tokens
+    out = torch.full_like(q[:n], float("nan"))
+    with forward_context(batch, attn):
+        torch.ops.pcgspec.attention(q[:n], k[:n], v[:n], out, 0)
+    return out
+
+
 def kv_snapshot(kv: KVCache) -> list[torch.Tensor]:
     return [t[: kv.num_slots].clone() for t in (*kv.k, *kv.v)]
 
@@ -217,29 +236,18 @@ def test_triton_capture_metadata_pads_with_empty_requests() -> None:
     KV write, and a split count fixed by the bound.
     """
     gen = torch.Generator().manual_seed(0)
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    kv = KVCache(spec, num_pages=16, page_size=PAGE_SIZE, device=DEVICE)
-    for cache in (kv.k[0], kv.v[0]):
-        cache.copy_(torch.randn(cache.shape, generator=gen))
+    kv = random_kv(gen, num_pages=16)
     backend = TritonAttentionBackend(kv, 4, 16, 0.25)
     oracle = TorchAttentionBackend(kv, 4, 16, 0.25)
     chunks = [SeqChunk([3], 9, [4, 1, 7]), SeqChunk([5], 22, [9, 0, 2, 11, 6, 13])]
     real = build_forward_batch(ForwardMode.DECODE, chunks, PAGE_SIZE, DEVICE)
     static = _padded_static_batch(real, bs=4, max_pages=8)
-    q, k, v = (torch.randn(4, n, 16, generator=gen).to(DEVICE) for n in (4, 2, 2))
-
-    def attend(attn, batch: ForwardBatch) -> torch.Tensor:
-        n = batch.num_tokens
-        out = torch.full_like(q[:n], float("nan"))
-        with forward_context(batch, attn):
-            torch.ops.pcgspec.attention(q[:n], k[:n], v[:n], out, 0)
-        return out
-
+    qkv = [torch.randn(4, n, 16, generator=gen).to(DEVICE) for n in (4, 2, 2)]
     oracle.init_forward_metadata(real)
-    want = attend(oracle, real)
+    want = attend(oracle, real, *qkv)
     written = kv.k[0].clone(), kv.v[0].clone()
     backend.init_capture_metadata(static, max_seq_len=1024)
-    got = attend(backend, static)
+    got = attend(backend, static, *qkv)
     torch.testing.assert_close(got[:2], want, atol=1e-5, rtol=1e-5)
     assert not got[2:].any(), "padded requests must come out as zeros"
     assert torch.equal(kv.k[0], written[0]) and torch.equal(kv.v[0], written[1])

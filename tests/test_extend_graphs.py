@@ -15,15 +15,20 @@ import random
 import pytest
 import torch
 from oracle import PROMPTS
-from test_decode_graphs import PAGE_SIZE, assert_only_slots_written, kv_snapshot, tiny_runner
+from test_decode_graphs import (
+    PAGE_SIZE,
+    assert_only_slots_written,
+    attend,
+    kv_snapshot,
+    random_kv,
+    tiny_runner,
+)
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
-from pcgspec.attention.kv_cache import KVCache, KVCacheSpec
 from pcgspec.attention.torch_backend import TorchAttentionBackend
 from pcgspec.attention.triton_backend import TritonAttentionBackend
 from pcgspec.compile import custom_ops  # noqa: F401  (registers torch.ops.pcgspec.attention)
-from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
 from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch_ref
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
@@ -270,10 +275,7 @@ def test_triton_capture_plan_serves_any_split_of_the_rows(window: int | None) ->
     torch oracle gives the batch itself, finite padded rows, and KV for the real rows only.
     """
     gen = torch.Generator().manual_seed(0)
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    kv = KVCache(spec, num_pages=64, page_size=PAGE_SIZE, device=DEVICE)
-    for cache in (kv.k[0], kv.v[0]):
-        cache.copy_(torch.randn(cache.shape, generator=gen))
+    kv = random_kv(gen, num_pages=64)
     windows = (window,)
     backend = TritonAttentionBackend(kv, 4, 16, 0.25, windows)
     oracle = TorchAttentionBackend(kv, 4, 16, 0.25, windows)
@@ -286,21 +288,13 @@ def test_triton_capture_plan_serves_any_split_of_the_rows(window: int | None) ->
     real = build_forward_batch(ForwardMode.EXTEND, chunks, PAGE_SIZE, DEVICE)
     rows, reqs = 24, 6
     static = _static_batch(real, rows, reqs, max_pages=8)
-    q, k, v = (torch.randn(rows, n, 16, generator=gen).to(DEVICE) for n in (4, 2, 2))
-
-    def attend(attn, batch: ForwardBatch) -> torch.Tensor:
-        n = batch.num_tokens
-        out = torch.full_like(q[:n], float("nan"))
-        with forward_context(batch, attn):
-            torch.ops.pcgspec.attention(q[:n], k[:n], v[:n], out, 0)
-        return out
-
+    qkv = [torch.randn(rows, n, 16, generator=gen).to(DEVICE) for n in (4, 2, 2)]
     before = kv_snapshot(kv)
     backend.init_capture_metadata(static, max_seq_len=128)
-    got = attend(backend, static)
+    got = attend(backend, static, *qkv)
     assert_only_slots_written(kv, before, real.out_cache_loc)
     oracle.init_forward_metadata(real)
-    want = attend(oracle, real)
+    want = attend(oracle, real, *qkv)
     n = real.num_tokens
     torch.testing.assert_close(got[:n], want, atol=1e-5, rtol=1e-5)
     assert got[n:].isfinite().all(), "the padding request's rows must be finite"

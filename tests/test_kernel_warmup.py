@@ -167,28 +167,22 @@ def _serve_attention_like(shape: AttentionShape, window: int | None) -> None:
         rows = sum(lens) + rng.randrange(0, 5)
         ids, pos, loc = (torch.zeros(rows, dtype=torch.int64) for _ in range(3))
         start = torch.zeros(len(lens), dtype=torch.int32)
-        pad_batch(
-            batch.input_ids,
-            batch.positions,
-            batch.out_cache_loc,
-            batch.extend_lens,
-            ids,
-            pos,
-            loc,
-            start,
-        )
         graph_reqs = [torch.zeros(len(lens) + 2, dtype=torch.int32) for _ in range(3)]
-        pad_batch(  # an extend graph's replay: its requests padded too
-            batch.input_ids,
-            batch.positions,
-            batch.out_cache_loc,
-            batch.extend_lens,
-            ids,
-            pos,
-            loc,
-            graph_reqs[0],
-            PaddedRequests(batch.seq_lens, *graph_reqs[1:]),
-        )
+        for out_start, padded in (  # a piecewise pass; an extend graph's, its requests padded too
+            (start, None),
+            (graph_reqs[0], PaddedRequests(batch.seq_lens, *graph_reqs[1:])),
+        ):
+            pad_batch(
+                batch.input_ids,
+                batch.positions,
+                batch.out_cache_loc,
+                batch.extend_lens,
+                ids,
+                pos,
+                loc,
+                out_start,
+                padded,
+            )
         splits = rng.choice([1, 2, 5, 16])  # a long prefix's pieces
         plan = plan_extend(
             lens,
