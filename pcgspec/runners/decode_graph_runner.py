@@ -237,7 +237,7 @@ class DecodeGraphRunner(WholeGraphRunner):
         will (``can_run`` then refuses it and counts why).
         """
         bs = pad_to_bucket(batch_size, self.batch_sizes)
-        if bs not in self.graphs or max_pages > self.max_pages or max_seq_len > self.max_seq_len:
+        if bs not in self.graphs or not self._fits(max_pages, max_seq_len):
             return None
         return self.buffers.bucket_rows(bs)
 
@@ -254,7 +254,7 @@ class DecodeGraphRunner(WholeGraphRunner):
             return "hidden_mode"
         if batch.input_embeds is not None:
             return "input_embeds"
-        if batch.page_table.shape[1] > self.max_pages or max(batch.seq_lens_cpu) > self.max_seq_len:
+        if not self._fits(batch.page_table.shape[1], max(batch.seq_lens_cpu)):
             return "seq_len"
         if (batch.tree_mask is None) != (self.tree_mask is None):
             return "tree"
@@ -277,6 +277,6 @@ class DecodeGraphRunner(WholeGraphRunner):
         self._count_run((bs - n) * self.tokens_per_seq)
         t = batch.num_tokens
         hidden, aux, logits = (None if out is None else out[:t] for out in self.outputs[bs])
-        if batch.logits_indices.shape[0] != t:  # NOTE: ascending: as many rows are every row
+        if not batch.logits_every_row:
             logits = None  # the caller's rows are a subset: it computes them
         return GraphOutput(hidden, aux, logits)

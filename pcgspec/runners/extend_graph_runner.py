@@ -158,7 +158,7 @@ class ExtendGraphRunner(WholeGraphRunner):
         seqs, exts = batch.seq_lens_cpu, batch.extend_lens_cpu
         if max(s - n for s, n in zip(seqs, exts)) >= LONG_PREFIX:
             return "long_prefix"
-        if batch.page_table.shape[1] > self.max_pages or max(seqs) > self.max_seq_len:
+        if not self._fits(batch.page_table.shape[1], max(seqs)):
             return "seq_len"
         return None
 

@@ -79,3 +79,8 @@ class ForwardBatch:
     @property
     def device(self) -> torch.device:
         return self.input_ids.device
+
+    @property
+    def logits_every_row(self) -> bool:
+        """Whether the logits rows are every row, in order (they ascend: as many as the tokens)."""
+        return self.logits_indices.shape[0] == self.num_tokens

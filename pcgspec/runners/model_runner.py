@@ -279,8 +279,7 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         hidden, aux, logits = self._run_decoder(batch)
         if logits is None:  # NOTE: not captured with the step
-            # NOTE: the logits rows ascend, so as many rows as tokens are every row, in order
-            every_row = batch.logits_indices.shape[0] == batch.num_tokens
+            every_row = batch.logits_every_row
             rows = hidden[: batch.num_tokens] if every_row else hidden[batch.logits_indices]
             logits = self.model.compute_logits(rows)
         captured = aux if aux is not None else hidden

@@ -124,6 +124,11 @@ class WholeGraphRunner(GuardedRunner):
             hidden, aux = self.decoder(batch.input_ids, batch.positions)
         return GraphOutput(hidden, aux, self._logits(batch, hidden))
 
+    def _fits(self, max_pages: int, max_seq_len: int) -> bool:
+        """Whether page tables of ``max_pages`` and lengths up to ``max_seq_len`` fit the static
+        buffers (the context length)."""
+        return max_pages <= self.max_pages and max_seq_len <= self.max_seq_len
+
     def _reserved_bytes(self) -> int:
         if self.device.type != "cuda":
             return 0
