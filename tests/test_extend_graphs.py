@@ -23,6 +23,8 @@ from test_decode_graphs import (
     random_kv,
     tiny_runner,
 )
+from test_decode_graphs import captured as decode_graphs_captured
+from test_decode_graphs import check_against_eager as check_decode_against_eager
 from test_models import tiny_hf_model
 
 from pcgspec import LLM, SamplingParams
@@ -172,6 +174,32 @@ def test_logits_of_the_sampled_rows_only(tiny_path) -> None:
             want = runner.model.compute_logits(hidden[batch.logits_indices])
             assert got.shape == (len(new) - len(unsampled), runner.vocab_size)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def shares_logits(runner: ModelRunner, *graph_runners: object) -> bool:
+    """Every captured key's logits are rows of the model runner's one buffer."""
+    where = runner.graph_logits.untyped_storage().data_ptr()
+    return all(
+        out.logits.untyped_storage().data_ptr() == where
+        for graphs in graph_runners
+        for out in graphs.outputs.values()
+    )
+
+
+def test_decode_and_extend_graphs_write_one_logits_buffer(tiny_path) -> None:
+    """The decode and extend graphs write their logits into the model runner's one buffer
+    (as it builds them on CUDA), not into an output per captured key, and each replay's
+    logits are its own batch's: the extend graphs' after the decode graphs' replays."""
+    runner = tiny_runner(tiny_path)
+    assert runner.graph_logits is None  # NOTE: the CPU builds neither kind of graph itself
+    runner.graph_logits = torch.full((32, runner.vocab_size), float("nan"))
+    extend = captured(runner)
+    decode = decode_graphs_captured(runner)
+    assert shares_logits(runner, extend, decode)
+    check_decode_against_eager(runner, decode, tol=1e-5)
+    for cache in (*runner.kv_cache.k, *runner.kv_cache.v):
+        cache.zero_()  # NOTE: each check writes its requests' KV into empty slots
+    check_against_eager(runner, extend, CaptureHiddenMode.NULL, tol=1e-5)
 
 
 def test_padding_request_in_the_last_slot(tiny_path) -> None:
@@ -347,6 +375,7 @@ def test_cuda_extend_graphs_match_eager(tiny_path, aux: tuple | None) -> None:
     runner = tiny_runner(tiny_path, device="cuda", aux_hidden_state_layers=aux)
     graphs = runner.extend_graphs
     assert graphs is not None and graphs.buckets[-1] == 64  # capped by the piecewise buckets
+    assert shares_logits(runner, graphs, runner.decode_graphs)
     # NOTE: compiled (inductor) pieces and eager ops round float32 differently.
     check_against_eager(runner, graphs, runner.extend_capture_hidden_mode, tol=1e-4)
 

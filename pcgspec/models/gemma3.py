@@ -151,7 +151,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def build_model(self, config: PretrainedConfig, tp: TPGroup) -> nn.Module:
         return Gemma3Model(config, tp)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] float32
-        logits = self.lm_head.logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head.logits(hidden, out)  # [R, H] -> [R, V] float32
         cap = self.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

@@ -246,8 +246,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model(input_ids, positions, input_embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] float32
-        return self.lm_head.logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden`` [R, H] -> logits [R, V] float32, written into ``out`` when given."""
+        return self.lm_head.logits(hidden, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face named tensors; every parameter must be filled."""

@@ -31,9 +31,15 @@ from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, Forwa
 from pcgspec.runners.whole_graphs import GraphOutput, WholeGraphRunner
 
 if TYPE_CHECKING:
+    from pcgspec.config import EngineConfig
     from pcgspec.runners.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def max_decode_batch(config: EngineConfig) -> int:
+    """The largest batch the decode and verify graphs capture."""
+    return min(config.cuda_graph_max_bs, config.max_running_requests)
 
 
 def decode_batch_sizes(max_bs: int) -> list[int]:
@@ -174,16 +180,15 @@ class DecodeGraphRunner(WholeGraphRunner):
         self.mode, self.tokens_per_seq = mode, tokens_per_seq
         config = model_runner.config
         self.capture_hidden_mode = model_runner.capture_hidden_mode(mode)
-        self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = (
+        self.compute_logits: Callable[..., torch.Tensor] | None = (
             model_runner.model.compute_logits if mode is ForwardMode.DECODE else None
         )
-        self.batch_sizes = decode_batch_sizes(
-            min(config.cuda_graph_max_bs, config.max_running_requests)
-        )
+        self.batch_sizes = decode_batch_sizes(max_decode_batch(config))
         self.max_bs = self.batch_sizes[-1]
         self.buffers = StaticBuffers.allocate(
             self.max_bs, tokens_per_seq, self.max_pages, self.device
         )
+        self.logits_out = None if self.compute_logits is None else self._logits_buffer(self.max_bs)
         self.tree_mask: torch.Tensor | None = None
         if tree:
             if mode is not ForwardMode.TARGET_VERIFY:
@@ -214,7 +219,9 @@ class DecodeGraphRunner(WholeGraphRunner):
 
     def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """Every row's logits (DECODE graphs): a decode batch's logits rows are all its rows."""
-        return None if self.compute_logits is None else self.compute_logits(hidden)
+        if self.compute_logits is None:
+            return None
+        return self.compute_logits(hidden, out=self.logits_out[: hidden.shape[0]])
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         verify = self.mode is ForwardMode.TARGET_VERIFY

@@ -38,12 +38,18 @@ from pcgspec.runners.refusals import prefill_input_refusal
 from pcgspec.runners.whole_graphs import GraphOutput, WholeGraphRunner
 
 if TYPE_CHECKING:
+    from pcgspec.config import EngineConfig
     from pcgspec.runners.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUESTS = 32  # requests a bucket holds at most: the grid grows with it, mostly idle
 LONG_PREFIX = 2 * MIN_PREFIX_SPLIT  # the piecewise plan may split a prefix this long
+
+
+def max_extend_requests(config: EngineConfig) -> int:
+    """The most requests an extend graph's batch holds (the padding one not counted)."""
+    return min(MAX_REQUESTS, config.max_running_requests)
 
 
 class ExtendGraphRunner(WholeGraphRunner):
@@ -73,7 +79,7 @@ class ExtendGraphRunner(WholeGraphRunner):
                 f"piecewise_cuda_graph_tokens {config.piecewise_cuda_graph_tokens} has no bucket "
                 f"<= the extend graphs' {max_tokens} tokens"
             )
-        self.max_requests = min(MAX_REQUESTS, config.max_running_requests)
+        self.max_requests = max_extend_requests(config)
         rows, reqs = self.buckets[-1], self.requests(self.buckets[-1]) + 1
 
         def buffer(value: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -89,6 +95,7 @@ class ExtendGraphRunner(WholeGraphRunner):
         # NOTE: the sampled rows, one per request at most; a bucket's graph computes the logits
         # of its first ``requests(bucket)`` entries (stale ones are clamped into the bucket)
         self.logits_rows = buffer(0, torch.int64, self.max_requests)
+        self.logits_out = self._logits_buffer(self.max_requests)
         self.compute_logits = model_runner.model.compute_logits
         self._pad = pad_batch if self.device.type == "cuda" else pad_batch_ref
 
@@ -139,7 +146,7 @@ class ExtendGraphRunner(WholeGraphRunner):
 
     def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         rows = batch.logits_indices.clamp(max=hidden.shape[0] - 1)
-        return self.compute_logits(hidden.index_select(0, rows))
+        return self.compute_logits(hidden.index_select(0, rows), out=self.logits_out[: len(rows)])
 
     # Replay ----------------------------------------------------------------------------------
 

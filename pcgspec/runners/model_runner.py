@@ -23,8 +23,8 @@ from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.batch_wire import to_message
-from pcgspec.runners.decode_graph_runner import DecodeGraphRunner
-from pcgspec.runners.extend_graph_runner import ExtendGraphRunner
+from pcgspec.runners.decode_graph_runner import DecodeGraphRunner, max_decode_batch
+from pcgspec.runners.extend_graph_runner import ExtendGraphRunner, max_extend_requests
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.runners.whole_graphs import GraphOutput
 from pcgspec.sampling.batch import SamplingBatch
@@ -92,7 +92,8 @@ class ModelRunner:
         spec = KVCacheSpec(
             self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, self.dtype
         )
-        reserve = self._activation_reserve_bytes(spec)
+        logits_rows = self._graph_logits_rows()
+        reserve = self._activation_reserve_bytes(spec) + logits_rows * self.vocab_size * 4
         pages = self._num_kv_pages(spec.bytes_per_token + draft_kv_bytes_per_token, reserve)
         if tp_groups is not None:  # NOTE: rank 0's page ids index every rank's cache
             pages = tp_groups.min_over_ranks(pages)
@@ -107,6 +108,11 @@ class ModelRunner:
         )
         self.drafter_reads_hidden = drafter_reads_hidden
         self.extend_capture_hidden_mode = self._configure_aux_hidden_layers()
+        # the logits rows the decode and extend graphs write (``whole_graphs.py``)
+        self.graph_logits: torch.Tensor | None = None
+        if logits_rows:
+            shape = (logits_rows, self.vocab_size)
+            self.graph_logits = torch.empty(shape, dtype=torch.float32, device=self.device)
         self.piecewise: PiecewiseRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
@@ -153,7 +159,7 @@ class ModelRunner:
         if max_tokens := self.config.resolved_extend_graph_max_tokens:
             self.extend_graphs = ExtendGraphRunner(self, max_tokens)
             self.extend_graphs.capture()
-        if self.device.type == "cuda" and not self.config.disable_cuda_graph:
+        if self._uses_decode_graphs():
             self.decode_graphs = DecodeGraphRunner(self)
             self.decode_graphs.capture()
             spec = self.config.speculative_config
@@ -162,6 +168,19 @@ class ModelRunner:
                     self, ForwardMode.TARGET_VERIFY, spec.num_draft_tokens, tree=spec.topk > 1
                 )
                 self.verify_graphs.capture()
+
+    def _uses_decode_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.disable_cuda_graph
+
+    def _graph_logits_rows(self) -> int:
+        """Rows of the logits buffer the decode and extend graphs share: their largest batch's
+        (0: neither captures)."""
+        rows = 0
+        if self.config.resolved_extend_graph_max_tokens:
+            rows = max_extend_requests(self.config)
+        if self._uses_decode_graphs():
+            rows = max(rows, max_decode_batch(self.config))
+        return rows
 
     @property
     def vocab_size(self) -> int:

@@ -9,6 +9,11 @@ those buffers. Keys are captured largest first into one memory pool, each after 
 eager runs (kernels compile there, outside the capture).
 
 NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
+The logits the graphs compute are rows of one float32 buffer that the model runner's decode and
+extend graphs share (``ModelRunner.graph_logits``), so a replay of any of them overwrites them:
+one buffer of their largest batch's rows, not an output of every key (a bucket per captured
+batch size, each the vocabulary wide: 0.6 GB of graph memory for a 49k vocabulary, 3 GB for
+Gemma 3's 262k).
 Off CUDA the piecewise ``_EagerGraph`` stands in for ``torch.cuda.CUDAGraph`` (replay reruns the
 captured step on the static buffers), so capture and replay are tested on CPU.
 """
@@ -82,6 +87,17 @@ class WholeGraphRunner(GuardedRunner):
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, GraphOutput] = {}
         self.pool: tuple[int, int] | None = None
+        self._shared_logits = model_runner.graph_logits
+        self._vocab_size = model_runner.vocab_size
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """Where the graphs write the logits of up to ``rows`` rows: the model runner's shared
+        buffer, or one of this runner's own where it has none that large (a runner built apart
+        from the model runner's, e.g. by a benchmark)."""
+        shared = self._shared_logits
+        if shared is not None and shared.shape[0] >= rows:
+            return shared
+        return torch.empty(rows, self._vocab_size, dtype=torch.float32, device=self.device)
 
     @abstractmethod
     def _static_batch(self, key: int) -> ForwardBatch:

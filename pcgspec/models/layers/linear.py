@@ -129,7 +129,11 @@ class VocabParallelEmbedding(nn.Embedding):
         h = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(h.masked_fill(outside[:, None], 0.0))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] float32
-        """``hidden @ weight.T`` over the whole vocabulary, gathered from every rank."""
-        local = F.linear(hidden, self.weight).float()
-        return self.tp.all_gather_last(local)[:, : self.full_vocab_size]
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden @ weight.T`` [R, V] float32 over the whole vocabulary, gathered from every
+        rank; written into ``out`` [R, V] float32 when given (one rank: the cast writes it)."""
+        local = F.linear(hidden, self.weight)
+        if out is not None and self.tp.size == 1:
+            return out.copy_(local)
+        logits = self.tp.all_gather_last(local.float())[:, : self.full_vocab_size]
+        return logits if out is None else out.copy_(logits)
