@@ -332,12 +332,14 @@ def test_triton_capture_plan_serves_any_split_of_the_rows(window: int | None) ->
 
 def _static_batch(real: ForwardBatch, rows: int, reqs: int, max_pages: int) -> ForwardBatch:
     """``real`` in an extend graph's static buffers of ``rows`` rows and ``reqs`` requests."""
-    device, b = real.device, real.batch_size
+    device = real.device
     i64 = dict(dtype=torch.int64, device=device)
     ids, positions, loc = (torch.zeros(rows, **i64) for _ in range(3))
     start, seq_lens, ext_lens = (
         torch.zeros(reqs, dtype=torch.int32, device=device) for _ in range(3)
     )
+    table = torch.zeros(reqs, max_pages, dtype=torch.int32, device=device)
+    sampled = torch.zeros(reqs, **i64)
     pad_batch_ref(
         real.input_ids,
         real.positions,
@@ -347,10 +349,10 @@ def _static_batch(real: ForwardBatch, rows: int, reqs: int, max_pages: int) -> F
         positions,
         loc,
         start,
-        PaddedRequests(real.seq_lens, seq_lens, ext_lens),
+        PaddedRequests(
+            real.seq_lens, seq_lens, ext_lens, real.page_table, table, real.logits_indices, sampled
+        ),
     )
-    table = torch.zeros(reqs, max_pages, dtype=torch.int32, device=device)
-    table[:b, : real.page_table.shape[1]] = real.page_table
     return dataclasses.replace(
         real,
         input_ids=ids,

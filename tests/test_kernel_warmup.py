@@ -168,9 +168,19 @@ def _serve_attention_like(shape: AttentionShape, window: int | None) -> None:
         ids, pos, loc = (torch.zeros(rows, dtype=torch.int64) for _ in range(3))
         start = torch.zeros(len(lens), dtype=torch.int32)
         graph_reqs = [torch.zeros(len(lens) + 2, dtype=torch.int32) for _ in range(3)]
+        graph_table = torch.zeros(len(lens) + 2, 64, dtype=torch.int32)
+        graph_rows = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        graph = PaddedRequests(
+            batch.seq_lens,
+            *graph_reqs[1:],
+            batch.page_table,
+            graph_table,
+            batch.logits_indices,
+            graph_rows,
+        )
         for out_start, padded in (  # a piecewise pass; an extend graph's, its requests padded too
             (start, None),
-            (graph_reqs[0], PaddedRequests(batch.seq_lens, *graph_reqs[1:])),
+            (graph_reqs[0], graph),
         ):
             pad_batch(
                 batch.input_ids,

@@ -42,10 +42,14 @@ def test_pad_batch_matches_reference(lens: list[int], rows: int, with_start: boo
 
 
 @pytest.mark.parametrize(
-    ("lens", "rows", "num_out"), [([3, 1, 9], 16, 5), ([4], 4, 2), ([1] * 1100, 1200, 1200)]
+    ("lens", "rows", "num_out", "pages"),
+    [([3, 1, 9], 16, 5, 3), ([4], 4, 2, 0), ([1] * 1100, 1200, 1200, 2), ([5, 2], 8, 3, 700)],
 )
-def test_pad_batch_pads_requests(lens: list[int], rows: int, num_out: int) -> None:
-    """An extend graph's requests: the batch's, one owning the padded rows, then empty ones."""
+def test_pad_batch_pads_requests(lens: list[int], rows: int, num_out: int, pages: int) -> None:
+    """An extend graph's requests: the batch's, one owning the padded rows, then empty ones;
+    the batch's page table into the first rows and columns of the graph's (the rest stale), its
+    sampled rows into the first entries of the graph's (a table over several programs' blocks,
+    and one of no pages, included)."""
     gen = torch.Generator().manual_seed(rows)
     n, b = sum(lens), len(lens)
     src = [torch.randint(0, 1 << 40, (n,), generator=gen).to(DEVICE) for _ in range(3)]
@@ -53,21 +57,31 @@ def test_pad_batch_pads_requests(lens: list[int], rows: int, num_out: int) -> No
     seq_lens = extend_lens + torch.randint(0, 500, (b,), generator=gen, dtype=torch.int32).to(
         DEVICE
     )
+    table = torch.randint(0, 1 << 30, (b, pages), generator=gen, dtype=torch.int32).to(DEVICE)
+    sampled = torch.randint(0, n, (b,), generator=gen).to(DEVICE)
     outs = {}
     for name, fn in (("kernel", pad_batch), ("ref", pad_batch_ref)):
         bufs = [torch.full((rows,), 7, dtype=torch.int64, device=DEVICE) for _ in range(3)]
         start, out_seq, out_ext = (
             torch.full((num_out,), -5, dtype=torch.int32, device=DEVICE) for _ in range(3)
         )
-        fn(*src, extend_lens, *bufs, start, PaddedRequests(seq_lens, out_seq, out_ext))
-        outs[name] = (*bufs, start, out_seq, out_ext)
+        out_table = torch.full((num_out, pages + 5), -3, dtype=torch.int32, device=DEVICE)
+        out_sampled = torch.full((b + 2,), -4, dtype=torch.int64, device=DEVICE)
+        requests = PaddedRequests(
+            seq_lens, out_seq, out_ext, table, out_table, sampled, out_sampled
+        )
+        fn(*src, extend_lens, *bufs, start, requests)
+        outs[name] = (*bufs, start, out_seq, out_ext, out_table, out_sampled)
     for got, want in zip(outs["kernel"], outs["ref"]):
         assert torch.equal(got, want)
-    *_, start, out_seq, out_ext = outs["kernel"]
+    *_, start, out_seq, out_ext, out_table, out_sampled = outs["kernel"]
     empty = [0] * (num_out - b - 1)
     assert out_ext.tolist() == [*lens, rows - n, *empty]
     assert out_seq.tolist() == [*seq_lens.tolist(), rows - n, *empty]
     assert start.tolist() == [sum(lens[:i]) for i in range(b)] + [n] + [rows] * len(empty)
+    assert torch.equal(out_table[:b, :pages], table)
+    assert (out_table[b:] == -3).all() and (out_table[:, pages:] == -3).all()
+    assert out_sampled.tolist() == [*sampled.tolist(), -4, -4]
 
 
 def test_pad_batch_rejects_bad_shapes() -> None:
@@ -83,5 +97,21 @@ def test_pad_batch_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="out_start"):
         pad_batch(*tokens, lens, *tokens, start.long())
     one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    two = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    table, rows = torch.zeros(1, 3, dtype=torch.int32, device=DEVICE), tokens[0][:1]
+
+    def padded(seq, table=table, out_table=table, sampled=rows, out_sampled=rows):
+        return PaddedRequests(lens, seq, seq.clone(), table, out_table, sampled, out_sampled)
+
     with pytest.raises(ValueError, match="do not hold 1 requests and the padding one"):
-        pad_batch(*tokens, lens, *tokens, start, PaddedRequests(lens, one, one.clone()))
+        pad_batch(*tokens, lens, *tokens, start, padded(one))
+    wide = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    for bad, match in [
+        (dict(table=table.long()), "page tables must be"),
+        (dict(table=wide), r"a page table \(2, 4\) of 1 requests does not fit"),
+        (dict(out_table=table[:, :2]), r"a page table \(1, 3\) of 1 requests does not fit"),
+        (dict(sampled=rows.int()), "sampled rows must be"),
+        (dict(sampled=tokens[0][:3]), "3 sampled rows do not fit 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            pad_batch(*tokens, lens, *tokens, two, padded(two, **bad))

@@ -11,7 +11,9 @@ An extend graph also pads the requests (``PaddedRequests``): a graph of ``R`` re
 batch's ``B``, then one padding request that owns the padded rows (as many new tokens as padded
 rows and no prefix: it attends over its own rows only, so every row of the graph gets a finite
 output and the kernel's grid need not know the real token count), then empty requests (no new
-token, no prefix) up to ``R``.
+token, no prefix) up to ``R``. The same launch copies the batch's page table into the graph's
+and its sampled rows into the graph's row list (as two ``copy_`` they were two more launches
+before the graph's, on a short prefill's critical path).
 """
 
 from __future__ import annotations
@@ -30,8 +32,25 @@ _BLOCK = 1024  # tokens per program; also requests per scan step
 # NOTE: the sizes, and the alignment of the inputs (views into one packed upload), change from
 # batch to batch: not specialized, so nothing compiles at serving.
 @triton.jit(
-    do_not_specialize=["num_tokens", "num_rows", "num_reqs", "num_out_reqs"],
-    do_not_specialize_on_alignment=["InputIds", "Positions", "Loc", "ExtendLens", "SeqLens"],
+    do_not_specialize=[
+        "num_tokens",
+        "num_rows",
+        "num_reqs",
+        "num_out_reqs",
+        "table_cols",
+        "table_stride",
+        "out_table_stride",
+        "num_sampled",
+    ],
+    do_not_specialize_on_alignment=[
+        "InputIds",
+        "Positions",
+        "Loc",
+        "ExtendLens",
+        "SeqLens",
+        "PageTable",
+        "Sampled",
+    ],
 )
 def _pad_batch_kernel(
     InputIds,
@@ -45,16 +64,36 @@ def _pad_batch_kernel(
     SeqLens,
     OutSeqLens,
     OutExtendLens,
+    PageTable,
+    OutPageTable,
+    Sampled,
+    OutSampled,
     num_tokens,
     num_rows,
     num_reqs,
     num_out_reqs,
+    table_cols,
+    table_stride,
+    out_table_stride,
+    num_sampled,
     BLOCK: tl.constexpr,
     HAS_START: tl.constexpr,
     PAD_REQS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
+    if PAD_REQS:  # the page table's [B, P] entries, a block per program; the sampled rows
+        entry = offs.to(tl.int64)
+        in_table = entry < num_reqs * table_cols
+        cols = tl.maximum(table_cols, 1)  # NOTE: no division by zero for a table of no pages
+        req, col = entry // cols, entry % cols
+        page = tl.load(PageTable + req * table_stride + col, mask=in_table)
+        tl.store(OutPageTable + req * out_table_stride + col, page, mask=in_table)
+        if pid == 0:
+            for r0 in range(0, num_sampled, BLOCK):
+                r = r0 + tl.arange(0, BLOCK)
+                row = tl.load(Sampled + r, mask=r < num_sampled)
+                tl.store(OutSampled + r, row, mask=r < num_sampled)
     real = offs < num_tokens
     tl.store(OutIds + offs, tl.load(InputIds + offs, mask=real), mask=real)
     tl.store(OutPositions + offs, tl.load(Positions + offs, mask=real), mask=real)
@@ -89,6 +128,10 @@ class PaddedRequests:
     seq_lens: torch.Tensor  # [B] int32, the batch's
     out_seq_lens: torch.Tensor  # [R > B] int32
     out_extend_lens: torch.Tensor  # [R] int32
+    page_table: torch.Tensor  # [B, P] int32, the batch's
+    out_page_table: torch.Tensor  # [R, >= P] int32: its first B rows and P columns written
+    sampled: torch.Tensor  # [S] int64: the batch's sampled rows
+    out_sampled: torch.Tensor  # [>= S] int64: its first S entries written
 
 
 def _check(
@@ -128,6 +171,30 @@ def _check_requests(
             f"{len(r.out_seq_lens)} padded requests do not hold {num_reqs} requests and the "
             "padding one"
         )
+    table, out_table = r.page_table, r.out_page_table
+    if (
+        table.dim() != 2
+        or out_table.dim() != 2
+        or table.dtype != torch.int32
+        or out_table.dtype != torch.int32
+        or table.stride(1) != 1
+        or out_table.stride(1) != 1
+    ):
+        raise ValueError("page tables must be [B, P] int32 with contiguous rows")
+    if (
+        table.shape[0] != num_reqs
+        or out_table.shape[0] < num_reqs
+        or out_table.shape[1] < (table.shape[1])
+    ):
+        raise ValueError(
+            f"a page table {tuple(table.shape)} of {num_reqs} requests does not fit "
+            f"{tuple(out_table.shape)}"
+        )
+    rows = (r.sampled, r.out_sampled)
+    if any(t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous() for t in rows):
+        raise ValueError("sampled rows must be contiguous [S] int64")
+    if len(r.out_sampled) < len(r.sampled):
+        raise ValueError(f"{len(r.sampled)} sampled rows do not fit {len(r.out_sampled)}")
 
 
 def pad_batch(
@@ -142,7 +209,8 @@ def pad_batch(
     requests: PaddedRequests | None = None,  # an extend graph's requests, padded to R
 ) -> None:
     """Copy a batch's ``n`` tokens into ``rows``-row buffers (padded slots -1) and write each
-    request's first row (with ``requests``, also the padded requests' lengths): one launch.
+    request's first row (with ``requests``, also the padded requests' lengths, the page table
+    and the sampled rows): one launch.
     """
     _check(
         input_ids,
@@ -166,10 +234,21 @@ def pad_batch(
         out_loc,
         out_start if has_start else out_ids,
         *((extend_lens,) * 3 if r is None else (r.seq_lens, r.out_seq_lens, r.out_extend_lens)),
+        *(
+            (out_ids,) * 4
+            if r is None
+            else (r.page_table, r.out_page_table, r.sampled, r.out_sampled)
+        ),
     )
     num_out_reqs = len(extend_lens) if r is None else len(r.out_seq_lens)
-    scalars = (len(input_ids), len(out_ids), len(extend_lens), num_out_reqs)
-    grid = (max(1, triton.cdiv(len(out_ids), _BLOCK)), 1, 1)
+    table = (0, 0, 0, 0)
+    programs = triton.cdiv(len(out_ids), _BLOCK)
+    if r is not None:
+        cols = r.page_table.shape[1]
+        table = (cols, r.page_table.stride(0), r.out_page_table.stride(0), len(r.sampled))
+        programs = max(programs, triton.cdiv(len(extend_lens) * cols, _BLOCK))
+    scalars = (len(input_ids), len(out_ids), len(extend_lens), num_out_reqs, *table)
+    grid = (max(1, programs), 1, 1)
     constants = {"BLOCK": _BLOCK, "HAS_START": has_start, "PAD_REQS": r is not None}
     _PAD_BATCH(grid, tensors, scalars, constants)
 
@@ -211,5 +290,8 @@ def pad_batch_ref(
             out[num_reqs:] = 0
             out[num_reqs] = rows - n
         extend_lens = requests.out_extend_lens
+        table = requests.page_table
+        requests.out_page_table[:num_reqs, : table.shape[1]] = table
+        requests.out_sampled[: len(requests.sampled)] = requests.sampled
     if out_start is not None:
         out_start.copy_(torch.cumsum(extend_lens, 0) - extend_lens)

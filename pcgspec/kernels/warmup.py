@@ -235,10 +235,12 @@ def warm_pad_batch(device: torch.device) -> int:
     s = _Scratch(device)
     one = s.full(1, 1, dtype=torch.int32)
     two = [s.zeros(2, dtype=torch.int32) for _ in range(3)]
+    tables = [s.zeros(n, 2, dtype=torch.int32) for n in (1, 2)]
+    padded = PaddedRequests(one, two[1], two[2], tables[0], tables[1], s.zeros(1), s.zeros(2))
     for out_start, requests in (
         (s.zeros(1, dtype=torch.int32), None),
         (None, None),
-        (two[0], PaddedRequests(one, two[1], two[2])),
+        (two[0], padded),
     ):
         pad_batch(
             s.zeros(1),

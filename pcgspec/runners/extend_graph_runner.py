@@ -15,7 +15,7 @@ request owning all ``T`` rows: that grid covers any split of the rows among the 
 and empty requests' programs return at once. The prefix is never split in a graph, so batches
 whose longest prefix the piecewise plan may split go there instead.
 
-A replay fills the static buffers (three launches: ``pad_batch``, the page table and the
+A replay fills the static buffers (one launch: ``pad_batch``, with the page table and the
 sampled rows) and replays the bucket's graph, which computes the sampled rows' logits too; the
 outputs are graph memory, overwritten by the next replay (consume or copy them first). What
 the piecewise runner refuses, more requests than the bucket holds and long prefixes go to the
@@ -124,7 +124,7 @@ class ExtendGraphRunner(WholeGraphRunner):
         # NOTE: an empty batch: the padding request owns every row and writes no KV
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
         lens = torch.zeros(0, dtype=torch.int32, device=self.device)
-        self._load(empty, empty, empty, lens, lens, bucket)
+        self._load(empty, empty, empty, lens, lens, self.page_table[:0], empty, bucket)
 
     def _static_batch(self, bucket: int) -> ForwardBatch:
         reqs = self.requests(bucket) + 1
@@ -183,11 +183,11 @@ class ExtendGraphRunner(WholeGraphRunner):
             batch.out_cache_loc,
             batch.extend_lens,
             batch.seq_lens,
+            batch.page_table,
+            batch.logits_indices,
             bucket,
         )
-        self.page_table[: batch.batch_size, : batch.page_table.shape[1]].copy_(batch.page_table)
         rows = batch.logits_indices.shape[0]
-        self.logits_rows[:rows].copy_(batch.logits_indices)
         self.graphs[bucket].replay()
         self._count_run(bucket - n)
         hidden, aux, logits = self.outputs[bucket]
@@ -200,9 +200,12 @@ class ExtendGraphRunner(WholeGraphRunner):
         out_cache_loc: torch.Tensor,
         extend_lens: torch.Tensor,
         seq_lens: torch.Tensor,
+        page_table: torch.Tensor,
+        sampled: torch.Tensor,
         bucket: int,
     ) -> None:
-        """A batch's rows and requests into bucket ``bucket``'s static buffers, padded."""
+        """A batch's rows, requests, page table and sampled rows into bucket ``bucket``'s static
+        buffers, padded: one launch."""
         reqs = self.requests(bucket) + 1
         self._pad(
             input_ids,
@@ -213,5 +216,13 @@ class ExtendGraphRunner(WholeGraphRunner):
             self.positions[:bucket],
             self.out_cache_loc[:bucket],
             self.extend_start[:reqs],
-            PaddedRequests(seq_lens, self.seq_lens[:reqs], self.extend_lens[:reqs]),
+            PaddedRequests(
+                seq_lens,
+                self.seq_lens[:reqs],
+                self.extend_lens[:reqs],
+                page_table,
+                self.page_table,
+                sampled,
+                self.logits_rows,
+            ),
         )
