@@ -14,6 +14,8 @@
                                                                target: piecewise <= 1.25x whole
   decode_spmd  (diagnostic) the decode step of TP=N with every rank running it itself: against
            ``decode``, what rank 0's per-step broadcast costs; against TP=1, the collectives
+The ratios of the engine parts are written to --out before the SPMD part starts (its whole-step
+compiles are the slow part), so a run stopped there keeps them (``"complete": false``).
 Timing is bench_ttft's: warm-up, then CUDA events around each step on rank 0, median and p90
 (perf_counter on CPU, for smoke runs only). Caches: inductor's live under PCGSPEC_CACHE_DIR (one
 per rank at TP>1), Triton's under TRITON_CACHE_DIR; point both at empty folders for cold starts.
@@ -22,6 +24,7 @@ per rank at TP>1), Triton's under TRITON_CACHE_DIR; point both at empty folders 
         --out bench/results/tp_bench_qwen3-8b-shape_h200x2_$(date +%F).json
     NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --tp-size 2 --symm-mem-max-bytes 524288 \\
         --out bench/results/tp_bench_qwen3-8b-shape_h200x2_$(date +%F)_one_shot.json
+    NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --tp-size 2 --whole-tokens ""  # no SPMD part
     python scripts/bench_tp.py --device cpu --shape tiny --prefill-tokens 64 \\
         --whole-tokens 16,32 --context 64 --warmup 1 --repeats 2       # CPU smoke
 """
@@ -77,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--whole-tokens",
         default="16,128,512,2048",
-        help="lengths compiled whole (each compile is slow)",
+        help="lengths compiled whole (each compile is slow); empty: no SPMD part",
     )
     p.add_argument(
         "--bound-backend",
@@ -98,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = p.parse_args(argv)
     args.whole_tokens = [int(x) for x in args.whole_tokens.split(",") if x]
-    if args.tp_size < 2 or min(args.whole_tokens) < 2 or args.repeats < 1:
+    if args.tp_size < 2 or min(args.whole_tokens, default=2) < 2 or args.repeats < 1:
         p.error("--tp-size >= 2, --whole-tokens >= 2 and --repeats >= 1")
     args.command = " ".join(sys.argv)
     return args
@@ -251,22 +254,34 @@ def main(argv: list[str] | None = None) -> dict:
     if args.bound_backend is None:
         cuda = EngineConfig(device=args.device).torch_device.type == "cuda"
         args.bound_backend = "inductor" if cuda else "aot_eager"
-    targets = TARGETS.get(args.tp_size, {})
     single = run(engine_part, args, 1)
     split = run(engine_part, args, args.tp_size)
-    whole = run_spmd(args)
+    result = report(args, single, split)
+    if args.whole_tokens:
+        result = report(args, single, split, run_spmd(args))
+    return result
+
+
+def report(args: argparse.Namespace, single: dict, split: dict, whole: dict | None = None) -> dict:
+    """The ratios of the parts run so far, printed and written to ``--out`` (after the engine
+    parts, before the slow SPMD part: a run stopped there still leaves its numbers).
+    """
     ratios = {
         "startup": split["startup_s"] / single["startup_s"],
         "decode": split["decode_bs1"]["median_ms"] / single["decode_bs1"]["median_ms"],
         "decode_bs32": split["decode_bs32"]["median_ms"] / single["decode_bs32"]["median_ms"],
         "prefill": split["prefill"]["median_ms"] / single["prefill"]["median_ms"],
-        "piecewise_over_whole": max(r["piecewise_over_whole"] for r in whole["whole_vs_piecewise"]),
     }
-    diagnostics = {  # where the decode step's time goes: the broadcast, the collectives
-        "decode_spmd": whole["decode_bs1_spmd"]["median_ms"] / single["decode_bs1"]["median_ms"],
-        "decode_over_spmd": split["decode_bs1"]["median_ms"]
-        / whole["decode_bs1_spmd"]["median_ms"],
-    }
+    diagnostics = {}
+    if whole is not None:
+        rows = whole["whole_vs_piecewise"]
+        ratios["piecewise_over_whole"] = max(r["piecewise_over_whole"] for r in rows)
+        spmd = whole["decode_bs1_spmd"]["median_ms"]
+        diagnostics = {  # where the decode step's time goes: the broadcast, the collectives
+            "decode_spmd": spmd / single["decode_bs1"]["median_ms"],
+            "decode_over_spmd": split["decode_bs1"]["median_ms"] / spmd,
+        }
+    targets = {k: v for k, v in TARGETS.get(args.tp_size, {}).items() if k in ratios}
     result = {
         "date": datetime.now(timezone.utc).isoformat(),
         "device": single["device"],
@@ -279,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
         "context": args.context,
         "prefill_tokens": args.prefill_tokens,
         "runs": [single, split],
-        **whole,
+        **(whole or {}),
+        "complete": whole is not None or not args.whole_tokens,
         "ratios": ratios,
         "diagnostics": diagnostics,
         "targets": targets,
@@ -287,14 +303,17 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for key, ratio in ratios.items():
         print(f"{key:>22}: {ratio:6.3f} (target <= {targets.get(key, '-')})")
-    print(
-        f"{'decode_spmd':>22}: {diagnostics['decode_spmd']:6.3f} (TP={args.tp_size} decode "
-        f"without the broadcast, over TP=1)"
-    )
-    print(
-        f"{'decode_over_spmd':>22}: {diagnostics['decode_over_spmd']:6.3f} (the engine's "
-        f"TP={args.tp_size} decode over the SPMD one)"
-    )
+    if diagnostics:
+        print(
+            f"{'decode_spmd':>22}: {diagnostics['decode_spmd']:6.3f} (TP={args.tp_size} decode "
+            f"without the broadcast, over TP=1)"
+        )
+        print(
+            f"{'decode_over_spmd':>22}: {diagnostics['decode_over_spmd']:6.3f} (the engine's "
+            f"TP={args.tp_size} decode over the SPMD one)"
+        )
+    elif args.whole_tokens:
+        print(f"the SPMD part (whole graphs at {args.whole_tokens} tokens) follows")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -456,33 +456,18 @@ def test_profile_spec_step_in_flight_splits_host_stages_by_kind(tmp_path, smollm
         assert every["calls"] == 1.0 and math.isclose(every["us"] * steps, us, rel_tol=0.01)
 
 
+TP_SMOKE = "--device cpu --shape tiny --prefill-tokens 64 --context 64 --warmup 1 --repeats 2"
+
+
 def test_bench_tp_writes_json(tmp_path, monkeypatch):
     """TP=1 and TP=2 engines, then the SPMD part (whole vs piecewise, decode without the
     broadcast), each in fresh processes over gloo; ratios and diagnostics from their medians."""
     monkeypatch.syspath_prepend(str(SCRIPTS))  # its imports, here and in the spawned ranks
     bench = load_script("bench_tp")
     out = tmp_path / "tp.json"
-    result = bench.main(
-        [
-            "--device",
-            "cpu",
-            "--shape",
-            "tiny",
-            "--prefill-tokens",
-            "64",
-            "--whole-tokens",
-            "16,32",
-            "--context",
-            "64",
-            "--warmup",
-            "1",
-            "--repeats",
-            "2",
-            "--out",
-            str(out),
-        ]
-    )
+    result = bench.main([*TP_SMOKE.split(), "--whole-tokens", "16,32", "--out", str(out)])
     written = json.loads(out.read_text())
+    assert written["complete"]
     assert written["ratios"] == pytest.approx(result["ratios"])
     single, split = written["runs"]
     assert (single["tp"], split["tp"]) == (1, 2)
@@ -699,3 +684,23 @@ def test_check_spec_ties_scores_a_served_text_check(tmp_path):
     assert (departed["at"], departed["plain"], departed["speculative"]) == (at, want[at], got[at])
     assert len(departed["top2"]) == 2 and departed["top2_gap"] >= 0
     assert json.loads(out.read_text())["served"] == str(served)
+
+
+def test_bench_tp_keeps_the_engine_parts_of_a_run_stopped_in_the_spmd_part(tmp_path, monkeypatch):
+    """The engine parts' ratios are written before the slow SPMD part starts: a run stopped
+    in it (a time limit, a failure) still leaves them, marked incomplete."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    bench = load_script("bench_tp")
+
+    def stopped(args):  # noqa: ANN001, ANN202
+        raise TimeoutError("stopped in the SPMD part")
+
+    monkeypatch.setattr(bench, "run_spmd", stopped)
+    out = tmp_path / "tp.json"
+    with pytest.raises(TimeoutError):
+        bench.main([*TP_SMOKE.split(), "--whole-tokens", "16", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert not written["complete"] and written["diagnostics"] == {}
+    assert [run["tp"] for run in written["runs"]] == [1, 2]
+    assert set(written["ratios"]) == {"startup", "decode", "decode_bs32", "prefill"}
+    assert written["met"].keys() == written["targets"].keys() == written["ratios"].keys()
