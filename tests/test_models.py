@@ -195,6 +195,20 @@ def test_model_interface(models) -> None:
         ours.set_aux_hidden_layers([4])
 
 
+def test_logits_written_into_out(models) -> None:
+    """``compute_logits(hidden, out=)`` (the graphs' shared logits buffer) writes what it
+    returns without ``out`` into ``out`` (Gemma 3's soft-capping included); a wrong shape is
+    refused."""
+    hf, ours = models
+    hidden = torch.randn(3, ours.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = ours.compute_logits(hidden)
+    out = torch.full((3, ours.vocab_size), float("nan"))
+    assert ours.compute_logits(hidden, out=out) is out
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"out \(4, 256\) must be \[3, 256\]"):
+        ours.compute_logits(hidden, out=torch.empty(4, ours.vocab_size))
+
+
 def test_input_embeds_replace_embedding(models) -> None:
     _, ours = models
     ids = random_ids(6, seed=7)

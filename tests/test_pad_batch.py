@@ -43,13 +43,19 @@ def test_pad_batch_matches_reference(lens: list[int], rows: int, with_start: boo
 
 @pytest.mark.parametrize(
     ("lens", "rows", "num_out", "pages"),
-    [([3, 1, 9], 16, 5, 3), ([4], 4, 2, 0), ([1] * 1100, 1200, 1200, 2), ([5, 2], 8, 3, 700)],
+    [
+        ([3, 1, 9], 16, 5, 3),
+        ([4], 4, 2, 0),
+        ([1] * 1100, 1200, 1200, 2),
+        ([5, 2], 8, 3, 700),
+        ([], 4, 2, 3),  # no request: the padding one owns every row (capture warm-ups)
+    ],
 )
 def test_pad_batch_pads_requests(lens: list[int], rows: int, num_out: int, pages: int) -> None:
     """An extend graph's requests: the batch's, one owning the padded rows, then empty ones;
     the batch's page table into the first rows and columns of the graph's (the rest stale), its
     sampled rows into the first entries of the graph's (a table over several programs' blocks,
-    and one of no pages, included)."""
+    one of no pages, and a source table whose rows are wider than its columns, included)."""
     gen = torch.Generator().manual_seed(rows)
     n, b = sum(lens), len(lens)
     src = [torch.randint(0, 1 << 40, (n,), generator=gen).to(DEVICE) for _ in range(3)]
@@ -57,8 +63,9 @@ def test_pad_batch_pads_requests(lens: list[int], rows: int, num_out: int, pages
     seq_lens = extend_lens + torch.randint(0, 500, (b,), generator=gen, dtype=torch.int32).to(
         DEVICE
     )
-    table = torch.randint(0, 1 << 30, (b, pages), generator=gen, dtype=torch.int32).to(DEVICE)
-    sampled = torch.randint(0, n, (b,), generator=gen).to(DEVICE)
+    wide = torch.randint(0, 1 << 30, (b, pages + 3), generator=gen, dtype=torch.int32)
+    table = wide.to(DEVICE)[:, :pages]  # NOTE: a row stride past the columns copied
+    sampled = torch.randint(0, max(n, 1), (b,), generator=gen).to(DEVICE)
     outs = {}
     for name, fn in (("kernel", pad_batch), ("ref", pad_batch_ref)):
         bufs = [torch.full((rows,), 7, dtype=torch.int64, device=DEVICE) for _ in range(3)]
@@ -110,6 +117,7 @@ def test_pad_batch_rejects_bad_shapes() -> None:
         (dict(table=table.long()), "page tables must be"),
         (dict(table=wide), r"a page table \(2, 4\) of 1 requests does not fit"),
         (dict(out_table=table[:, :2]), r"a page table \(1, 3\) of 1 requests does not fit"),
+        (dict(table=table.to("meta")), "must be on the batch's device"),
         (dict(sampled=rows.int()), "sampled rows must be"),
         (dict(sampled=tokens[0][:3]), "3 sampled rows do not fit 1"),
     ]:

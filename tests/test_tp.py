@@ -126,7 +126,8 @@ def runner_logits(runner: ModelRunner) -> list[torch.Tensor]:
             device,
         ),
     ]
-    return [runner.forward(b).logits for b in batches]
+    # NOTE: cloned: a graph's logits are overwritten by the next decode or extend graph's replay
+    return [runner.forward(b).logits.clone() for b in batches]
 
 
 @pytest.mark.parametrize("model", ["llama_path", "qwen3_path"])

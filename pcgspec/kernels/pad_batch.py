@@ -190,6 +190,8 @@ def _check_requests(
             f"a page table {tuple(table.shape)} of {num_reqs} requests does not fit "
             f"{tuple(out_table.shape)}"
         )
+    if any(t.device != extend_lens.device for t in (table, out_table, r.sampled, r.out_sampled)):
+        raise ValueError("page tables and sampled rows must be on the batch's device")
     rows = (r.sampled, r.out_sampled)
     if any(t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous() for t in rows):
         raise ValueError("sampled rows must be contiguous [S] int64")

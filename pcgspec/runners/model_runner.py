@@ -39,7 +39,10 @@ logger = logging.getLogger("pcgspec")
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor | None  # [R, V] float32, rows = batch.logits_indices; None: not asked
+    # [R, V] float32, rows = batch.logits_indices; None: not asked. NOTE: from a decode or
+    # extend graph they are rows of ``ModelRunner.graph_logits``, which the next forward may
+    # overwrite: consume (or enqueue what reads them) or copy them first
+    logits: torch.Tensor | None
     hidden_states: torch.Tensor | None = None  # LAST: [R, C], FULL: [T, C], else None
 
 
@@ -258,7 +261,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Run ``batch`` (on rank 0 of a tensor-parallel group: on every rank)."""
+        """Run ``batch`` (on rank 0 of a tensor-parallel group: on every rank); the outputs hold
+        until the next forward (``ForwardOutput``)."""
         if self.tp_driver is None:
             return self._forward(batch)
         with self.tp_driver.step(to_message(batch)):
@@ -284,6 +288,7 @@ class ModelRunner:
             if graphs is not None:
                 graphs.reset()
         self.piecewise = self.extend_graphs = self.decode_graphs = self.verify_graphs = None
+        self.graph_logits = None
 
     def graph_runners(self) -> dict[str, GuardedRunner]:
         """The target's graph runners by name (those built), for their ``stats()``."""

@@ -11,8 +11,8 @@ eager runs (kernels compile there, outside the capture).
 NOTE: outputs are graph memory, overwritten by the next replay: consume or copy them first.
 The logits the graphs compute are rows of one float32 buffer that the model runner's decode and
 extend graphs share (``ModelRunner.graph_logits``), so a replay of any of them overwrites them:
-one buffer of their largest batch's rows, not an output of every key (a bucket per captured
-batch size, each the vocabulary wide: 0.6 GB of graph memory for a 49k vocabulary, 3 GB for
+one buffer of their largest batch's rows, not an output of every key (1,687 rows over the
+default buckets, the vocabulary wide: 316 MiB of graph memory for a 49k vocabulary, 1.6 GiB for
 Gemma 3's 262k).
 Off CUDA the piecewise ``_EagerGraph`` stands in for ``torch.cuda.CUDAGraph`` (replay reruns the
 captured step on the static buffers), so capture and replay are tested on CPU.

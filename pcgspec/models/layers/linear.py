@@ -132,6 +132,10 @@ class VocabParallelEmbedding(nn.Embedding):
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden @ weight.T`` [R, V] float32 over the whole vocabulary, gathered from every
         rank; written into ``out`` [R, V] float32 when given (one rank: the cast writes it)."""
+        if out is not None and out.shape != (hidden.shape[0], self.full_vocab_size):
+            raise ValueError(
+                f"out {tuple(out.shape)} must be [{hidden.shape[0]}, {self.full_vocab_size}]"
+            )
         local = F.linear(hidden, self.weight)
         if out is not None and self.tp.size == 1:
             return out.copy_(local)
