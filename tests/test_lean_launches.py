@@ -266,6 +266,30 @@ def _pad_batch_case() -> list[torch.Tensor]:
     return [*out, start]
 
 
+def _padded_requests_case() -> list[torch.Tensor]:
+    """``pad_batch`` as an extend graph calls it: the requests padded, with the page table and
+    the sampled rows."""
+    from test_pad_batch import DEVICE
+
+    from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch
+
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.tensor([3, 5, 1, 7], dtype=torch.int32)
+    n, rows, reqs = int(lens.sum()), 21, 6
+    ids, pos, loc = (torch.randint(0, 1000, (n,), generator=gen).to(DEVICE) for _ in range(3))
+    out = [torch.full((rows,), -7, dtype=torch.int64, device=DEVICE) for _ in range(3)]
+    start, seq, ext = (torch.zeros(reqs, dtype=torch.int32, device=DEVICE) for _ in range(3))
+    table = torch.randint(0, 1 << 20, (4, 5), generator=gen, dtype=torch.int32).to(DEVICE)
+    out_table = torch.full((reqs, 8), -3, dtype=torch.int32, device=DEVICE)
+    sampled = torch.tensor([2, 7, 8, 15], device=DEVICE)
+    out_sampled = torch.full((reqs,), -4, dtype=torch.int64, device=DEVICE)
+    requests = PaddedRequests(
+        (lens + 9).to(DEVICE), seq, ext, table, out_table, sampled, out_sampled
+    )
+    pad_batch(ids, pos, loc, lens.to(DEVICE), *out, start, requests)
+    return [*out, start, seq, ext, out_table, out_sampled]
+
+
 def _padded_rows_case() -> list[torch.Tensor]:
     from test_padded_rows import DEVICE, _case, _tokens
 
@@ -391,6 +415,7 @@ def _extend_case() -> list[torch.Tensor]:
 
 GPU_CASES = {  # case -> (run it on fixed random inputs: what it wrote, the kernels it launches)
     "pad_batch": (_pad_batch_case, {"_pad_batch_kernel"}),
+    "pad_batch_requests": (_padded_requests_case, {"_pad_batch_kernel"}),
     "padded_rows": (_padded_rows_case, {"_padded_rows_kernel"}),
     "sampling": (_sampling_case, {"_build_kernel", "_advance_kernel"}),
     "verify": (_verify_case, {"_verify_rows_kernel", "_accept_kernel"}),
