@@ -171,32 +171,34 @@ def _check_requests(
             f"{len(r.out_seq_lens)} padded requests do not hold {num_reqs} requests and the "
             "padding one"
         )
+    # NOTE: checked every replay of an extend graph (a short prefill's host path): each
+    # attribute read once, chained comparisons
     table, out_table = r.page_table, r.out_page_table
-    if (
-        table.dim() != 2
-        or out_table.dim() != 2
-        or table.dtype != torch.int32
-        or out_table.dtype != torch.int32
-        or table.stride(1) != 1
-        or out_table.stride(1) != 1
+    sampled, out_sampled = r.sampled, r.out_sampled
+    if not (
+        table.dim() == out_table.dim() == 2
+        and table.dtype is out_table.dtype is torch.int32
+        and table.stride(1) == out_table.stride(1) == 1
     ):
         raise ValueError("page tables must be [B, P] int32 with contiguous rows")
-    if (
-        table.shape[0] != num_reqs
-        or out_table.shape[0] < num_reqs
-        or out_table.shape[1] < (table.shape[1])
-    ):
+    (rows, cols), (out_rows, out_cols) = table.shape, out_table.shape
+    if rows != num_reqs or out_rows < num_reqs or out_cols < cols:
         raise ValueError(
             f"a page table {tuple(table.shape)} of {num_reqs} requests does not fit "
             f"{tuple(out_table.shape)}"
         )
-    if any(t.device != extend_lens.device for t in (table, out_table, r.sampled, r.out_sampled)):
+    device = extend_lens.device
+    if not table.device == out_table.device == sampled.device == out_sampled.device == device:
         raise ValueError("page tables and sampled rows must be on the batch's device")
-    rows = (r.sampled, r.out_sampled)
-    if any(t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous() for t in rows):
+    if not (
+        sampled.dim() == out_sampled.dim() == 1
+        and sampled.dtype is out_sampled.dtype is torch.int64
+        and sampled.is_contiguous()
+        and out_sampled.is_contiguous()
+    ):
         raise ValueError("sampled rows must be contiguous [S] int64")
-    if len(r.out_sampled) < len(r.sampled):
-        raise ValueError(f"{len(r.sampled)} sampled rows do not fit {len(r.out_sampled)}")
+    if out_sampled.shape[0] < sampled.shape[0]:
+        raise ValueError(f"{sampled.shape[0]} sampled rows do not fit {out_sampled.shape[0]}")
 
 
 def pad_batch(
