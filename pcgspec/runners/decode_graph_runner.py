@@ -18,7 +18,6 @@ and page-table entries past a request's pages, keep older values: no real row re
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -180,15 +179,13 @@ class DecodeGraphRunner(WholeGraphRunner):
         self.mode, self.tokens_per_seq = mode, tokens_per_seq
         config = model_runner.config
         self.capture_hidden_mode = model_runner.capture_hidden_mode(mode)
-        self.compute_logits: Callable[..., torch.Tensor] | None = (
-            model_runner.model.compute_logits if mode is ForwardMode.DECODE else None
-        )
         self.batch_sizes = decode_batch_sizes(max_decode_batch(config))
         self.max_bs = self.batch_sizes[-1]
         self.buffers = StaticBuffers.allocate(
             self.max_bs, tokens_per_seq, self.max_pages, self.device
         )
-        self.logits_out = None if self.compute_logits is None else self._logits_buffer(self.max_bs)
+        if mode is ForwardMode.DECODE:  # NOTE: a verify pass's caller computes its logits
+            self.logits_out = self._logits_buffer(self.max_bs)
         self.tree_mask: torch.Tensor | None = None
         if tree:
             if mode is not ForwardMode.TARGET_VERIFY:
@@ -219,9 +216,7 @@ class DecodeGraphRunner(WholeGraphRunner):
 
     def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """Every row's logits (DECODE graphs): a decode batch's logits rows are all its rows."""
-        if self.compute_logits is None:
-            return None
-        return self.compute_logits(hidden, out=self.logits_out[: hidden.shape[0]])
+        return None if self.logits_out is None else self._logits_into(hidden)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         verify = self.mode is ForwardMode.TARGET_VERIFY

@@ -96,7 +96,6 @@ class ExtendGraphRunner(WholeGraphRunner):
         # of its first ``requests(bucket)`` entries (stale ones are clamped into the bucket)
         self.logits_rows = buffer(0, torch.int64, self.max_requests)
         self.logits_out = self._logits_buffer(self.max_requests)
-        self.compute_logits = model_runner.model.compute_logits
         self._pad = pad_batch if self.device.type == "cuda" else pad_batch_ref
 
     def requests(self, bucket: int) -> int:
@@ -146,7 +145,7 @@ class ExtendGraphRunner(WholeGraphRunner):
 
     def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         rows = batch.logits_indices.clamp(max=hidden.shape[0] - 1)
-        return self.compute_logits(hidden.index_select(0, rows), out=self.logits_out[: len(rows)])
+        return self._logits_into(hidden.index_select(0, rows))
 
     # Replay ----------------------------------------------------------------------------------
 

@@ -87,8 +87,12 @@ class WholeGraphRunner(GuardedRunner):
         self.graphs: dict[int, _CudaGraph | _EagerGraph] = {}
         self.outputs: dict[int, GraphOutput] = {}
         self.pool: tuple[int, int] | None = None
+        self.compute_logits = model_runner.model.compute_logits
         self._shared_logits = model_runner.graph_logits
         self._vocab_size = model_runner.vocab_size
+        # [rows, V] float32 where the graphs write logits (``_logits_into``); None: they compute
+        # none (a subclass sets it with ``_logits_buffer``)
+        self.logits_out: torch.Tensor | None = None
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """Where the graphs write the logits of up to ``rows`` rows: the model runner's shared
@@ -98,6 +102,11 @@ class WholeGraphRunner(GuardedRunner):
         if shared is not None and shared.shape[0] >= rows:
             return shared
         return torch.empty(rows, self._vocab_size, dtype=torch.float32, device=self.device)
+
+    def _logits_into(self, rows: torch.Tensor) -> torch.Tensor:
+        """The logits of hidden ``rows`` [R, H], written into the first R rows of
+        ``logits_out``."""
+        return self.compute_logits(rows, out=self.logits_out[: rows.shape[0]])
 
     @abstractmethod
     def _static_batch(self, key: int) -> ForwardBatch:
