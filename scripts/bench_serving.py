@@ -215,9 +215,9 @@ def _load_path(args: argparse.Namespace) -> str:
     return "/v1/completions"
 
 
-async def warm_up(args: argparse.Namespace, model: str) -> None:
-    """``--warmup`` requests one at a time, before the counters of the measured load are read."""
-    prompts = [] if args.dataset == "multi-turn" else load_prompts(args)
+async def warm_up(args: argparse.Namespace, model: str, prompts: list[str | list[int]]) -> None:
+    """``--warmup`` requests one at a time (``_warmup_prompt`` of the load's ``prompts``),
+    before the counters of the measured load are read."""
     url = args.base_url + _load_path(args)
     async with open_session(args.api_key) as s:
         for _ in range(args.warmup):
@@ -732,8 +732,9 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
     server = launch(args, extra_server_args) if args.launch else None
     try:
         model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
+        prompts = [] if args.dataset == "multi-turn" else load_prompts(args)
         if args.warmup:
-            asyncio.run(warm_up(args, model))
+            asyncio.run(warm_up(args, model, prompts))
             # NOTE: every repeat finds the cache as the first does: holding none of its prompts
             _post(args.base_url, "/flush_cache", args.api_key)
         steps0, accepted0 = spec_counters(args.base_url, args.api_key)
@@ -747,7 +748,7 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
             if args.dataset == "multi-turn":
                 repeats.append(asyncio.run(run_chats(args, model)))
             else:
-                repeats.append(asyncio.run(run_load(args, model, load_prompts(args))))
+                repeats.append(asyncio.run(run_load(args, model, prompts)))
         # NOTE: a client near 1.0 delays its own sends and reads: its TTFT is not the server's.
         client_busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
         counters = spec_counters(args.base_url, args.api_key)
