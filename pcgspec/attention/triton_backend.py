@@ -30,7 +30,8 @@ class TritonAttentionMetadata:
     page_table: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32
     extend_lens: torch.Tensor  # [B] int32
-    extend_start: torch.Tensor  # [B] int32, first row of each request (exclusive cumsum)
+    # [B] int32, first row of each request (exclusive cumsum); the extend path's only
+    extend_start: torch.Tensor | None
     out_cache_loc: torch.Tensor  # [T] int64, -1 = padding
     num_real_tokens: int  # sum(extend_lens); rows past it are padding, zeroed
     num_kv_splits: int  # split-KV path; the extend path's prefix splits are its plan's
@@ -121,7 +122,7 @@ class TritonAttentionBackend(AttentionBackend):
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
             extend_lens=batch.extend_lens,
-            extend_start=_extend_start(batch),
+            extend_start=None if plan is None else _extend_start(batch),
             out_cache_loc=batch.out_cache_loc,
             num_real_tokens=num_real,
             num_kv_splits=num_splits,
