@@ -17,7 +17,9 @@ import torch
 from test_sampling_slots import _Req
 
 from pcgspec.kernels.attention import decode_attention, decode_workspace, store_kv
+from pcgspec.kernels.draft_levels import draft_levels
 from pcgspec.kernels.extend_attention import extend_attention, plan_extend
+from pcgspec.kernels.move_kv import move_accepted_kv
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
@@ -442,6 +444,7 @@ def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
         verify=(K, VOCAB),
         tree=(depth, nodes, topk),
         tree_vocab=(draft_vocab, dtypes),
+        draft_levels=(depth - 1, topk),
     )
     warmed = record()
     run_warmup(tree_warmup, torch.device("cpu"))
@@ -479,6 +482,13 @@ def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
                 parents=parents.expand(b, -1).contiguous(),
                 max_depth=depth,
             )
+        k_all = torch.zeros(3, 65 * page + 1, TINY.num_kv_heads, TINY.head_dim, dtype=TINY.dtype)
+        path = torch.tensor([0, 2, 5, -1])[: depth + 1].expand(b, -1).contiguous()
+        start = torch.arange(b) * 4 - 1  # the first request: a graph's padding
+        move_accepted_kv(k_all, k_all.clone(), table, page, start, path)
+        positions = torch.arange(b * (depth + 1))
+        rows = torch.arange(b) * (depth + 1) + depth
+        draft_levels(positions, rows, seq_lens, table, page, depth - 1, topk)
         for dtype in dtypes:  # a tree's drafting as on CUDA: each level's top-k, the tree's
             first = top_tokens(torch.randn(b, draft_vocab).to(dtype), topk)
             expansion = TreeExpansion(*first, depth)
@@ -486,7 +496,13 @@ def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
                 level = torch.randn(b * topk, draft_vocab).to(dtype)
                 expansion.expand(*top_tokens(level, topk))
             expansion.select(nodes, depth)
-    names = ("_split_kv_kernel", "_split_kv_reduce_kernel", "_accept_tree_kernel")
+    names = (
+        "_split_kv_kernel",
+        "_split_kv_reduce_kernel",
+        "_accept_tree_kernel",
+        "_move_kv_kernel",
+        "_draft_levels_kernel",
+    )
     tree_kernels = (
         "_chunk_top_k_kernel",
         "_merge_top_k_kernel",

@@ -61,6 +61,42 @@ def test_expand_beams_equals_the_reference(b, k, level, ties) -> None:
     assert got.mask.shape == (b, k, (level + 1) * k)
 
 
+@pytest.mark.parametrize(("b", "k", "ties"), [(1, 2, False), (3, 4, True), (2, 8, False)])
+def test_the_root_expansion_keeps_its_children_in_order(b, k, ties) -> None:
+    """Depth 1: the root's children (sorted, as ``top_tokens`` gives them) become the beams in
+    their order, each seeing itself; candidates 0..k-1 with the root (-1) as parent."""
+    gen = torch.Generator().manual_seed(b * 10 + k)
+    lp = torch.randn(b, k, generator=gen).sort(dim=-1, descending=True).values
+    if ties:
+        lp = lp.round()
+    tok = torch.randint(0, 1000, (b, k), generator=gen)
+    size = k + 3  # NOTE: later depths' columns
+    for fn in (expand_beams_ref, expand_beams):
+        tables = tuple(
+            torch.zeros(b, size, dtype=d, device=DEVICE)
+            for d in (torch.float64, torch.int64, torch.int64)
+        )
+        out = fn(None, lp.to(DEVICE), tok.to(DEVICE), tables, 0, 0.5)
+        assert torch.equal(out.scores.cpu(), lp.double() - 0.5), fn.__name__
+        assert torch.equal(out.ids.cpu(), torch.arange(k).repeat(b, 1))
+        assert torch.equal(out.tokens.cpu(), tok)
+        assert torch.equal(out.mask.cpu(), torch.eye(k, dtype=torch.bool).repeat(b, 1, 1))
+        assert torch.equal(out.parent.cpu(), torch.zeros(b, k, dtype=torch.int64))
+
+
+def test_the_root_expansion_fills_the_first_candidates() -> None:
+    lp = torch.tensor([[-0.25, -1.5, -3.0]])
+    tok = torch.tensor([[5, 9, 2]])
+    for fn in (expand_beams_ref, expand_beams):
+        tables = tuple(
+            torch.zeros(1, 5, dtype=d) for d in (torch.float64, torch.int64, torch.int64)
+        )
+        fn(None, lp, tok, tables, 0, 0.0)
+        assert tables[0][0, :3].tolist() == [-0.25, -1.5, -3.0]
+        assert tables[1][0, :3].tolist() == [5, 9, 2]
+        assert tables[2][0].tolist() == [-1, -1, -1, 0, 0]  # columns past the root's untouched
+
+
 def test_the_reference_keeps_the_best_children_and_grows_their_masks() -> None:
     """By hand: two beams of two children each."""
     beams = Beams(
@@ -130,6 +166,15 @@ def test_compiled_kernels_equal_the_references_on_cuda() -> None:
         want_tables = tuple(t.clone() for t in tables)
         want = expand_beams_ref(beams, lp * 1e-9, tok, want_tables, first, STRICT)
         got = expand_beams(beams, lp * 1e-9, tok, tables, first, STRICT)
+        for name in Beams._fields:
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert all(torch.equal(g, w) for g, w in zip(tables, want_tables))
+    for b, k in ((3, 4), (16, 8)):  # the root's expansion
+        _, lp, tok, tables, _ = _setup(b, k, 1, seed=k)
+        lp, tok = lp[:b] * 1e-9, tok[:b]
+        want_tables = tuple(t.clone() for t in tables)
+        want = expand_beams_ref(None, lp, tok, want_tables, 0, STRICT)
+        got = expand_beams(None, lp, tok, tables, 0, STRICT)
         for name in Beams._fields:
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         assert all(torch.equal(g, w) for g, w in zip(tables, want_tables))

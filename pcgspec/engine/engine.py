@@ -177,6 +177,7 @@ class Engine:
                 if isinstance(proposer, ModelProposer) and spec.topk > 1
                 else None
             ),
+            draft_levels=(k - 1, spec.topk) if isinstance(proposer, ModelProposer) else None,
         )
 
     @property

@@ -3,7 +3,8 @@ with its torch reference: a depth's expansion, and the selection of the kept nod
 
 Expansion (``expand_beams``).
 Per request, from its ``k`` beams (path scores, candidate ids, ancestor masks over the levels
-so far) and the head's ``k`` best children of each beam (log-probabilities, tokens): record
+so far; depth 1: the root alone) and the head's ``k`` best children of each beam
+(log-probabilities, tokens): record
 the ``k * k`` children as candidates (score: the beam's plus the child's, less ``strict``;
 token; parent: the beam's candidate id) at columns ``first ..`` of the candidate tables, keep
 the ``k`` best as the next beams (ties to the lower child index, as ``kernels.top_k``), and
@@ -78,16 +79,23 @@ def _expand_kernel(
     K: tl.constexpr,
     BLOCK_KK: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    ROOT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_KK)  # child c of beam c // K
-    valid = c < K * K
-    beam = c // K
-    lp = tl.load(ChildLp + b * K * K + c, mask=valid, other=float("-inf")).to(tl.float64)
-    score = tl.load(BeamScores + b * K + beam, mask=valid, other=0.0) + lp - strict
-    score = tl.where(valid, score, float("-inf"))
-    token = tl.load(ChildTok + b * K * K + c, mask=valid, other=0)
-    parent = tl.load(BeamIds + b * K + beam, mask=valid, other=0)
+    c = tl.arange(0, BLOCK_KK)  # child c of beam c // K (the root: child c of the root)
+    if ROOT:  # depth 1: no beams yet, the root's K children (path score: their own)
+        valid = c < K
+        child = b * K + c
+        base = tl.zeros([BLOCK_KK], tl.float64)
+        parent = tl.full([BLOCK_KK], -1, tl.int64)
+    else:
+        valid = c < K * K
+        child = b * K * K + c
+        base = tl.load(BeamScores + b * K + c // K, mask=valid, other=0.0)
+        parent = tl.load(BeamIds + b * K + c // K, mask=valid, other=0)
+    lp = tl.load(ChildLp + child, mask=valid, other=float("-inf")).to(tl.float64)
+    score = tl.where(valid, base + lp - strict, float("-inf"))
+    token = tl.load(ChildTok + child, mask=valid, other=0)
     row = b * stride_cand + first + c
     tl.store(Scores + row, score, mask=valid)
     tl.store(Tokens + row, token, mask=valid)
@@ -111,15 +119,20 @@ def _expand_kernel(
 _EXPAND = CompiledLaunches(_expand_kernel)
 
 
-def _check(beams: Beams, child_lp: torch.Tensor, child_tok: torch.Tensor) -> tuple[int, ...]:
-    b, k = beams.scores.shape
-    width = beams.mask.shape[2]
+def _check(beams: Beams | None, child_lp: torch.Tensor, child_tok: torch.Tensor) -> tuple[int, ...]:
+    """``(b, k, width)`` of a checked expansion (the root's: width 0)."""
+    if beams is None:
+        b, k = child_lp.shape
+        beams = Beams(*(child_lp.new_empty(b, 1) for _ in range(3)), child_lp.new_empty(b, 1, 0))
+    else:
+        b, k = beams.scores.shape
+    width, num_beams = beams.mask.shape[2], beams.scores.shape[1]
     shapes = {
-        "beams.scores": (beams.scores, (b, k)),
-        "beams.ids": (beams.ids, (b, k)),
-        "beams.mask": (beams.mask, (b, k, width)),
-        "child_lp": (child_lp, (b * k, k)),
-        "child_tok": (child_tok, (b * k, k)),
+        "beams.scores": (beams.scores, (b, num_beams)),
+        "beams.ids": (beams.ids, (b, num_beams)),
+        "beams.mask": (beams.mask, (b, num_beams, width)),
+        "child_lp": (child_lp, (b * num_beams, k)),
+        "child_tok": (child_tok, (b * num_beams, k)),
     }
     for name, (t, shape) in shapes.items():
         if tuple(t.shape) != shape:
@@ -128,7 +141,7 @@ def _check(beams: Beams, child_lp: torch.Tensor, child_tok: torch.Tensor) -> tup
 
 
 def expand_beams(
-    beams: Beams,
+    beams: Beams | None,
     child_lp: torch.Tensor,
     child_tok: torch.Tensor,
     candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -136,7 +149,9 @@ def expand_beams(
     strict: float,
 ) -> Beams:
     """One depth in one launch: writes the ``k * k`` children into ``candidates`` (scores
-    float64, tokens, parents: [B, C], columns ``first ..``) and returns the next ``Beams``."""
+    float64, tokens, parents: [B, C], columns ``first ..``) and returns the next ``Beams``.
+    ``beams`` None: depth 1, the root's ``k`` children (``child_lp``, ``child_tok``: [B, k]),
+    each a beam of its own, in their order (ties to the lower child)."""
     b, k, width = _check(beams, child_lp, child_tok)
     scores, tokens, parents = candidates
     if any(t.stride() != scores.stride() or t.stride(1) != 1 for t in candidates):
@@ -149,41 +164,47 @@ def expand_beams(
         torch.empty(b, k, width + k, dtype=torch.bool, device=device),
         torch.empty(b, k, dtype=torch.int64, device=device),
     )
-    tensors = (
-        beams.scores.contiguous(),
-        beams.ids.contiguous(),
-        beams.mask.contiguous(),
-        child_lp.contiguous(),
-        child_tok.contiguous(),
-        scores,
-        tokens,
-        parents,
-        *out,
-    )
+    child_lp, child_tok = child_lp.contiguous(), child_tok.contiguous()
+    # NOTE: the root has no beams to read: its launch passes the children in their place
+    if beams is None:
+        beam_tensors = (child_lp, child_tok, child_tok)
+    else:
+        beam_tensors = (beams.scores.contiguous(), beams.ids.contiguous(), beams.mask.contiguous())
+    tensors = (*beam_tensors, child_lp, child_tok, scores, tokens, parents, *out)
     constants = {
         "K": k,
-        "BLOCK_KK": triton.next_power_of_2(k * k),
+        "BLOCK_KK": triton.next_power_of_2(k if beams is None else k * k),
         "BLOCK_W": triton.next_power_of_2(width + k),
+        "ROOT": beams is None,
     }
     _EXPAND((b, 1, 1), tensors, (scores.stride(0), first, width, strict), constants)
     return out
 
 
 def expand_beams_ref(
-    beams: Beams,
+    beams: Beams | None,
     child_lp: torch.Tensor,
     child_tok: torch.Tensor,
     candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     first: int,
     strict: float,
 ) -> Beams:
-    """``expand_beams`` in torch."""
+    """``expand_beams`` in torch (the root: one beam of score 0, no candidate id, no mask)."""
     b, k, width = _check(beams, child_lp, child_tok)
+    if beams is None:
+        device = child_lp.device
+        beams = Beams(
+            torch.zeros(b, 1, dtype=torch.float64, device=device),
+            torch.full((b, 1), -1, dtype=torch.int64, device=device),
+            torch.zeros(b, 1, dtype=child_tok.dtype, device=device),
+            torch.zeros(b, 1, 0, dtype=torch.bool, device=device),
+        )
+    n = beams.scores.shape[1] * k  # children
     scores, tokens, parents = candidates
-    child = (beams.scores[..., None] + child_lp.view(b, k, k).double() - strict).view(b, k * k)
-    cols = slice(first, first + k * k)
+    child = (beams.scores[..., None] + child_lp.view(b, -1, k).double() - strict).view(b, n)
+    cols = slice(first, first + n)
     scores[:, cols] = child
-    tokens[:, cols] = child_tok.reshape(b, k * k)
+    tokens[:, cols] = child_tok.reshape(b, n)
     parents[:, cols] = beams.ids.repeat_interleave(k, dim=1)
     best_scores, best = top_k_ref(child, k)
     parent = best // k
@@ -192,7 +213,7 @@ def expand_beams_ref(
     return Beams(
         best_scores,
         first + best,
-        child_tok.reshape(b, k * k).gather(1, best),
+        child_tok.reshape(b, n).gather(1, best),
         torch.cat([grown, fresh], dim=2),
         parent,
     )

@@ -16,9 +16,10 @@ starts, and with an extend graph's padded requests), ``warm_sampling`` (build_sa
 advance_positions, the token draw),
 ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the speculative worker
 uses, the accept kernel, and the padded rows of verify passes, in place for a verify graph or
-not, and of draft catch-ups), for draft trees ``warm_verify_tree`` (their walk) and
-``warm_tree_drafting`` (their drafting's top-k and expansion), and ``warm_ngram`` (prompt
-lookup).
+not, and of draft catch-ups), for draft trees ``warm_verify_tree`` (their walk),
+``warm_move_kv`` (their accepted K/V moved into place) and ``warm_tree_drafting`` (their
+drafting's top-k and expansion), ``warm_draft_levels`` (a model drafter's level inputs) and
+``warm_ngram`` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from pcgspec.kernels.build_sampling_params import (
     advance_positions,
     build_sampling_params,
 )
+from pcgspec.kernels.draft_levels import draft_levels
 from pcgspec.kernels.extend_attention import ExtendPlan, extend_attention, plan_extend
+from pcgspec.kernels.move_kv import move_accepted_kv
 from pcgspec.kernels.ngram_propose import ngram_propose
 from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch
 from pcgspec.kernels.padded_rows import GraphRows, VerifyTokens, padded_rows, padded_rows_into
@@ -106,6 +109,7 @@ class KernelWarmup:
     tree: tuple[int, int, int] | None = None  # draft trees: (depth k, nodes N, topk)
     # draft trees' top-k over the draft vocabulary: (its size, the dtypes of the head's scores)
     tree_vocab: tuple[int, tuple[torch.dtype, ...]] | None = None
+    draft_levels: tuple[int, int] | None = None  # a model drafter's levels: (depth - 1, topk)
 
 
 def extend_lengths(shape: AttentionShape) -> list[int]:
@@ -340,6 +344,17 @@ def warm_verify_tree(depth: int, nodes: int, vocab_size: int, device: torch.devi
     return 2 * len(VERIFY_STRATEGIES)
 
 
+def warm_move_kv(shape: AttentionShape, depth: int, device: torch.device) -> int:
+    """The move of a tree's accepted K/V into place in the target's cache (``shape``)."""
+    s = _Scratch(device)
+    kv = s.zeros(1, shape.page_size + 1, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
+    path = s.full(-1, 1, depth + 1)
+    move_accepted_kv(
+        kv, kv.clone(), s.zeros(1, 1, dtype=torch.int32), shape.page_size, s.zeros(1), path
+    )
+    return 1
+
+
 def warm_tree_drafting(
     depth: int,
     nodes: int,
@@ -349,9 +364,9 @@ def warm_tree_drafting(
     device: torch.device,
 ) -> int:
     """A tree's drafting as it calls its kernels: each level's top-k over the draft vocabulary
-    (log-probabilities, in each dtype the head scores in), each level's expansion (one variant
-    per width of the beams' masks), the top-k of the kept candidates (float64 scores) and their
-    selection."""
+    (log-probabilities, in each dtype the head scores in), the root's and each level's
+    expansion (one variant per width of the beams' masks), the top-k of the kept candidates
+    (float64 scores) and their selection."""
     s = _Scratch(device)
     count = 0
     for dtype in dict.fromkeys(dtypes):
@@ -360,6 +375,7 @@ def warm_tree_drafting(
     candidates = topk + (depth - 1) * topk * topk
     scores = s.zeros(1, candidates, dtype=torch.float64)
     tables = (scores, s.zeros(1, candidates), s.zeros(1, candidates))
+    expand_beams(None, s.zeros(1, topk, dtype=torch.float32), s.zeros(1, topk), tables, 0, 0.0)
     for level in range(1, depth):
         mask = s.zeros(1, topk, level * topk, dtype=torch.bool)
         beams = Beams(
@@ -369,7 +385,22 @@ def warm_tree_drafting(
         expand_beams(beams, lp, s.zeros(topk, topk), tables, topk, 0.0)
         count += 1
     select_nodes(top_k(scores, nodes - 1)[1], *tables[1:], depth)
-    return count + num_launches(candidates) + 1
+    return count + num_launches(candidates) + 2
+
+
+def warm_draft_levels(levels: int, topk: int, device: torch.device) -> int:
+    """A model drafter's level inputs after its catch-up."""
+    s = _Scratch(device)
+    draft_levels(
+        s.zeros(1),
+        s.zeros(1),
+        s.zeros(1, dtype=torch.int32),
+        s.zeros(1, 1, dtype=torch.int32),
+        1,
+        levels,
+        topk,
+    )
+    return 1
 
 
 def warm_ngram(num_steps: int, min_window: int, max_window: int, device: torch.device) -> int:
@@ -399,10 +430,14 @@ def run_warmup(warmup: KernelWarmup, device: torch.device) -> int:
             count += sum(warm_split_kv(shape, n, device, tree=True) for n in {nodes, topk})
         if warmup.verify is not None:
             count += warm_verify_tree(depth, nodes, warmup.verify[1], device)
+        if warmup.attention:
+            count += warm_move_kv(warmup.attention[0], depth, device)
         if warmup.tree_vocab is not None:
             count += warm_tree_drafting(depth, nodes, topk, *warmup.tree_vocab, device)
     if warmup.ngram is not None:
         count += warm_ngram(*warmup.ngram, device)
+    if warmup.draft_levels is not None:
+        count += warm_draft_levels(*warmup.draft_levels, device)
     return count
 
 

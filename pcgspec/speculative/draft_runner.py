@@ -23,13 +23,9 @@ from pcgspec.compile.backend import CompiledDecoder, PiecewiseBackend
 from pcgspec.compile.forward_context import forward_context
 from pcgspec.config import EngineConfig
 from pcgspec.distributed.group import SINGLE
+from pcgspec.kernels.draft_levels import draft_levels, draft_levels_ref
 from pcgspec.models.eagle3 import Eagle3Head
-from pcgspec.runners.batch_builder import (
-    SeqChunk,
-    build_forward_batch,
-    page_slots,
-    without_kv_writes,
-)
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.speculative.tree import DraftTree, TreeExpansion, TreeShape, top_tokens
 
@@ -196,11 +192,9 @@ class DraftRunner:
         topk = shape.topk
         logits_hidden, next_hidden = self.forward(catch_up, hidden, capture_len)
         rows = catch_up.logits_indices  # [B]
-        valid = catch_up.seq_lens > 0
-        start = torch.where(valid, catch_up.positions[rows] + 1, 0)  # padding: position 0
         # NOTE: host bounds of each pass's sequence lengths (sizing only, e.g. KV splits).
         bound = max(catch_up.seq_lens_cpu) + topk
-        levels = DraftLevels(catch_up, start, valid, shape, self.page_size)
+        levels = DraftLevels(catch_up, shape, self.page_size)
         if shape.is_chain:
             return self._chain(
                 logits_hidden[rows], next_hidden[rows], levels, bound, shape.depth, capture_len
@@ -245,35 +239,28 @@ class DraftRunner:
 
 class DraftLevels:
     """The batches of a propose phase's draft levels after the catch-up (``depth - 1`` of
-    ``topk`` beams per request), their tensors built once for every level: one set of kernels
-    a step, not one per level.
+    ``topk`` beams per request), their tensors built once for every level
+    (``kernels.draft_levels``: one launch a step, not a set of kernels per level).
 
-    Level ``d`` (1-based) of request ``b`` sits at position ``start[b] + d - 1`` and writes its
-    beams' K/V to slots ``start[b] + (d - 1) * topk ..``; its sequence ends after them.
+    Level ``d`` (1-based) of request ``b`` sits at position ``start[b] + d - 1`` (``start``: the
+    first position past its catch-up) and writes its beams' K/V to slots
+    ``start[b] + (d - 1) * topk ..``; its sequence ends after them.
     """
 
-    def __init__(
-        self,
-        catch_up: ForwardBatch,
-        start: torch.Tensor,
-        valid: torch.Tensor,
-        shape: TreeShape,
-        page_size: int,
-    ) -> None:
-        topk, n, device = shape.topk, shape.depth - 1, start.device
-        b = len(start)
-        self.catch_up, self.topk, self.page_size = catch_up, topk, page_size
-        level = torch.arange(n, device=device)[:, None]  # [L, 1]
-        beams = start[:, None] + torch.arange(n * topk, device=device)  # [B, L * topk]
-        slots = torch.where(valid[:, None], page_slots(catch_up.page_table, beams, page_size), -1)
-        self.out_cache_loc = _aligned_rows(
-            slots.view(b, n, topk).transpose(0, 1).reshape(n, b * topk)
+    def __init__(self, catch_up: ForwardBatch, shape: TreeShape, page_size: int) -> None:
+        self.catch_up, self.topk, self.page_size = catch_up, shape.topk, page_size
+        levels = draft_levels if catch_up.positions.is_cuda else draft_levels_ref
+        inputs = levels(
+            catch_up.positions,
+            catch_up.logits_indices,
+            catch_up.seq_lens,
+            catch_up.page_table,
+            page_size,
+            shape.depth - 1,
+            shape.topk,
         )
-        positions = start + level  # [L, B]
-        self.positions = _aligned_rows(positions.repeat_interleave(topk, dim=1))
-        self.seq_lens = _aligned_rows(torch.where(valid, start + (level + 1) * topk, 0).int())
-        self.extend_lens = torch.full((b,), topk, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(b * topk, device=device)
+        self.out_cache_loc, self.positions, self.seq_lens = inputs[:3]
+        self.extend_lens, self.logits_indices = inputs[3:]
 
     def batch(
         self, level: int, beam_tokens: torch.Tensor, beam_mask: torch.Tensor | None, bound: int
@@ -296,12 +283,3 @@ class DraftLevels:
             spec_num_draft_tokens=0 if chain else self.topk,
             tree_mask=None if chain else beam_mask.contiguous(),
         )
-
-
-def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` [L, n] as a view whose rows start 16 bytes apart (as a tensor of its own would:
-    the Triton kernels specialize pointers on that alignment)."""
-    per = 16 // x.element_size()
-    out = x.new_empty(x.shape[0], -(-x.shape[1] // per) * per)
-    out[:, : x.shape[1]] = x
-    return out[:, : x.shape[1]]

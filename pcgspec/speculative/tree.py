@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from pcgspec.attention.kv_cache import KVCache
+from pcgspec.kernels.move_kv import move_accepted_kv as move_kv
+from pcgspec.kernels.move_kv import move_accepted_kv_ref as move_kv_ref
 from pcgspec.kernels.top_k import top_k, top_k_ref
 from pcgspec.kernels.tree_expand import (
-    Beams,
     ancestor_mask,
     expand_beams,
     expand_beams_ref,
     select_nodes,
     select_nodes_ref,
 )
-from pcgspec.runners.batch_builder import page_slots
 from pcgspec.speculative.config import MAX_TREE_WIDTH
 
 # NOTE: float64 scores minus a tiny margin per depth: a child that took a probability-1 token
@@ -124,13 +124,8 @@ class TreeExpansion:
             torch.empty(b, size, dtype=torch.int64, device=device),
             torch.empty(b, size, dtype=torch.int64, device=device),
         )
-        first = scores.double() - _STRICT
-        self.candidates[0][:, :topk] = first
-        self.candidates[1][:, :topk] = tokens
-        self.candidates[2][:, :topk] = -1
-        ids = torch.arange(topk, device=device).repeat(b, 1)  # candidate index
-        mask = torch.eye(topk, dtype=torch.bool, device=device).repeat(b, 1, 1)
-        self.beams = Beams(first, ids, tokens, mask)
+        expand = expand_beams if _use_kernels(scores) else expand_beams_ref
+        self.beams = expand(None, scores, tokens, self.candidates, 0, _STRICT)
         self.num_candidates = topk
 
     @property
@@ -197,18 +192,8 @@ def move_accepted_kv(
     """After a tree verify pass whose node i of request b wrote its K/V at position
     ``start[b] + i``: move the accepted nodes' (``path`` [B, D+1], -1 past the end) to the
     consecutive positions ``start[b] + j``, where the next passes read them, in every layer
-    at once (four launches). Nodes past the path stay where they are, past the request's
-    length (overwritten later). On the device.
+    (``kernels.move_kv``: one launch). Nodes past the path stay where they are, past the
+    request's length (overwritten later). On the device.
     """
-    d1 = path.shape[1]
-    steps = torch.arange(d1, device=path.device)
-    # NOTE: path[j] >= j (equal: already in place); start < 0: a graph's padding request
-    moved = (path > steps) & (start[:, None] >= 0)
-    first = start.clamp_min(0)[:, None]
-    page = cache.page_size
-    src = page_slots(page_table, first + path.clamp_min(0), page).view(-1)
-    dst = page_slots(page_table, first + steps, page).view(-1)
-    src = torch.where(moved.view(-1), src, cache.scratch_slot)
-    dst = torch.where(moved.view(-1), dst, cache.scratch_slot)
-    for layers in (cache.k_all, cache.v_all):  # [L, slots + 1, KV, D]
-        layers.index_copy_(1, dst, layers.index_select(1, src))
+    move = move_kv if _use_kernels(path) else move_kv_ref
+    move(cache.k_all, cache.v_all, page_table, cache.page_size, start, path)
