@@ -21,7 +21,7 @@ def _catch_up(b: int, rows_per_req: int, page_size: int, seed: int):
     positions = (last_pos[:, None] - torch.arange(rows_per_req).flip(0)).clamp_min(0).view(-1)
     rows = torch.arange(b) * rows_per_req + rows_per_req - 1
     seq_lens = (last_pos + 1).int()
-    seq_lens[::3] = 0
+    seq_lens[1::3] = 0  # NOTE: request 0 real, so a batch of one is not all padding
     pages = -(-100 // page_size)
     table = torch.randperm(b * pages, generator=gen).view(b, pages).int()
     return [t.to(DEVICE) for t in (positions, rows, seq_lens, table)]
@@ -58,9 +58,21 @@ def test_levels_follow_the_rule(levels_fn, b, levels, topk, page_size, seed) -> 
         assert all((t[i].data_ptr() % 16) == 0 for i in range(levels))
 
 
+def test_a_padding_request_without_rows() -> None:
+    """A graph's padding request 0 whose last row is -1 (it has no real rows): position 0,
+    slot -1, length 0, and the real request beside it unchanged."""
+    positions, rows, seq_lens, table = _catch_up(3, 5, 4, 7)
+    seq_lens[0], rows[0] = 0, -1
+    for levels_fn in (draft_levels, draft_levels_ref):
+        got = levels_fn(positions, rows, seq_lens, table, 4, 3, 2)
+        _check_rule(got, positions, rows, seq_lens, table, 4, 3, 2)
+
+
 def test_no_levels_and_no_requests() -> None:
     args = _catch_up(2, 5, 4, 5)
-    assert draft_levels(*args, 4, 0, 2).positions.shape == (0, 4)
+    got = draft_levels(*args, 4, 0, 2)
+    assert got.positions.shape == (0, 4)
+    assert got.extend_lens.tolist() == [2, 2] and got.logits_indices.tolist() == [0, 1, 2, 3]
     empty = [t[:0] for t in args]
     assert draft_levels(*empty, 4, 3, 2).seq_lens.shape == (3, 0)
 

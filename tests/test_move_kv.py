@@ -23,7 +23,8 @@ def _case(b: int, nodes: int, depth: int, page_size: int, seed: int):
     v_all = torch.randn(k_all.shape, generator=gen)
     table = torch.randperm(num_pages, generator=gen).view(b, pages_per_req).int()
     start = torch.randint(0, 40, (b,), generator=gen)
-    start[-1] = -1
+    if b > 1:
+        start[-1] = -1  # NOTE: a batch of one stays real
     path = torch.full((b, depth + 1), -1, dtype=torch.int64)
     path[:, 0] = 0
     for r in range(b):
@@ -57,8 +58,24 @@ def _expected(k_all, v_all, table, page_size, start, path):
 def test_move_matches_the_rule(move, b, nodes, depth, page_size, seed) -> None:
     k_all, v_all, table, start, path = _case(b, nodes, depth, page_size, seed)
     k_want, v_want = _expected(k_all, v_all, table, page_size, start, path)
-    assert bool((path[:, 1:] > 1).any()), "some node must move"
+    steps = torch.arange(depth + 1, device=path.device)
+    assert bool(((path > steps) & (start[:, None] >= 0)).any()), "some node must move"
     move(k_all, v_all, table, page_size, start, path)
+    torch.testing.assert_close(k_all, k_want, rtol=0, atol=0)
+    torch.testing.assert_close(v_all, v_want, rtol=0, atol=0)
+
+
+def test_nodes_in_place_beside_moved_ones_and_a_wider_table() -> None:
+    """Path 0, 1, 3, 4: node 1 stays, nodes 3 and 4 move; the page table is a column slice
+    of a wider one (its row stride is not its width)."""
+    k_all, v_all, table, start, path = _case(2, 8, 3, 2, 6)
+    wide = torch.zeros(2, table.shape[1] + 5, dtype=torch.int32, device=DEVICE)
+    wide[:, : table.shape[1]] = table
+    table = wide[:, : table.shape[1]]
+    start[:] = torch.tensor([5, 9])
+    path[:] = torch.tensor([[0, 1, 3, 4], [0, 2, -1, -1]])
+    k_want, v_want = _expected(k_all, v_all, table, 2, start, path)
+    move_accepted_kv(k_all, v_all, table, 2, start, path)
     torch.testing.assert_close(k_all, k_want, rtol=0, atol=0)
     torch.testing.assert_close(v_all, v_want, rtol=0, atol=0)
 

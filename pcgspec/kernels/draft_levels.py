@@ -1,12 +1,12 @@
 """The inputs of a propose phase's draft levels after its catch-up, for every level at once, in
 one launch (``speculative.draft_runner.DraftLevels``).
 
-Request b's catch-up ends at row ``rows[b]`` (its last real row) at position ``p``; a request of
-``seq_len`` 0 is padding. Its drafts start at ``start = p + 1`` (padding: 0). Level ``d``
-(0-based, of ``L``) holds ``topk`` beams at position ``start + d``, writing their K/V to the
-slots of positions ``start + d * topk ..`` (padding: slot -1), and its sequence ends after them
-(``start + (d + 1) * topk``; padding: 0). Every level shares ``extend_lens`` (topk each) and
-``logits_indices`` (every row).
+Request b's catch-up ends at row ``rows[b]`` (its last real row) at position ``p``; a request
+of ``seq_len`` 0 is padding (its row may be -1). Its drafts start at ``start = p + 1``
+(padding: 0). Level ``d`` (0-based, of ``L``) holds ``topk`` beams at position ``start + d``,
+writing their K/V to the slots of positions ``start + d * topk ..`` (padding: slot -1), and its
+sequence ends after them (``start + (d + 1) * topk``; padding: 0). Every level shares
+``extend_lens`` (topk each) and ``logits_indices`` (every row).
 
 Each output row of ``[L, ...]`` starts 16 bytes apart, as a tensor of its own would: the
 attention kernels specialize pointers on that alignment. Eager torch took about twenty small
@@ -76,7 +76,8 @@ def _draft_levels_kernel(
     level = tl.program_id(1).to(tl.int64)
     valid = tl.load(SeqLens + b) > 0
     last = tl.load(Rows + b)
-    start = tl.where(valid, tl.load(Positions + last) + 1, 0).to(tl.int64)
+    # NOTE: a padding request's last row may be -1 (no real rows): not read
+    start = tl.where(valid, tl.load(Positions + last, mask=valid, other=-1) + 1, 0).to(tl.int64)
     r = tl.arange(0, BLOCK_K)
     beams = r < topk
     pos = start + level * topk + r
@@ -144,9 +145,9 @@ def draft_levels(
     requests' last rows are ``rows`` [B] int64, of ``seq_lens`` [B] int32 (0: padding), pages
     ``page_table`` [B, P] int32. One launch."""
     b = _check(positions, rows, seq_lens, page_table)
+    if b == 0 or num_levels == 0:  # NOTE: no level rows to write: the reference fills the rest
+        return draft_levels_ref(positions, rows, seq_lens, page_table, page_size, num_levels, topk)
     out = _outputs(num_levels, b, topk, positions.device)
-    if b == 0 or num_levels == 0:
-        return out
     tensors = (positions, rows, seq_lens, page_table, *out)
     scalars = (
         page_table.stride(0),
@@ -175,7 +176,7 @@ def draft_levels_ref(
     b = _check(positions, rows, seq_lens, page_table)
     device = positions.device
     valid = seq_lens > 0
-    start = torch.where(valid, positions[rows] + 1, 0)
+    start = torch.where(valid, positions[rows.clamp_min(0)] + 1, 0)
     level = torch.arange(num_levels, device=device)[:, None]  # [L, 1]
     beams = start[:, None] + torch.arange(num_levels * topk, device=device)  # [B, L * topk]
     pages = page_table.gather(1, beams // page_size).to(torch.int64)

@@ -390,16 +390,11 @@ def warm_tree_drafting(
 
 def warm_draft_levels(levels: int, topk: int, device: torch.device) -> int:
     """A model drafter's level inputs after its catch-up."""
+    if levels == 0:
+        return 0  # NOTE: a depth of 1 has no levels to build
     s = _Scratch(device)
-    draft_levels(
-        s.zeros(1),
-        s.zeros(1),
-        s.zeros(1, dtype=torch.int32),
-        s.zeros(1, 1, dtype=torch.int32),
-        1,
-        levels,
-        topk,
-    )
+    table = s.zeros(1, levels * topk, dtype=torch.int32)  # every level's slots in range
+    draft_levels(s.zeros(1), s.zeros(1), s.zeros(1, dtype=torch.int32), table, 1, levels, topk)
     return 1
 
 
