@@ -276,3 +276,57 @@ def test_a_stream_chunk_is_the_generic_event_byte_for_byte(chat, with_usage):
     ):
         want = sse(header.chunk([choice], with_usage_field=with_usage))
         assert header.chunk_event(choice, with_usage) == want
+
+
+def test_the_engine_loops_pipe_channel_speaks_connection_bytes():
+    """``PipeChannel`` (the engine process's end): ``poll`` false with nothing waiting, true
+    for a message and for the other end's close; what it sends a plain ``Connection.recv``
+    reads; ``poll(None)`` waits for a message."""
+    import threading
+
+    from pcgspec.server.engine_loop import EngineInfo, PipeChannel
+
+    ours, theirs = multiprocessing.Pipe()
+    channel = PipeChannel(ours)
+    assert not channel.poll() and not channel.poll(0.01)
+    theirs.send(("add", "r1", [1, 2], None))
+    assert channel.poll() and channel.recv() == ("add", "r1", [1, 2], None)
+    assert not channel.poll()
+    message = ("ready", EngineInfo("/m", 10, 20, 30))
+    channel.send(message)
+    channel.send(("accepted", "r1", ValueError("prompt too long")))
+    assert theirs.recv() == message
+    kind, request_id, error = theirs.recv()
+    assert (kind, request_id, type(error), str(error)) == (
+        "accepted",
+        "r1",
+        ValueError,
+        "prompt too long",
+    )
+    timer = threading.Timer(0.05, theirs.send, args=(("stop",),))
+    timer.start()
+    start = time.perf_counter()
+    assert channel.poll(None) and time.perf_counter() - start >= 0.04
+    assert channel.recv() == ("stop",)
+    timer.join()
+    theirs.close()
+    assert channel.poll()  # the close reads as readable: recv then raises EOFError
+    with pytest.raises(EOFError):
+        channel.recv()
+
+
+def test_deltas_cross_as_plain_tuples_and_come_back_equal():
+    import pickle
+
+    from pcgspec.engine.request import TokenLogprobs
+    from pcgspec.server.deltas import FirstTokenTimes, SeqDelta, from_wire_form, wire_form
+
+    deltas = [
+        SeqDelta(0, " Paris", (3445,), (), None, 4, FirstTokenTimes(1.0, 2.0, 3.5)),
+        SeqDelta(1, ".", (30,), (TokenLogprobs(30, -0.25, ((30, -0.25),)),), "stop"),
+    ]
+    sent = wire_form(deltas)
+    assert all(type(d) is tuple for d in sent)
+    back = from_wire_form(pickle.loads(pickle.dumps(sent, pickle.HIGHEST_PROTOCOL)))
+    assert back == deltas and all(type(d) is SeqDelta for d in back)
+    assert back[0].first_token.prefill_s == 1.5 and back[1].finish_reason == "stop"

