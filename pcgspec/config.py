@@ -144,12 +144,6 @@ class EngineConfig:
         spec = self.speculative_config  # validates the speculative_* fields
         if spec is not None:
             spec.draft_model_path(self.model)  # EAGLE3 without a path: the shipped head exists
-            if self.tp_size > 1 and spec.speculative_eagle_topk > 1:
-                # NOTE: a tree step moves the accepted nodes' K/V on rank 0's cache only
-                raise ValueError(
-                    f"speculative_eagle_topk {spec.speculative_eagle_topk} (tree drafting) "
-                    f"does not work with tp_size {self.tp_size}: use topk 1 (a chain)"
-                )
         self._check_tp()
 
     def _check_tp(self) -> None:

@@ -95,17 +95,22 @@ def eagle3_head(checkpoint, tmp_path_factory: pytest.TempPathFactory):
     )
 
 
-@pytest.mark.parametrize("algorithm", [None, "NGRAM", "EAGLE3"])
+@pytest.mark.parametrize("algorithm", [None, "NGRAM", "EAGLE3", "EAGLE3 trees"])
 def test_tp2_greedy_equals_tp1_float32_through_the_graphs(
     checkpoint, smollm2_path, algorithm, request
 ):
     """EAGLE3 (an untrained head: lossless, drafts rarely accepted): the workers capture the
-    auxiliary hidden states in their graphs as rank 0 does."""
-    spec = {} if algorithm is None else {"speculative_algorithm": algorithm}
+    auxiliary hidden states in their graphs as rank 0 does; with trees, tree verify graphs on
+    every rank and the accepted paths' K/V moved on every rank."""
+    spec = {} if algorithm is None else {"speculative_algorithm": algorithm.split()[0]}
     if algorithm is not None:
         spec["speculative_policy"] = "always"
-    if algorithm == "EAGLE3":
+    if algorithm and algorithm.startswith("EAGLE3"):
         spec["speculative_draft_model_path"] = str(request.getfixturevalue("eagle3_head"))
+    if algorithm == "EAGLE3 trees":
+        spec |= dict(
+            speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6
+        )
     expected, single = generate(checkpoint, smollm2_path, 1, **spec)
     got, split = generate(checkpoint, smollm2_path, 2, **spec)
     for stats in (single, split):

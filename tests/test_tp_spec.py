@@ -1,15 +1,18 @@
 """Model drafters under tensor parallelism on CPU (gloo): EAGLE3 and NEXTN heads (borrowing
 the target's embedding and LM head, which rank 0 holds whole for them) and a STANDALONE draft
-model run on rank 0 while the target is sharded over two ranks; greedy tokens equal TP=1 plain
-decoding.
+model run on rank 0 while the target is sharded over two ranks, EAGLE3 draft trees too;
+greedy tokens equal TP=1 plain decoding.
 """
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
 from oracle import assert_all_pages_free
 from test_models import tiny_hf_model
+from test_tree_spec import planted
 
 from pcgspec import LLM, SamplingParams
 from pcgspec.models.eagle3 import write_eagle3_checkpoint
@@ -113,18 +116,30 @@ def recorded_drafts(llm: LLM) -> list[list[list[int]]]:
     return seen
 
 
-def test_tree_drafting_is_refused_under_tp(target, engine_kw, tmp_path) -> None:
-    from pcgspec.config import EngineConfig
-
+def test_tp2_draft_trees_greedy_equal_tp1_plain(target, engine_kw, plain_tokens, tmp_path) -> None:
+    """EAGLE3 trees with the target sharded over two ranks: one branch of every tree planted
+    with the target's greedy continuation, so that paths of nodes that are not consecutive are
+    accepted and their K/V moved on every rank (a worker that kept them in place would attend
+    to the wrong keys and part from plain decoding)."""
     draft = write_eagle3_checkpoint(tmp_path / "eagle3", load_config(target), seed=1)
-    with pytest.raises(ValueError, match="speculative_eagle_topk 2 .* tp_size 2"):
-        EngineConfig(
-            model=str(target),
-            tp_size=2,
-            device="cpu",
-            speculative_algorithm="EAGLE3",
-            speculative_draft_model_path=str(draft),
-            speculative_num_steps=3,
-            speculative_eagle_topk=2,
-            speculative_num_draft_tokens=6,
-        )
+    spec = dict(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=str(draft),
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+        speculative_policy="always",
+    )
+    ids = [p["prompt_token_ids"] for p in prompts()]
+    want = [types.SimpleNamespace(token_ids=t) for t in plain_tokens]
+    llm = LLM(str(target), tp_size=2, **spec, **engine_kw)
+    try:
+        with planted(llm, ids, want):
+            outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        per_position = llm.engine.spec_stats()["accepted_per_position"]
+        assert_all_pages_free(llm)
+    finally:
+        llm.shutdown()
+    assert got == plain_tokens
+    assert per_position[1] > 0  # paths of two drafts and more: K/V moved

@@ -96,3 +96,21 @@ def test_a_field_without_a_wire_form_raises() -> None:
     batch = dataclasses.replace(batches()[0], page_size=[4])
     with pytest.raises(TypeError, match="ForwardBatch.page_size"):
         to_message(batch)
+
+
+def test_a_kv_move_message_round_trips_and_is_told_from_batches() -> None:
+    """A draft tree's K/V move as the worker gets it (the channel flattens the integer tensors
+    into one int64 payload): page table, roots and paths back with their shapes and dtypes."""
+    from pcgspec.distributed.broadcast import StepMessage
+    from pcgspec.runners.batch_wire import is_kv_move, kv_move_from_message, kv_move_message
+
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    start = torch.tensor([5, -1, 17])
+    path = torch.tensor([[0, 2, 3, -1], [0, -1, -1, -1], [0, 1, 4, 5]])
+    sent = kv_move_message(table, start, path)
+    payload = torch.cat([t.reshape(-1).to(torch.int64) for t in sent.ints])
+    got = kv_move_from_message(StepMessage(sent.header, [payload], []))
+    for g, w in zip(got, (table, start, path)):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert is_kv_move(sent)
+    assert not any(is_kv_move(to_message(b)) for b in batches())

@@ -131,9 +131,9 @@ class TPDriver:
 
     @contextmanager
     def step(self, message: StepMessage) -> Iterator[None]:
-        """Broadcast ``message`` (a ``ForwardBatch``'s), then run rank 0's forward in the block.
-        Any failure, here or in the block, ends the group: the ranks' collectives can no longer
-        be matched.
+        """Broadcast ``message`` (a ``ForwardBatch``'s, or a K/V move's), then run rank 0's part
+        in the block. Any failure, here or in the block, ends the group: the ranks' collectives
+        can no longer be matched.
         """
         self._check()
         try:

@@ -6,6 +6,10 @@ scheduler would still need them every step, and would run the engine's host work
 rank. The batch itself is a few small tensors: sending it is one broadcast, and the workers run
 exactly rank 0's batch by construction.
 
+A draft tree's accepted K/V moved into place (``kv_move_message``) is the other message a worker
+gets: a header ``MOVE_KV``, the page table's and the path's shapes; the payload the page table,
+the roots' positions and the paths.
+
 The header holds one record per ``ForwardBatch`` field, in field order: ``NONE``; ``INT``
 value (ints, bools, the two enums); ``INTS`` length, values (the ``*_cpu`` tuples); ``TENSOR``
 dtype, ndim, shape (its values in the payload, in order); ``FLOAT`` index of the floating
@@ -24,6 +28,8 @@ from pcgspec.distributed.broadcast import DTYPES, StepMessage
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 NONE, INT, INTS, TENSOR, FLOAT = range(5)
+# NOTE: a batch's header opens with its first field's tag (INT): this first word marks a K/V move
+MOVE_KV = 5
 _RANK0_ONLY = frozenset({"sampling"})
 _ENUMS: dict[str, type[enum.IntEnum]] = {
     "forward_mode": ForwardMode,
@@ -93,3 +99,25 @@ def _int_field(name: str, value: int) -> int | bool | enum.IntEnum:
     if name in _BOOLS:
         return bool(value)
     return value
+
+
+def kv_move_message(
+    page_table: torch.Tensor, start: torch.Tensor, path: torch.Tensor
+) -> StepMessage:
+    """Rank 0: a tree verify pass's accepted nodes to move (``speculative.tree.move_accepted_kv``:
+    ``page_table`` [B, P] int32, ``start`` [B] int64, ``path`` [B, D+1] int64)."""
+    return StepMessage([MOVE_KV, *page_table.shape, path.shape[1]], [page_table, start, path], [])
+
+
+def is_kv_move(message: StepMessage) -> bool:
+    return message.header[0] == MOVE_KV
+
+
+def kv_move_from_message(message: StepMessage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A worker: ``(page_table, start, path)`` of a ``kv_move_message``."""
+    _, b, pages, width = message.header
+    payload = message.ints[0]
+    table = payload[: b * pages].view(b, pages).to(torch.int32)
+    start = payload[b * pages : b * pages + b]
+    path = payload[b * pages + b : b * pages + b + b * width].view(b, width)
+    return table, start, path

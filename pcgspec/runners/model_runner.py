@@ -22,13 +22,14 @@ from pcgspec.distributed.process_group import TPProcessGroups
 from pcgspec.models.loader import context_length, load_model
 from pcgspec.models.random_weights import RandomWeights, random_model
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, without_kv_writes
-from pcgspec.runners.batch_wire import to_message
+from pcgspec.runners.batch_wire import kv_move_message, to_message
 from pcgspec.runners.decode_graph_runner import DecodeGraphRunner, max_decode_batch
 from pcgspec.runners.extend_graph_runner import ExtendGraphRunner, max_extend_requests
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
 from pcgspec.runners.whole_graphs import GraphOutput
 from pcgspec.sampling.batch import SamplingBatch
 from pcgspec.sampling.sampler import SamplerOutput, sample
+from pcgspec.speculative.tree import move_accepted_kv
 
 if TYPE_CHECKING:
     from pcgspec.runners.piecewise_runner import PiecewiseRunner
@@ -267,6 +268,18 @@ class ModelRunner:
             return self._forward(batch)
         with self.tp_driver.step(to_message(batch)):
             return self._forward(batch)
+
+    @torch.inference_mode()
+    def move_accepted_kv(
+        self, page_table: torch.Tensor, start: torch.Tensor, path: torch.Tensor
+    ) -> None:
+        """A tree verify pass's accepted nodes' K/V moved into place (``move_accepted_kv`` of
+        ``speculative/tree.py``), on every rank of a tensor-parallel group."""
+        if self.tp_driver is None:
+            move_accepted_kv(self.kv_cache, page_table, start, path)
+            return
+        with self.tp_driver.step(kv_move_message(page_table, start, path)):
+            move_accepted_kv(self.kv_cache, page_table, start, path)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the runner is collected)."""

@@ -25,7 +25,7 @@ from pcgspec.distributed.launcher import rank_device
 from pcgspec.distributed.process_group import Rendezvous, TPProcessGroups
 from pcgspec.envs import torchrun_env
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
-from pcgspec.runners.batch_wire import from_message
+from pcgspec.runners.batch_wire import from_message, is_kv_move, kv_move_from_message
 from pcgspec.runners.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -100,18 +100,25 @@ def serve_steps(
     channel = StepChannel(groups)
     logger.info("tensor parallel: rank %d of %d serving steps", groups.tp.rank, groups.tp.size)
     while (message := channel.recv()) is not None:
-        runner.forward(from_message(message))
+        if is_kv_move(message):
+            runner.move_accepted_kv(*kv_move_from_message(message))
+        else:
+            runner.forward(from_message(message))
     runner.release_graphs()
     groups.destroy()
 
 
 def _attention_warmup(config: EngineConfig, runner: ModelRunner) -> KernelWarmup:
-    """The attention kernels a worker launches (sampling and verification run on rank 0)."""
+    """The attention kernels a worker launches, and a draft tree's K/V move (sampling,
+    verification and drafting run on rank 0)."""
     spec = config.speculative_config
     triton = config.resolved_attention_backend == "triton"
     return KernelWarmup(
         attention=(AttentionShape.of(runner.attn_backend),) if triton else (),
         split_kv_tokens=(1,) if spec is None else (1, spec.num_steps + 1),
+        tree=None
+        if spec is None or spec.topk == 1
+        else (spec.num_steps, spec.num_draft_tokens, spec.topk),
     )
 
 

@@ -82,7 +82,7 @@ from pcgspec.speculative.draft_runner import DraftRunner
 from pcgspec.speculative.model_proposer import ModelProposer
 from pcgspec.speculative.ngram import NgramProposer
 from pcgspec.speculative.policy import SpecPolicy
-from pcgspec.speculative.tree import TreeShape, VerifyTree, move_accepted_kv, path_rows
+from pcgspec.speculative.tree import TreeShape, VerifyTree, path_rows
 
 
 class SpecWorker:
@@ -272,7 +272,7 @@ class SpecWorker:
     ) -> None:
         """Move the accepted tree nodes' target K/V to the positions after the prefix."""
         start = seq_lens.to(torch.int64) - 1  # the root's position (the last token's)
-        move_accepted_kv(self.runner.kv_cache, page_table, start, path)
+        self.runner.move_accepted_kv(page_table, start, path)
 
     def _accept(
         self,
