@@ -75,6 +75,7 @@ def generate(path, smollm2_path, tp: int, **kw: object) -> tuple[list[list[int]]
     stats = {
         "piecewise": graphs["piecewise"],
         "decode": graphs["decode"],
+        "verify": graphs.get("verify"),
         "spec": llm.engine.spec_stats(),
         "one_shot_calls": sum(b.calls for b in symm_mem._BUFFERS.values()),
     }
@@ -95,19 +96,19 @@ def eagle3_head(checkpoint, tmp_path_factory: pytest.TempPathFactory):
     )
 
 
-@pytest.mark.parametrize("algorithm", [None, "NGRAM", "EAGLE3", "EAGLE3 trees"])
+@pytest.mark.parametrize("algorithm", [None, "NGRAM", "EAGLE3", "EAGLE3-trees"])
 def test_tp2_greedy_equals_tp1_float32_through_the_graphs(
     checkpoint, smollm2_path, algorithm, request
 ):
     """EAGLE3 (an untrained head: lossless, drafts rarely accepted): the workers capture the
     auxiliary hidden states in their graphs as rank 0 does; with trees, tree verify graphs on
     every rank and the accepted paths' K/V moved on every rank."""
-    spec = {} if algorithm is None else {"speculative_algorithm": algorithm.split()[0]}
+    spec = {} if algorithm is None else {"speculative_algorithm": algorithm.split("-")[0]}
     if algorithm is not None:
         spec["speculative_policy"] = "always"
     if algorithm and algorithm.startswith("EAGLE3"):
         spec["speculative_draft_model_path"] = str(request.getfixturevalue("eagle3_head"))
-    if algorithm == "EAGLE3 trees":
+    if algorithm == "EAGLE3-trees":
         spec |= dict(
             speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6
         )
@@ -118,6 +119,7 @@ def test_tp2_greedy_equals_tp1_float32_through_the_graphs(
         assert stats["decode"]["graphs"] > 0
         if spec:
             assert stats["spec"]["verify_steps"] > 0
+            assert stats["verify"]["runs"] > 0, stats["verify"]  # on every rank alike
         else:
             assert stats["decode"]["runs"] > 0, stats["decode"]
     from transformers import AutoModelForCausalLM

@@ -133,13 +133,21 @@ def test_tp2_draft_trees_greedy_equal_tp1_plain(target, engine_kw, plain_tokens,
     ids = [p["prompt_token_ids"] for p in prompts()]
     want = [types.SimpleNamespace(token_ids=t) for t in plain_tokens]
     llm = LLM(str(target), tp_size=2, **spec, **engine_kw)
+    runner, moved = llm.engine.runner, []
+    move = runner.move_accepted_kv
+
+    def counted(page_table, start, path):
+        steps = torch.arange(path.shape[1])
+        moved.append(int((path > steps).sum()))  # nodes not already in place
+        move(page_table, start, path)
+
+    runner.move_accepted_kv = counted
     try:
         with planted(llm, ids, want):
             outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
-        per_position = llm.engine.spec_stats()["accepted_per_position"]
         assert_all_pages_free(llm)
     finally:
         llm.shutdown()
     assert got == plain_tokens
-    assert per_position[1] > 0  # paths of two drafts and more: K/V moved
+    assert sum(moved) > 0, "no accepted node moved: the test would not see a worker skip it"

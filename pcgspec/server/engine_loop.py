@@ -114,8 +114,7 @@ class PipeChannel:
     """The loop's end of a ``multiprocessing`` pipe, with two per-step costs cut: ``poll`` asks
     one ``select.poll`` object (``Connection.poll`` builds a selector per call) and ``send`` is
     one ``pickle.dumps`` (``Connection.send`` builds a ``ForkingPickler`` and copies its
-    dispatch table per call). The bytes are ``Connection.send``'s: the server reads them with
-    ``Connection.recv``."""
+    dispatch table per call); the server reads them with ``Connection.recv``."""
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
