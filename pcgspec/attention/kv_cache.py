@@ -45,3 +45,11 @@ class KVCache:
     @property
     def scratch_slot(self) -> int:
         return self.num_slots
+
+
+def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[B, n]`` int64 KV slots of positions ``positions[b, :]`` of request ``b``, looked up
+    through its page-table row on the device (no host sync; graph-capturable).
+    """
+    pages = page_table.gather(1, positions // page_size)
+    return pages.to(torch.int64) * page_size + positions % page_size

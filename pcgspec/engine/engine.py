@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pcgspec.attention.kv_cache import page_slots
 from pcgspec.config import EngineConfig
 from pcgspec.engine.cpu_threads import apply_cpu_threads
 from pcgspec.engine.detokenizer import IncrementalDetokenizer
@@ -26,7 +27,7 @@ from pcgspec.engine.scheduler import ScheduledBatch, Scheduler
 from pcgspec.engine.step_timer import DecodeStepTimer
 from pcgspec.kernels.warmup import AttentionShape, KernelWarmup, warm_up_kernels
 from pcgspec.models.loader import load_model, load_tokenizer, load_vocab_modules, resolve_model_dir
-from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch, page_slots
+from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.draft_graph_runner import DraftGraphRunner
 from pcgspec.runners.forward_batch import ForwardBatch
 from pcgspec.runners.model_runner import ModelRunner

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pcgspec.attention.kv_cache import page_slots
 from pcgspec.kernels.launches import CompiledLaunches
 
 
@@ -179,8 +180,7 @@ def draft_levels_ref(
     start = torch.where(valid, positions[rows.clamp_min(0)] + 1, 0)
     level = torch.arange(num_levels, device=device)[:, None]  # [L, 1]
     beams = start[:, None] + torch.arange(num_levels * topk, device=device)  # [B, L * topk]
-    pages = page_table.gather(1, beams // page_size).to(torch.int64)
-    slots = torch.where(valid[:, None], pages * page_size + beams % page_size, -1)
+    slots = torch.where(valid[:, None], page_slots(page_table, beams, page_size), -1)
     out = _outputs(num_levels, b, topk, device)
     out.out_cache_loc.copy_(
         slots.view(b, num_levels, topk).transpose(0, 1).reshape(num_levels, b * topk)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pcgspec.attention.kv_cache import page_slots
 from pcgspec.kernels.launches import CompiledLaunches
 
 
@@ -135,13 +136,10 @@ def move_accepted_kv_ref(
     steps = torch.arange(path.shape[1], device=path.device)
     moved = ((path > steps) & (start[:, None] >= 0)).view(-1)
     first = start.clamp_min(0)[:, None]
-
-    def slots(positions: torch.Tensor) -> torch.Tensor:
-        pages = page_table.gather(1, positions // page_size).to(torch.int64)
-        return (pages * page_size + positions % page_size).view(-1)
-
     last = k_all.shape[1] - 1
-    src = torch.where(moved, slots(first + path.clamp_min(0)), last)
-    dst = torch.where(moved, slots(first + steps), last)
+    src = torch.where(
+        moved, page_slots(page_table, first + path.clamp_min(0), page_size).view(-1), last
+    )
+    dst = torch.where(moved, page_slots(page_table, first + steps, page_size).view(-1), last)
     for layers in (k_all, v_all):
         layers.index_copy_(1, dst, layers.index_select(1, src))

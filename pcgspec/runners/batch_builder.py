@@ -161,14 +161,6 @@ def host_tensor(values: Sequence[int | float], dtype: torch.dtype, pin: bool) ->
     return host.pin_memory() if pin else host.clone()
 
 
-def page_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``[B, n]`` int64 KV slots of positions ``positions[b, :]`` of request ``b``, looked up
-    through its page-table row on the device (no host sync; graph-capturable).
-    """
-    pages = page_table.gather(1, positions // page_size)
-    return pages.to(torch.int64) * page_size + positions % page_size
-
-
 def device_page_table(
     pages: Sequence[Sequence[int]],
     device: torch.device | str,
