@@ -120,20 +120,19 @@ _EXPAND = CompiledLaunches(_expand_kernel)
 
 
 def _check(beams: Beams | None, child_lp: torch.Tensor, child_tok: torch.Tensor) -> tuple[int, ...]:
-    """``(b, k, width)`` of a checked expansion (the root's: width 0)."""
+    """``(b, k, width)`` of a checked expansion (the root's: one beam, width 0)."""
     if beams is None:
-        b, k = child_lp.shape
-        beams = Beams(*(child_lp.new_empty(b, 1) for _ in range(3)), child_lp.new_empty(b, 1, 0))
+        (b, k), num_beams, width, shapes = child_lp.shape, 1, 0, {}
     else:
-        b, k = beams.scores.shape
-    width, num_beams = beams.mask.shape[2], beams.scores.shape[1]
-    shapes = {
-        "beams.scores": (beams.scores, (b, num_beams)),
-        "beams.ids": (beams.ids, (b, num_beams)),
-        "beams.mask": (beams.mask, (b, num_beams, width)),
-        "child_lp": (child_lp, (b * num_beams, k)),
-        "child_tok": (child_tok, (b * num_beams, k)),
-    }
+        (b, k), width = beams.scores.shape, beams.mask.shape[2]
+        num_beams = k
+        shapes = {
+            "beams.scores": (beams.scores, (b, k)),
+            "beams.ids": (beams.ids, (b, k)),
+            "beams.mask": (beams.mask, (b, k, width)),
+        }
+    shapes["child_lp"] = (child_lp, (b * num_beams, k))
+    shapes["child_tok"] = (child_tok, (b * num_beams, k))
     for name, (t, shape) in shapes.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
