@@ -123,17 +123,20 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     ),
     "speculative_algorithm": ("speculative decoding (default: none)", SUPPORTED_ALGORITHMS),
     "speculative_num_steps": (
-        "k: the draft depth, drafts per request and step (default: 4 for NGRAM, else 3)",
+        "k: the draft depth, drafts per request and step (default: 4 for NGRAM, 5 for "
+        "EAGLE3's default tree, else 3)",
         None,
     ),
     "speculative_num_draft_tokens": (
         "tokens the target verifies per request: k+1 for a chain, the tree's nodes with "
-        "--speculative-eagle-topk > 1 (default: num_steps + 1)",
+        "--speculative-eagle-topk > 1 (default: 16 for EAGLE3's default tree, else "
+        "num_steps + 1)",
         None,
     ),
     "speculative_eagle_topk": (
         "draft branches per depth; 1 = chain drafting, > 1 = tree drafting, EAGLE3/NEXTN "
-        "(default: 1)",
+        "(default: EAGLE3 given none of the three shape options drafts a 5/4/16 tree, "
+        "else 1)",
         None,
     ),
     "speculative_draft_model_path": (

@@ -3,7 +3,8 @@
 # PCGSPEC_CACHE_DIR must hold it) in bf16 behind `pcgspec serve`, one bench_serving.py sweep over
 # three configurations, each its own server (started once, reused across both datasets):
 #   plain   no speculation (the reference of every ratio)
-#   eagle3  --speculative-algorithm EAGLE3 (the head shipped for the default model)
+#   eagle3  --speculative-algorithm EAGLE3 --speculative-num-steps 3: the head shipped for the
+#           default model drafting a chain of 3
 #   eagle3-tree  the same head drafting trees: --tree DEPTH,TOPK,N (default 5,4,16) sets
 #           --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens
 #   ngram   --speculative-algorithm NGRAM --speculative-num-steps 4
@@ -63,7 +64,7 @@ REPEAT=()
 for config in ${CONFIGS//,/ }; do
   case $config in
     plain) COMPARE+=("plain=") ; REPEAT+=(plain) ;;
-    eagle3) COMPARE+=("eagle3=--speculative-algorithm EAGLE3") ;;
+    eagle3) COMPARE+=("eagle3=--speculative-algorithm EAGLE3 --speculative-num-steps 3") ;;
     eagle3-tree) IFS=, read -r depth topk nodes <<<"$TREE"
            tree="--speculative-num-steps $depth --speculative-eagle-topk $topk"
            tree+=" --speculative-num-draft-tokens $nodes"

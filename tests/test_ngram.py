@@ -320,7 +320,8 @@ def test_speculative_config_defaults_and_normalization() -> None:
     cfg = SpeculativeConfig("ngram")  # prompt lookup's k, measured served: 4; the heads': 3
     assert cfg.algorithm == "NGRAM" and cfg.num_steps == 4
     assert cfg.speculative_num_draft_tokens == 5
-    assert SpeculativeConfig("EAGLE3").num_steps == SpeculativeConfig("NextN").num_steps == 3
+    chain = SpeculativeConfig("EAGLE3", speculative_eagle_topk=1)
+    assert chain.num_steps == SpeculativeConfig("NextN").num_steps == 3
     assert SpeculativeConfig("NGRAM", speculative_num_steps=2).num_draft_tokens == 3
     assert cfg.speculative_ngram_min_match_window_size == 1
     assert cfg.speculative_ngram_max_match_window_size == 12
@@ -408,5 +409,22 @@ def test_speculative_config_messages_name_the_value() -> None:
     )
     assert (tree.topk, tree.num_draft_tokens, tree.slots_ahead) == (4, 8, 8)
     assert SpeculativeConfig("NGRAM").slots_ahead == 4
+
+
+def test_eagle3_default_tree_only_without_shape_options() -> None:
+    """EAGLE3 with none of the three shape options drafts the measured 5/4/16 tree; one given
+    option keeps the others' own defaults (a chain of 3 unless topk says otherwise)."""
+
+    def shape(spec: SpeculativeConfig) -> tuple[int, int, int]:
+        return spec.num_steps, spec.topk, spec.num_draft_tokens
+
+    assert shape(SpeculativeConfig("eagle3")) == (5, 4, 16)
+    assert shape(SpeculativeConfig("EAGLE3", speculative_num_steps=3)) == (3, 1, 4)
+    assert shape(SpeculativeConfig("EAGLE3", speculative_eagle_topk=1)) == (3, 1, 4)
+    assert shape(SpeculativeConfig("EAGLE3", speculative_eagle_topk=2)) == (3, 2, 4)
+    assert shape(SpeculativeConfig("NEXTN")) == (3, 1, 4)
+    assert shape(SpeculativeConfig("NGRAM")) == (4, 1, 5)
+    with pytest.raises(ValueError, match="= 5 with speculative_eagle_topk 1, got 16"):
+        SpeculativeConfig("EAGLE3", speculative_num_steps=4, speculative_num_draft_tokens=16)
     with pytest.raises(ValueError, match="= 3 with speculative_eagle_topk 1, got 5"):
         SpeculativeConfig("NGRAM", speculative_num_steps=2, speculative_num_draft_tokens=5)
