@@ -24,7 +24,7 @@ from pcgspec.server.protocol import ApiError, GenerationRequest
 from pcgspec.server.responses import chat_logprobs, completion_logprobs
 from pcgspec.server.state import ServerSettings
 from pcgspec.server.token_bytes import TextOffsets, TokenBytes, token_string
-from pcgspec.server.tokenize import LONG_PROMPT_CHARS, PromptEncoder
+from pcgspec.server.tokenize import INLINE_PROMPT_CHARS, LONG_PROMPT_CHARS, PromptEncoder
 
 CJK = "我爱我的猫 🎉 naïve café"
 
@@ -95,6 +95,10 @@ def _request(*prompts: str) -> GenerationRequest:
     return GenerationRequest(False, "m", SamplingParams(), False, False, prompts=prompts)
 
 
+def _chat(messages: list[dict[str, str]]) -> GenerationRequest:
+    return GenerationRequest(True, "m", SamplingParams(), False, False, messages=tuple(messages))
+
+
 def test_a_prompt_longer_than_the_context_can_hold_is_rejected_without_tokenizing():
     tok = _FakeTokenizer()
     encoder = PromptEncoder(tok, max_model_len=10_000)
@@ -122,6 +126,41 @@ def test_short_prompts_tokenize_while_long_ones_are_busy():
         assert asyncio.run(run()) == [[1, 1]]
     finally:
         tok.release.set()
+        encoder.shutdown()
+
+
+def test_short_prompts_tokenize_on_the_event_loop_and_longer_ones_on_workers():
+    """Texts of INLINE_PROMPT_CHARS together at most take no trip to a worker thread; a request
+    of many short prompts (or chat messages) that together pass it does."""
+
+    class Where(_FakeTokenizer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.threads: list[str] = []
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            self.threads.append(threading.current_thread().name)
+            return super().encode(text)
+
+        def apply_chat_template(self, messages: list, **_: object) -> str:
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+    tok = Where()
+    encoder = PromptEncoder(tok, max_model_len=100_000)
+    loop_thread = threading.current_thread().name
+    try:
+        asyncio.run(encoder.encode(_request("x" * INLINE_PROMPT_CHARS)))
+        assert tok.threads == [loop_thread]
+        asyncio.run(encoder.encode(_request("x" * (INLINE_PROMPT_CHARS + 1))))
+        asyncio.run(encoder.encode(_request(*["y" * 8] * (INLINE_PROMPT_CHARS // 8 + 1))))
+        assert len(tok.threads) == 2 + INLINE_PROMPT_CHARS // 8 + 1
+        assert all(name.startswith("pcgspec-tokenize") for name in tok.threads[1:])
+        tok.threads.clear()
+        asyncio.run(encoder.encode(_chat([{"role": "user", "content": "hi"}])))
+        # many empty messages are no short prompt: the template's text around each counts
+        asyncio.run(encoder.encode(_chat([{"role": "user", "content": ""}] * 64)))
+        assert tok.threads[0] == loop_thread and tok.threads[1].startswith("pcgspec-tokenize")
+    finally:
         encoder.shutdown()
 
 

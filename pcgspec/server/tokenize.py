@@ -1,7 +1,12 @@
-"""Prompts -> token ids off the event loop, with long prompts on a lane of their own.
+"""Prompts -> token ids: short ones on the event loop, the rest on worker threads, with long
+prompts on a lane of their own.
 
-Hugging Face fast tokenizers release the GIL, so tokenizing on worker threads keeps the loop
-answering; a prompt that cannot fit is rejected from its length in characters before any work.
+Hugging Face fast tokenizers release the GIL while they split and merge, so tokenizing a long
+prompt on a worker thread keeps the loop answering. A short one is cheaper inline: its work is
+mostly the tokenizer's Python (and the chat template's), which holds the GIL on any thread, and
+the trip to a worker and back costs two thread hand-offs and a wake-up of the loop, on the path
+of every arrival. A prompt that cannot fit is rejected from its length in characters before any
+work.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import Any
 from pcgspec.llm import chat_text
 from pcgspec.server.protocol import ApiError, GenerationRequest, bad
 
+INLINE_PROMPT_CHARS = 512  # shorter prompts tokenize on the event loop
+CHAT_MESSAGE_CHARS = 64  # what a chat template adds around a message, counted towards that
 LONG_PROMPT_CHARS = 32_768  # longer prompts tokenize on the "long" lane
 LANE_WORKERS = 2
 
@@ -36,12 +43,23 @@ class PromptEncoder:
 
     async def encode(self, req: GenerationRequest) -> list[list[int]]:
         """400 at once when a prompt is too long to fit by its characters alone. Prompts that
-        are token ids already take no trip to a worker thread (and back through the loop)."""
+        are token ids already, and texts of ``INLINE_PROMPT_CHARS`` together at most, take no
+        trip to a worker thread (and back through the loop)."""
         if not req.chat and not any(isinstance(p, str) for p in req.prompts):
             return list(req.prompts)  # type: ignore[arg-type]
         chars = self._check_chars(req)
+        if self._inline_chars(req) <= INLINE_PROMPT_CHARS:
+            return self._encode(req)
         pool = self._long if chars > LONG_PROMPT_CHARS else self._short
         return await asyncio.get_running_loop().run_in_executor(pool, self._encode, req)
+
+    @staticmethod
+    def _inline_chars(req: GenerationRequest) -> int:
+        """The characters a request's tokenizing reads, all prompts together; chat: with the
+        template's text around each message, so that many short messages are not short."""
+        if req.chat:
+            return sum(len(m["content"]) + CHAT_MESSAGE_CHARS for m in req.messages)
+        return sum(len(p) for p in req.prompts if isinstance(p, str))
 
     def _check_chars(self, req: GenerationRequest) -> int:
         """The longest text to tokenize, in characters (chat: all messages together)."""
