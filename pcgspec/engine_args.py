@@ -9,7 +9,7 @@ import argparse
 from dataclasses import MISSING, fields
 
 from pcgspec.config import EngineConfig
-from pcgspec.speculative.config import POLICIES, SUPPORTED_ALGORITHMS
+from pcgspec.speculative.config import DEFAULT_TREE, POLICIES, SUPPORTED_ALGORITHMS
 
 # EngineConfig field -> flag, where SGLang's name differs from the field name.
 FLAG_NAMES = {"model": "--model-path", "tokenizer": "--tokenizer-path"}
@@ -18,6 +18,8 @@ _CASE = {"speculative_algorithm": str.upper, "log_level": str.lower}
 _CPU_PIECEWISE = "on CPU only with PCGSPEC_CPU_PIECEWISE=1"
 
 # field -> (help, choices or None). "CUDA only" / "CPU only": the flag does nothing elsewhere.
+_TREE_DEPTH, _TREE_TOPK, _TREE_NODES = DEFAULT_TREE["EAGLE3"]  # the help states them
+
 ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "model": (
         "Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
@@ -123,20 +125,20 @@ ENGINE_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     ),
     "speculative_algorithm": ("speculative decoding (default: none)", SUPPORTED_ALGORITHMS),
     "speculative_num_steps": (
-        "k: the draft depth, drafts per request and step (default: 4 for NGRAM, 5 for "
-        "EAGLE3's default tree, else 3)",
+        "k: the draft depth, drafts per request and step (default: 4 for NGRAM, "
+        f"{_TREE_DEPTH} for EAGLE3's default tree, else 3)",
         None,
     ),
     "speculative_num_draft_tokens": (
         "tokens the target verifies per request: k+1 for a chain, the tree's nodes with "
-        "--speculative-eagle-topk > 1 (default: 16 for EAGLE3's default tree, else "
-        "num_steps + 1)",
+        f"--speculative-eagle-topk > 1 (default: {_TREE_NODES} for EAGLE3's default tree, "
+        "else num_steps + 1)",
         None,
     ),
     "speculative_eagle_topk": (
         "draft branches per depth; 1 = chain drafting, > 1 = tree drafting, EAGLE3/NEXTN "
-        "(default: EAGLE3 given none of the three shape options drafts a 5/4/16 tree, "
-        "else 1)",
+        "(default: EAGLE3 given none of the three shape options drafts a "
+        f"{_TREE_DEPTH}/{_TREE_TOPK}/{_TREE_NODES} tree, else 1)",
         None,
     ),
     "speculative_draft_model_path": (

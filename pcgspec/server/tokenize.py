@@ -48,17 +48,18 @@ class PromptEncoder:
         if not req.chat and not any(isinstance(p, str) for p in req.prompts):
             return list(req.prompts)  # type: ignore[arg-type]
         chars = self._check_chars(req)
-        if self._inline_chars(req) <= INLINE_PROMPT_CHARS:
+        if self._inline_chars(req, chars) <= INLINE_PROMPT_CHARS:
             return self._encode(req)
         pool = self._long if chars > LONG_PROMPT_CHARS else self._short
         return await asyncio.get_running_loop().run_in_executor(pool, self._encode, req)
 
     @staticmethod
-    def _inline_chars(req: GenerationRequest) -> int:
-        """The characters a request's tokenizing reads, all prompts together; chat: with the
-        template's text around each message, so that many short messages are not short."""
+    def _inline_chars(req: GenerationRequest, chars: int) -> int:
+        """The characters a request's tokenizing reads, all prompts together; chat: ``chars``
+        (``_check_chars``: every message's) with the template's text around each message, so
+        that many short messages are not short."""
         if req.chat:
-            return sum(len(m["content"]) + CHAT_MESSAGE_CHARS for m in req.messages)
+            return chars + CHAT_MESSAGE_CHARS * len(req.messages)
         return sum(len(p) for p in req.prompts if isinstance(p, str))
 
     def _check_chars(self, req: GenerationRequest) -> int:
