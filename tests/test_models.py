@@ -209,6 +209,26 @@ def test_logits_written_into_out(models) -> None:
         ours.compute_logits(hidden, out=torch.empty(4, ours.vocab_size))
 
 
+@pytest.mark.gpu
+def test_16_bit_logits_written_in_float32_by_the_gemm() -> None:
+    """On CUDA a bf16 LM head's float32 logits come from the GEMM itself: into ``out`` when
+    given, equal to the float32 product of the same bf16 operands to float32 rounding (a bf16
+    product cast afterwards is off by bf16's step), the same with and without ``out``."""
+    from pcgspec.models.layers.linear import VocabParallelEmbedding
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    head = VocabParallelEmbedding(5000, 64).cuda().to(torch.bfloat16)
+    head.weight.data.normal_(generator=gen)
+    hidden = torch.randn(7, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    exact = hidden.float() @ head.weight.float().t()
+    out = torch.full((7, 5000), float("nan"), device="cuda")
+    assert head.logits(hidden, out=out) is out
+    torch.testing.assert_close(out, exact, atol=1e-3, rtol=1e-5)
+    rounded = (hidden @ head.weight.t()).float()
+    assert (rounded - exact).abs().max() > 10 * (out - exact).abs().max()
+    torch.testing.assert_close(head.logits(hidden), out, atol=0, rtol=0)
+
+
 def test_input_embeds_replace_embedding(models) -> None:
     _, ours = models
     ids = random_ids(6, seed=7)

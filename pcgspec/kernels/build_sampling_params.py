@@ -344,7 +344,7 @@ def advance_positions(
         "BLOCK": _ADVANCE_BLOCK,
         "BLOCK_T": triton.next_power_of_2(num_tokens),
     }
-    _ADVANCE((triton.cdiv(num_requests, _ADVANCE_BLOCK), 1, 1), tensors, scalars, constants)
+    _ADVANCE((-(-num_requests // _ADVANCE_BLOCK), 1, 1), tensors, scalars, constants)
 
 
 def _check_commit(

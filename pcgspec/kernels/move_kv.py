@@ -119,7 +119,7 @@ def move_accepted_kv(
     tensors = (k_all, v_all, page_table, start.contiguous(), path.contiguous())
     scalars = (k_all.stride(0), page_table.stride(0), page_size, path_len)
     constants = {"ROW": row, "BLOCK_ROW": block_row, "BLOCK_D": triton.next_power_of_2(path_len)}
-    _MOVE((b, num_layers, triton.cdiv(row, block_row)), tensors, scalars, constants)
+    _MOVE((b, num_layers, -(-row // block_row)), tensors, scalars, constants)
 
 
 def move_accepted_kv_ref(

@@ -145,11 +145,16 @@ def _check(
     out_start: torch.Tensor | None,
     requests: PaddedRequests | None,
 ) -> None:
-    n, rows = len(input_ids), len(out_ids)
+    # NOTE: checked every replay of a graph (a short prefill's host path): ``shape[0]``, not
+    # ``len()``, which is a Python function of torch.Tensor
+    n, rows = input_ids.shape[0], out_ids.shape[0]
     tensors = (input_ids, positions, out_cache_loc, out_ids, out_positions, out_loc)
     if any(t.dim() != 1 or t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
         raise ValueError("token ids, positions and slots must be contiguous [T] int64")
-    if not len(positions) == len(out_cache_loc) == n <= rows == len(out_positions) == len(out_loc):
+    if not (
+        positions.shape[0] == out_cache_loc.shape[0] == n <= rows
+        and out_positions.shape[0] == out_loc.shape[0] == rows
+    ):
         raise ValueError(f"{n} tokens (ids, positions, slots) do not pad to {rows} rows")
     if requests is not None:
         _check_requests(extend_lens, out_start, requests)
@@ -162,11 +167,11 @@ def _check(
 def _check_requests(
     extend_lens: torch.Tensor, out_start: torch.Tensor | None, requests: PaddedRequests
 ) -> None:
-    num_reqs, r = len(extend_lens), requests
+    num_reqs, r = extend_lens.shape[0], requests
     outs = (out_start, r.out_seq_lens, r.out_extend_lens)
     if any(t is None or t.dtype != torch.int32 or t.shape != outs[1].shape for t in outs):
         raise ValueError("padded requests need int32 out_start, out_seq_lens, out_extend_lens [R]")
-    if r.seq_lens.shape != extend_lens.shape or len(r.out_seq_lens) <= num_reqs:
+    if r.seq_lens.shape != extend_lens.shape or r.out_seq_lens.shape[0] <= num_reqs:
         raise ValueError(
             f"{len(r.out_seq_lens)} padded requests do not hold {num_reqs} requests and the "
             "padding one"
@@ -244,14 +249,15 @@ def pad_batch(
             else (r.page_table, r.out_page_table, r.sampled, r.out_sampled)
         ),
     )
-    num_out_reqs = len(extend_lens) if r is None else len(r.out_seq_lens)
+    n, rows, num_reqs = input_ids.shape[0], out_ids.shape[0], extend_lens.shape[0]
+    num_out_reqs = num_reqs if r is None else r.out_seq_lens.shape[0]
     table = (0, 0, 0, 0)
-    programs = triton.cdiv(len(out_ids), _BLOCK)
+    programs = -(-rows // _BLOCK)
     if r is not None:
         cols = r.page_table.shape[1]
-        table = (cols, r.page_table.stride(0), r.out_page_table.stride(0), len(r.sampled))
-        programs = max(programs, triton.cdiv(len(extend_lens) * cols, _BLOCK))
-    scalars = (len(input_ids), len(out_ids), len(extend_lens), num_out_reqs, *table)
+        table = (cols, r.page_table.stride(0), r.out_page_table.stride(0), r.sampled.shape[0])
+        programs = max(programs, -(-num_reqs * cols // _BLOCK))
+    scalars = (n, rows, num_reqs, num_out_reqs, *table)
     grid = (max(1, programs), 1, 1)
     constants = {"BLOCK": _BLOCK, "HAS_START": has_start, "PAD_REQS": r is not None}
     _PAD_BATCH(grid, tensors, scalars, constants)

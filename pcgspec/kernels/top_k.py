@@ -147,7 +147,7 @@ def top_k(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.Ten
     val = torch.empty(rows, k, dtype=dtype, device=x.device)
     idx = torch.empty(rows, k, dtype=torch.int64, device=x.device)
     block = min(triton.next_power_of_2(v), CHUNK)
-    chunks = triton.cdiv(v, block)
+    chunks = -(-v // block)
     final = chunks == 1
     if final:
         cand_val, cand_idx, tops, sums = val, idx, val, val  # NOTE: tops/sums unused

@@ -25,7 +25,7 @@ from pcgspec.models.draft_head import (
     read_tensors,
     tensor_names,
 )
-from pcgspec.models.layers.linear import MergedLinear
+from pcgspec.models.layers.linear import MergedLinear, float_matmul
 from pcgspec.models.layers.norm import RMSNorm
 from pcgspec.models.layers.rotary import rope_parameters
 from pcgspec.models.layers.weights import load_named_weights
@@ -145,7 +145,7 @@ class Eagle3Head(DraftHead):
 
     def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
         lm_head = self.shared.lm_head if self.lm_head is None else self.lm_head
-        logits = F.linear(logits_hidden, lm_head.weight).float()  # [R, draft_vocab]
+        logits = float_matmul(logits_hidden, lm_head.weight)  # [R, draft_vocab]
         if self.identity_vocab:
             return logits
         out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))

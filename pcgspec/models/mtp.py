@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pcgspec.models.draft_checkpoint import (
@@ -41,6 +40,7 @@ from pcgspec.models.draft_head import (
     read_tensors,
     tensor_names,
 )
+from pcgspec.models.layers.linear import float_matmul
 from pcgspec.models.layers.norm import RMSNorm
 from pcgspec.models.layers.weights import checkpoint_parameter_names, load_named_weights
 from pcgspec.models.llama import LlamaDecoderLayer
@@ -121,7 +121,7 @@ class MtpHead(DraftHead):
         return normed, normed if mimo else y
 
     def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(logits_hidden, self.shared.lm_head.weight).float()
+        return float_matmul(logits_hidden, self.shared.lm_head.weight)
 
     def checkpoint_names(self) -> dict[str, str]:
         special = _SPECIAL_NAMES[self.layout.name]

@@ -97,6 +97,9 @@ class ExtendGraphRunner(WholeGraphRunner):
         self.logits_rows = buffer(0, torch.int64, self.max_requests)
         self.logits_out = self._logits_buffer(self.max_requests)
         self._pad = pad_batch if self.device.type == "cuda" else pad_batch_ref
+        # NOTE: each bucket's views of the static buffers, made once: a replay's host path
+        # (before the GPU has work) takes them instead of slicing eight tensors
+        self._views = {bucket: self._bucket_views(bucket) for bucket in self.buckets}
 
     def requests(self, bucket: int) -> int:
         """Requests a batch of ``bucket`` tokens may hold (the padding one not counted)."""
@@ -205,23 +208,27 @@ class ExtendGraphRunner(WholeGraphRunner):
     ) -> None:
         """A batch's rows, requests, page table and sampled rows into bucket ``bucket``'s static
         buffers, padded: one launch."""
+        ids, pos, loc, start, out_seq_lens, out_extend_lens = self._views[bucket]
+        requests = PaddedRequests(
+            seq_lens,
+            out_seq_lens,
+            out_extend_lens,
+            page_table,
+            self.page_table,
+            sampled,
+            self.logits_rows,
+        )
+        self._pad(input_ids, positions, out_cache_loc, extend_lens, ids, pos, loc, start, requests)
+
+    def _bucket_views(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """Bucket ``bucket``'s rows of the token buffers and its requests' of the request
+        buffers: ids, positions, slots, first rows, lengths, new lengths."""
         reqs = self.requests(bucket) + 1
-        self._pad(
-            input_ids,
-            positions,
-            out_cache_loc,
-            extend_lens,
+        return (
             self.input_ids[:bucket],
             self.positions[:bucket],
             self.out_cache_loc[:bucket],
             self.extend_start[:reqs],
-            PaddedRequests(
-                seq_lens,
-                self.seq_lens[:reqs],
-                self.extend_lens[:reqs],
-                page_table,
-                self.page_table,
-                sampled,
-                self.logits_rows,
-            ),
+            self.seq_lens[:reqs],
+            self.extend_lens[:reqs],
         )

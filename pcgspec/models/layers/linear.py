@@ -131,13 +131,28 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden @ weight.T`` [R, V] float32 over the whole vocabulary, gathered from every
-        rank; written into ``out`` [R, V] float32 when given (one rank: the cast writes it)."""
+        rank; written into ``out`` [R, V] float32 when given (one rank: the GEMM writes it)."""
         if out is not None and out.shape != (hidden.shape[0], self.full_vocab_size):
             raise ValueError(
                 f"out {tuple(out.shape)} must be [{hidden.shape[0]}, {self.full_vocab_size}]"
             )
-        local = F.linear(hidden, self.weight)
-        if out is not None and self.tp.size == 1:
-            return out.copy_(local)
-        logits = self.tp.all_gather_last(local.float())[:, : self.full_vocab_size]
+        if self.tp.size == 1:
+            return float_matmul(hidden, self.weight, out)
+        logits = self.tp.all_gather_last(float_matmul(hidden, self.weight))
+        logits = logits[:, : self.full_vocab_size]
         return logits if out is None else out.copy_(logits)
+
+
+def float_matmul(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` [R, N] in float32 (into ``out`` when given). On CUDA a 16-bit GEMM writes
+    float32 itself (cuBLAS accumulates in float32; no rounding to 16 bits, no cast kernel over a
+    [R, V] tensor); elsewhere the product is cast.
+    """
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        if out is None:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+    product = F.linear(x, weight)
+    return product.float() if out is None else out.copy_(product)
