@@ -330,3 +330,75 @@ def test_deltas_cross_as_plain_tuples_and_come_back_equal():
     back = from_wire_form(pickle.loads(pickle.dumps(sent, pickle.HIGHEST_PROTOCOL)))
     assert back == deltas and all(type(d) is SeqDelta for d in back)
     assert back[0].first_token.prefill_s == 1.5 and back[1].finish_reason == "stop"
+
+
+class _StepEngine:
+    """What ``EngineLoop`` asks of an engine: each step appends one token to every request."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, Request] = {}
+
+    def add_request(self, prompt_ids, params, request_id):
+        req = _request(request_id, 0, params)
+        self.running[request_id] = req
+        return [req]
+
+    def abort(self, request_id: str) -> bool:
+        req = self.running.pop(request_id, None)
+        if req is not None:
+            req.finish("abort")
+        return req is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> None:
+        for request_id, req in list(self.running.items()):
+            req.append_token(ord("a"), frozenset())
+            if req.finished:
+                del self.running[request_id]
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.running)}
+
+    def spec_stats(self) -> dict:
+        return {}
+
+    cache_stats = graph_stats = step_stats = spec_stats
+
+
+def test_the_engine_loop_publishes_after_steps_and_aborts_with_snapshots_by_time():
+    """An add publishes nothing until a step; a step publishes every stream's delta, with the
+    counters on the first step of a busy spell and then only every ``SNAPSHOT_INTERVAL`` (a
+    finish among running streams brings none); an abort publishes at once, with the counters,
+    and so does the step that leaves the engine idle."""
+    from pcgspec.server.engine_loop import EngineLoop, ThreadChannel
+
+    sent: list[tuple] = []
+    channel = ThreadChannel(sent.append)
+    loop = EngineLoop(_StepEngine(), channel)
+    for request_id, max_tokens in (("short", 2), ("long", 50), ("other", 50)):
+        channel.inbox.put(("add", request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens)))
+    loop._apply_commands(wait=False)
+    assert [m[0] for m in sent] == ["accepted"] * 3
+    sent.clear()
+
+    loop._step()  # the first step of a busy spell: counters
+    loop._step()  # "short" ends, two streams run on: no counters
+    (first, snapshot), (second, none) = [m[1:] for m in sent]
+    assert [i[0] for i in first] == ["short", "long", "other"] and snapshot is not None
+    assert ("short", True) in [(i[0], i[2]) for i in second] and none is None
+    sent.clear()
+
+    channel.inbox.put(("abort", "long"))
+    loop._apply_commands(wait=False)
+    ((kind, items, snapshot),) = sent
+    assert kind == "deltas" and snapshot is not None
+    assert [(i[0], i[1][-1][4], i[2]) for i in items] == [("long", "abort", True)]
+    sent.clear()
+
+    loop.engine.abort("other")
+    loop._step()  # nothing left to run: the engine goes idle, counters go out
+    ((kind, items, snapshot),) = sent
+    assert [i[0] for i in items] == ["other"] and snapshot.stats == {"num_running": 0}
