@@ -33,6 +33,7 @@ from pcgspec.attention.triton_backend import TritonAttentionBackend
 from pcgspec.compile import custom_ops  # noqa: F401  (registers torch.ops.pcgspec.attention)
 from pcgspec.config import EngineConfig
 from pcgspec.kernels.pad_batch import PaddedRequests, pad_batch_ref
+from pcgspec.runners import extend_graph_runner
 from pcgspec.runners.batch_builder import SeqChunk, build_forward_batch
 from pcgspec.runners.extend_graph_runner import LONG_PREFIX, ExtendGraphRunner
 from pcgspec.runners.forward_batch import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -202,12 +203,12 @@ def test_decode_and_extend_graphs_write_one_logits_buffer(tiny_path) -> None:
     check_against_eager(runner, extend, CaptureHiddenMode.NULL, tol=1e-5)
 
 
-def test_padding_request_in_the_last_slot(tiny_path) -> None:
+def test_padding_request_in_the_last_slot(tiny_path, monkeypatch) -> None:
     """A batch with as many requests as its bucket holds and padded rows: the padding request
     takes the graph's last request slot."""
     runner = tiny_runner(tiny_path)
-    graphs = ExtendGraphRunner(runner, MAX_TOKENS)
-    graphs.max_requests = 4  # NOTE: before the capture: a bucket then holds 4 requests, R = 5
+    monkeypatch.setattr(extend_graph_runner, "MAX_REQUESTS", 4)
+    graphs = ExtendGraphRunner(runner, MAX_TOKENS)  # a bucket then holds 4 requests, R = 5
     graphs.num_warmup = 0
     graphs.capture()
     with torch.inference_mode():

@@ -368,13 +368,15 @@ class _StepEngine:
     cache_stats = graph_stats = step_stats = spec_stats
 
 
-def test_the_engine_loop_publishes_after_steps_and_aborts_with_snapshots_by_time():
+def test_the_engine_loop_publishes_after_steps_and_aborts_with_snapshots_by_time(monkeypatch):
     """An add publishes nothing until a step; a step publishes every stream's delta, with the
     counters on the first step of a busy spell and then only every ``SNAPSHOT_INTERVAL`` (a
     finish among running streams brings none); an abort publishes at once, with the counters,
     and so does the step that leaves the engine idle."""
+    from pcgspec.server import engine_loop
     from pcgspec.server.engine_loop import EngineLoop, ThreadChannel
 
+    monkeypatch.setattr(engine_loop, "SNAPSHOT_INTERVAL", 30.0)  # NOTE: no step waits for it
     sent: list[tuple] = []
     channel = ThreadChannel(sent.append)
     loop = EngineLoop(_StepEngine(), channel)

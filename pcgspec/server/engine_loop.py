@@ -12,8 +12,9 @@ other end.
 Messages in: ``("add", request_id, prompt_ids, params)``, ``("abort", request_id)``,
 ``("flush", token)``, ``("stop",)``. Out: ``("ready", EngineInfo)`` or ``("failed", error)``
 once; ``("accepted", request_id, error or None)`` per add; ``("deltas", items, snapshot or
-None)`` after steps and commands, ``items`` being ``(request_id, deltas (``wire_form``) or
-error, final)``;
+None)`` after steps, aborts and flushes, ``items`` being ``(request_id, deltas (``wire_form``)
+or error, final)``, with a counter snapshot every ``SNAPSHOT_INTERVAL`` while steps run and
+whenever the engine falls idle;
 ``("flushed", token)``; ``("died", message)`` when the loop fails.
 """
 
@@ -271,7 +272,7 @@ class EngineLoop:
                 engine.abort(request_id)
             self.fail_all(EngineDeadError(f"the engine failed: {e}"))
             failed = True
-        self._publish(snapshot=failed or not engine.has_unfinished)
+        self._publish(snapshot=failed)
         self._throughput.tick(engine.has_unfinished, engine.stats)
 
     def _note_failure(self, error: Exception) -> None:
@@ -291,15 +292,17 @@ class EngineLoop:
             logger.error("the engine is unhealthy: %s", self._unhealthy)
 
     def _publish(self, snapshot: bool) -> None:
-        """Send every new delta in one message, with the counters when asked or when the last
-        snapshot is ``SNAPSHOT_INTERVAL`` old (not at every finish: at 16 streams one ends
-        every few steps, and a snapshot costs as much as publishing the step's deltas)."""
+        """Send every new delta in one message, with the counters when asked, when a request
+        failed, when the engine is left idle, or when the last snapshot is ``SNAPSHOT_INTERVAL``
+        old (not at every finish: at 16 streams one ends every few steps, and a snapshot costs
+        about as much as publishing a step's deltas)."""
         items: list[tuple[str, Any, bool]] = []
         for request_id, trackers in list(self._live.items()):
-            error = self._failure(request_id, trackers)
+            error = self._failure(request_id, trackers)  # NOTE: aborts the request's others
             if error is not None:
                 del self._live[request_id]
                 items.append((request_id, error, True))
+                snapshot = True
                 continue
             deltas = [d for t in trackers if (d := t.delta()) is not None]
             if not deltas:
@@ -310,7 +313,11 @@ class EngineLoop:
                 del self._live[request_id]
             items.append((request_id, wire_form(deltas), final))
         now = time.perf_counter()
-        if snapshot or now - self._snapshot_time > SNAPSHOT_INTERVAL:
+        if (
+            snapshot
+            or not self.engine.has_unfinished
+            or now - self._snapshot_time > SNAPSHOT_INTERVAL
+        ):
             self._snapshot_time = now
             self.channel.send(("deltas", items, self._snapshot()))
         elif items:
