@@ -151,8 +151,6 @@ def float_matmul(
     [R, V] tensor); elsewhere the product is cast.
     """
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        if out is None:
-            return torch.mm(x, weight.t(), out_dtype=torch.float32)
-        return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)  # out None: allocates
     product = F.linear(x, weight)
     return product.float() if out is None else out.copy_(product)
