@@ -130,20 +130,21 @@ class ExtendGraphRunner(WholeGraphRunner):
 
     def _static_batch(self, bucket: int) -> ForwardBatch:
         reqs = self.requests(bucket) + 1
+        ids, pos, loc, start, seq_lens, extend_lens = self._views[bucket]
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
-            input_ids=self.input_ids[:bucket],
-            positions=self.positions[:bucket],
-            out_cache_loc=self.out_cache_loc[:bucket],
-            seq_lens=self.seq_lens[:reqs],
-            extend_lens=self.extend_lens[:reqs],
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
             page_table=self.page_table[:reqs],
             page_size=self.page_size,
             seq_lens_cpu=(self.max_seq_len,) * reqs,  # bounds, not contents
             extend_lens_cpu=(bucket,) * reqs,
             logits_indices=self.logits_rows[: self.requests(bucket)],
             capture_hidden_mode=self.hidden_mode,
-            extend_start=self.extend_start[:reqs],
+            extend_start=start,
         )
 
     def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
