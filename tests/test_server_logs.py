@@ -45,7 +45,8 @@ def _step(
 ) -> None:
     throughput.begin()
     clock.now += seconds
-    throughput.count(prompt_len, deltas)
+    firsts = sum(d.first_token is not None for d in deltas)
+    throughput.count(prompt_len * firsts, sum(len(d.token_ids) for d in deltas))
     throughput.tick(busy, lambda: STATS)
 
 

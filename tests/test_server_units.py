@@ -17,7 +17,7 @@ from pcgspec.engine.request import Request, RequestStatus
 from pcgspec.engine.scheduler import Scheduler
 from pcgspec.sampling_params import SamplingParams
 from pcgspec.server.async_engine import AsyncEngine, exit_reason
-from pcgspec.server.deltas import SeqTracker
+from pcgspec.server.deltas import SeqTracker, from_wire_form
 from pcgspec.server.protocol import (
     ApiError,
     Limits,
@@ -188,7 +188,7 @@ def test_streamed_text_is_a_prefix_of_the_final_text_with_stop_strings():
     for ch in "abxy xyxyz!":
         req.append_token(ord(ch), frozenset())
         delta = tracker.delta()
-        sent += delta.text if delta else ""
+        sent += from_wire_form([delta])[0].text if delta else ""
         held.append(len(req.text) - len(sent))
         assert req.text.startswith(sent)
         if req.finished:
@@ -316,20 +316,31 @@ def test_the_engine_loops_pipe_channel_speaks_connection_bytes():
 
 
 def test_deltas_cross_as_plain_tuples_and_come_back_equal():
+    """A tracker's deltas are plain tuples (they pickle without their class); the server's
+    ``from_wire_form`` makes them ``SeqDelta``s again: the first carries the first-token times,
+    each the tokens since the one before, the last the finish reason."""
     import pickle
 
     from pcgspec.engine.request import TokenLogprobs
-    from pcgspec.server.deltas import FirstTokenTimes, SeqDelta, from_wire_form, wire_form
+    from pcgspec.server.deltas import FirstTokenTimes, SeqDelta
 
-    deltas = [
-        SeqDelta(0, " Paris", (3445,), (), None, 4, FirstTokenTimes(1.0, 2.0, 3.5)),
-        SeqDelta(1, ".", (30,), (TokenLogprobs(30, -0.25, ((30, -0.25),)),), "stop"),
-    ]
-    sent = wire_form(deltas)
-    assert all(type(d) is tuple for d in sent)
+    req = _request("r", 1, SamplingParams(max_tokens=3))
+    req.num_cached_tokens, req.scheduled_time, req.first_token_time = 2, 2.0, 3.5
+    tracker, sent = SeqTracker(req), []
+    req.append_token(ord("P"), frozenset())
+    sent.append(tracker.delta())
+    req.logprobs.append(TokenLogprobs(ord("a"), -0.25, ((ord("a"), -0.25),)))
+    for ch in "ab":
+        req.append_token(ord(ch), frozenset())
+    sent.append(tracker.delta())
+    assert all(type(d) is tuple for d in sent) and tracker.done and tracker.delta() is None
     back = from_wire_form(pickle.loads(pickle.dumps(sent, pickle.HIGHEST_PROTOCOL)))
-    assert back == deltas and all(type(d) is SeqDelta for d in back)
-    assert back[0].first_token.prefill_s == 1.5 and back[1].finish_reason == "stop"
+    first = FirstTokenTimes(req.arrival_time, 2.0, 3.5)
+    assert back == [
+        SeqDelta(1, "P", (ord("P"),), (), None, 2, first),
+        SeqDelta(1, "ab", (ord("a"), ord("b")), tuple(req.logprobs), "length", 2),
+    ]
+    assert all(type(d) is SeqDelta for d in back) and back[0].first_token.prefill_s == 1.5
 
 
 class _StepEngine:

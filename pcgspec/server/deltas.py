@@ -1,10 +1,10 @@
 """What a step added to one sequence, as an immutable delta the event loop can own.
 
-Deltas are named tuples: the engine loop builds one per stream and step, and a tuple is built
-several times faster than a dataclass. They cross to the server process as plain tuples
-(``wire_form``; ``from_wire_form`` rebuilds them there): a named tuple pickles by its class,
-and a step's message of 16 streams took 24-28 us to build and pickle that way against 17 us as
-plain tuples (2-core x86-64 host), on the engine's critical path.
+The engine loop builds one delta per stream and step, on the engine's critical path, as a plain
+tuple of ``SeqDelta``'s fields in order (its wire form): a tuple is built several times faster
+than a dataclass, and a named tuple pickles by its class (a step's message of 16 streams took
+24-28 us to build and pickle that way against 17 us as plain tuples, 2-core x86-64 host). The
+server process rebuilds the named tuples (``from_wire_form``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class SeqDelta(NamedTuple):
     first_token: FirstTokenTimes | None = None  # on the delta with the sequence's first token
 
 
+TOKEN_IDS = SeqDelta._fields.index("token_ids")  # fields of a delta's wire form
+FIRST_TOKEN = SeqDelta._fields.index("first_token")
+
+
 class SeqTracker:
     """How much of one sequence was already handed out. Engine thread only.
 
@@ -53,30 +57,32 @@ class SeqTracker:
         self.req = req
         self.done = False
         self._text = 0
-        self._tokens = 0
+        self._prompt_len = req.prompt_len
+        self._next_token = self._prompt_len  # index in ``req.token_ids`` of the first unsent
         self._logprobs = 0
         stops = req.params.stop_strings
         self._holdback = max(map(len, stops)) - 1 if stops else 0
 
-    def delta(self) -> SeqDelta | None:
-        """What is new since the last call; None when nothing is (or the sequence is done)."""
+    def delta(self) -> tuple | None:
+        """What is new since the last call, in wire form (``SeqDelta``'s fields); None when
+        nothing is (or the sequence is done)."""
         if self.done:
             return None
         req = self.req
         finished = req.status is RequestStatus.FINISHED
         text = req.detokenizer.text
         end = len(text) if finished else max(self._text, len(text) - self._holdback)
-        start = req.prompt_len + self._tokens
+        start = self._next_token
         tokens = tuple(req.token_ids[start:])
         logprobs = tuple(req.logprobs[self._logprobs :]) if req.logprobs else ()
         if end == self._text and not tokens and not logprobs and not finished:
             return None
         first = None
-        if tokens and not self._tokens and req.scheduled_time is not None:
+        if tokens and start == self._prompt_len and req.scheduled_time is not None:
             first_time = req.first_token_time
             if first_time is not None:
                 first = FirstTokenTimes(req.arrival_time, req.scheduled_time, first_time)
-        delta = SeqDelta(
+        delta = (
             req.index,
             text[self._text : end],
             tokens,
@@ -86,17 +92,12 @@ class SeqTracker:
             first,
         )
         self._text = end
-        self._tokens += len(tokens)
+        self._next_token = start + len(tokens)
         self._logprobs += len(logprobs)
         self.done = finished
         return delta
 
 
-def wire_form(deltas: list[SeqDelta]) -> list[tuple]:
-    """``deltas`` as the plain tuples that cross to the server process."""
-    return [tuple(d) for d in deltas]
-
-
 def from_wire_form(deltas: list[tuple]) -> list[SeqDelta]:
-    """The deltas ``wire_form`` sent."""
+    """The deltas ``SeqTracker.delta`` built."""
     return [SeqDelta._make(d) for d in deltas]

@@ -12,7 +12,7 @@ other end.
 Messages in: ``("add", request_id, prompt_ids, params)``, ``("abort", request_id)``,
 ``("flush", token)``, ``("stop",)``. Out: ``("ready", EngineInfo)`` or ``("failed", error)``
 once; ``("accepted", request_id, error or None)`` per add; ``("deltas", items, snapshot or
-None)`` after steps, aborts and flushes, ``items`` being ``(request_id, deltas (``wire_form``)
+None)`` after steps, aborts and flushes, ``items`` being ``(request_id, deltas (wire form)
 or error, final)``, with a counter snapshot every ``SNAPSHOT_INTERVAL`` while steps run and
 whenever the engine falls idle;
 ``("flushed", token)``; ``("died", message)`` when the loop fails.
@@ -39,7 +39,7 @@ from pcgspec.engine.collector import freeze_start_up
 from pcgspec.engine.engine import Engine
 from pcgspec.engine.isolation import device_unusable
 from pcgspec.runners.refusals import GraphStats
-from pcgspec.server.deltas import SeqTracker, wire_form
+from pcgspec.server.deltas import FIRST_TOKEN, TOKEN_IDS, SeqTracker
 from pcgspec.server.logs import ThroughputLog
 
 logger = logging.getLogger("pcgspec")
@@ -297,21 +297,31 @@ class EngineLoop:
         old (not at every finish: at 16 streams one ends every few steps, and a snapshot costs
         about as much as publishing a step's deltas)."""
         items: list[tuple[str, Any, bool]] = []
+        prompt_tokens = generated = 0
         for request_id, trackers in list(self._live.items()):
-            error = self._failure(request_id, trackers)  # NOTE: aborts the request's others
-            if error is not None:
+            deltas: list[tuple] | None = []
+            for tracker in trackers:
+                if tracker.req.finish_reason == "error":  # a step failed on this sequence
+                    deltas = None
+                    break
+                if (d := tracker.delta()) is not None:
+                    deltas.append(d)
+            if deltas is None:
                 del self._live[request_id]
-                items.append((request_id, error, True))
+                items.append((request_id, self._failure(request_id, trackers), True))
                 snapshot = True
                 continue
-            deltas = [d for t in trackers if (d := t.delta()) is not None]
             if not deltas:
                 continue
-            self._throughput.count(trackers[0].req.prompt_len, deltas)
+            for d in deltas:
+                generated += len(d[TOKEN_IDS])
+                if d[FIRST_TOKEN] is not None:  # its prefill is done: its prompt counts
+                    prompt_tokens += trackers[0].req.prompt_len
             final = all(t.done for t in trackers)
             if final:
                 del self._live[request_id]
-            items.append((request_id, wire_form(deltas), final))
+            items.append((request_id, deltas, final))
+        self._throughput.count(prompt_tokens, generated)
         now = time.perf_counter()
         if (
             snapshot
@@ -323,14 +333,12 @@ class EngineLoop:
         elif items:
             self.channel.send(("deltas", items, None))
 
-    def _failure(self, request_id: str, trackers: list[SeqTracker]) -> RequestFailedError | None:
-        """The error of a request one of whose sequences a step failed on (the others are
-        aborted), or None."""
-        for tracker in trackers:
-            if tracker.req.finish_reason == "error":
-                self.engine.abort(request_id)
-                return RequestFailedError(f"the request failed: {tracker.req.error}")
-        return None
+    def _failure(self, request_id: str, trackers: list[SeqTracker]) -> RequestFailedError:
+        """The error of a request a step failed on (one of its sequences); its other sequences
+        are aborted."""
+        self.engine.abort(request_id)
+        error = next(t.req.error for t in trackers if t.req.finish_reason == "error")
+        return RequestFailedError(f"the request failed: {error}")
 
     def fail_all(self, error: EngineDeadError) -> None:
         items = [(request_id, error, True) for request_id in self._live]

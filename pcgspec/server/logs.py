@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-from pcgspec.server.deltas import SeqDelta
 
 if TYPE_CHECKING:
     from pcgspec.server.async_engine import RequestStream
@@ -41,8 +39,8 @@ def log_finished(stream: RequestStream, now: float, error: BaseException | None)
 
 
 class ThroughputLog:
-    """Engine thread only: ``begin`` before each step, ``count`` each published delta,
-    ``tick`` after the step."""
+    """Engine thread only: ``begin`` before each step, ``count`` the tokens each publish
+    carries, ``tick`` after the step."""
 
     def __init__(
         self,
@@ -64,13 +62,11 @@ class ThroughputLog:
         if self._start is None or now - self._last_tick > IDLE_GAP:
             self._open(now, logged=False)
 
-    def count(self, prompt_len: int, deltas: Sequence[SeqDelta]) -> None:
-        """Tokens a request's deltas carry; a sequence's prompt counts when its first token
-        comes (its prefill is done), as vLLM counts it."""
-        for d in deltas:
-            self._generation_tokens += len(d.token_ids)
-            if d.first_token is not None:
-                self._prompt_tokens += prompt_len
+    def count(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """Tokens a step's deltas carry; a sequence's prompt counts when its first token comes
+        (its prefill is done), as vLLM counts it."""
+        self._prompt_tokens += prompt_tokens
+        self._generation_tokens += generation_tokens
 
     def tick(self, busy: bool, stats: Callable[[], dict[str, int]]) -> None:
         """After a step: log when the window is ``interval`` old, or when a spell that logged
