@@ -8,11 +8,15 @@
 #      --hang-s seconds;
 #   2. scripts/bench_tp.py: the Qwen3-8B-shape targets (decode at batch 1 and 32, prefill 2,048,
 #      piecewise vs a whole compiled graph, start-up), with cold compile caches, NCCL only and then with the
-#      one-shot all-reduce up to 512 KiB.
+#      one-shot all-reduce up to 512 KiB;
+#   3. scripts/profile_spec_step.py: the EAGLE3 step (untrained head, a chain of 3, speculating
+#      at every step) at TP=2 over TP=1, with the one-shot all-reduce (each engine writes and loads
+#      a random 8B checkpoint: about 3 minutes an engine).
 # The default model's tokenizer must be in PCGSPEC_CACHE_DIR (the tests' prompts use it; its
 # weights are not needed). NVLink multicast stays off. Writes tp_gpu_tests.log, bench_tp.log,
-# bench_tp_one_shot.log and tp_bench_qwen3-8b-shape_<label>_<date>[_one_shot].json under --out.
-# Allow about 25 minutes on two H100s, so start it in the background and poll:
+# bench_tp_one_shot.log, tp_bench_qwen3-8b-shape_<label>_<date>[_one_shot].json, tp_spec_step.log
+# and profile_spec_step_eagle3_tp_qwen3-8b-shape_<label>_<date>.json under --out. Allow about 35
+# minutes on two GPUs, so start it in the background and poll:
 #
 #   (setsid nohup bash scripts/gpu_tp.sh --out /tmp/tp --device-label h100x2 > /tmp/tp.log 2>&1 &)
 set -uo pipefail
@@ -51,3 +55,9 @@ PCGSPEC_CACHE_DIR="$caches/pcgspec" TRITON_CACHE_DIR="$caches/triton" \
   > "$OUT/bench_tp_one_shot.log" 2>&1
 echo "bench_tp one-shot: exit $?" | tee -a "$OUT/bench_tp_one_shot.log"
 tail -n 20 "$OUT/bench_tp_one_shot.log"
+
+PCGSPEC_TP_SYMM_MEM_MAX_BYTES=524288 timeout 900 python scripts/profile_spec_step.py --shape qwen3-8b \
+  --methods EAGLE3 --batch-sizes 1 --num-steps 3 --tp-sizes 1,2 --repeats 5 --no-plain \
+  --out "$OUT/profile_spec_step_eagle3_tp_qwen3-8b-shape_${LABEL}_$(date +%F).json" > "$OUT/tp_spec_step.log" 2>&1
+echo "EAGLE3 step at TP=1 and TP=2: exit $?" | tee -a "$OUT/tp_spec_step.log"
+grep -E '^\{' "$OUT/tp_spec_step.log" | cut -c1-200 || true

@@ -12,7 +12,8 @@ is GPU-bound by about that much), overall and by kind of step (prefill, mixed, d
 speculative, first_tokens).
 With --cprofile DIR, cProfile of one generation per engine and batch size. With --tp-sizes
 1,2 every engine runs at each tensor-parallel size (the profile is rank 0's) and rows at TP > 1
-give their step time over the same engine's and batch's at TP=1 (``step_vs_tp1``).
+give their step time over the same engine's and batch's at TP=1 (``step_vs_tp1``). --out is written
+after each engine (``complete`` false until the last), so a run stopped early keeps its rows.
 
 With ``--in-flight`` a batch size B is a load instead, as in ``bench_spec.py``: --load-requests
 prompts given at once to an engine that runs at most B (a request starts as another finishes,
@@ -35,7 +36,7 @@ time goes into many small kernels rather than a few dear ones.
     python scripts/profile_spec_step.py --shape tiny --methods NGRAM --batch-sizes 1 \\
         --max-tokens 8 --repeats 1                                     # CPU smoke
     NCCL_NVLS_ENABLE=0 python scripts/profile_spec_step.py --shape qwen3-8b --methods EAGLE3 \\
-        --batch-sizes 1 --num-steps 3 --tp-sizes 1,2 --repeats 5     # the TP step, 2 GPUs
+        --batch-sizes 1 --num-steps 3 --tp-sizes 1,2 --repeats 5 --no-plain  # the TP step
     python scripts/profile_spec_step.py --model "$(python -c 'from pcgspec.models.default_model \\
         import default_model_path as d; print(d())')" --eagle3-draft shipped --methods EAGLE3 \\
         --num-steps 3 --policy auto --prompts served-chat --in-flight --load-requests 128 \\
@@ -96,6 +97,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps (k)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--tp-sizes", default="1", help="tensor-parallel sizes, each engine at each")
+    p.add_argument(
+        "--plain",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plain decoding beside the methods at each TP size (step_vs_plain_step); "
+        "--no-plain: the methods only (an engine fewer per TP size)",
+    )
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eagle3-draft-vocab", type=int, default=16384)
@@ -387,34 +395,39 @@ def _profile(
     return row
 
 
-def _step_over(row: dict, rows: list[dict], key: dict) -> float:
+def _step_over(row: dict, rows: list[dict], key: dict) -> float | None:
     """``row``'s median step time over that of the row (``row`` itself included) matching
-    ``key``'s tp, engine and batch."""
+    ``key``'s tp, engine and batch; None when no row does."""
     fields = ("tp", "engine", "batch")
-    base = next(r for r in [*rows, row] if all(r[f] == key[f] for f in fields))
-    return row["step_ms_median"] / base["step_ms_median"]
+    base = next((r for r in [*rows, row] if all(r[f] == key[f] for f in fields)), None)
+    return None if base is None else row["step_ms_median"] / base["step_ms_median"]
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     model, base = _model(args)
-    methods = ["none", *[m for m in args.methods.split(",") if m]]
-    rows = []
+    methods = [*(["none"] if args.plain else []), *[m for m in args.methods.split(",") if m]]
+    rows: list[dict] = []
     for tp, method in ((tp, m) for tp in args.tp_sizes for m in methods):
         llm = LLM(model, **base, tp_size=tp, **_engine_kwargs(method, model, args))
         for batch in args.batch_sizes:
             row = {"tp": tp, **profile_batch(llm, method, batch, args, tp)}
             same = {"tp": tp, "engine": "none", "batch": batch}  # plain decoding, this TP size
             row["step_vs_plain_step"] = _step_over(row, rows, same)
+            if tp != 1 and 1 in args.tp_sizes:
+                row["step_vs_tp1"] = _step_over(row, rows, {**row, "tp": 1})
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "spec"}), flush=True)
         llm.shutdown()
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for row in rows if 1 in args.tp_sizes else ():
-        if row["tp"] != 1:
-            row["step_vs_tp1"] = _step_over(row, rows, {**row, "tp": 1})
+        _result(args, rows, complete=False)  # NOTE: a run stopped later keeps these rows
+    return _result(args, rows, complete=True)
+
+
+def _result(args: argparse.Namespace, rows: list[dict], complete: bool) -> dict:
+    """The rows so far, written to ``--out``."""
     result = {
         "date": datetime.now(timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -425,6 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tp_sizes": args.tp_sizes,
         "policy": args.policy,
         "load": f"{args.load_requests} requests, batch = in flight" if args.in_flight else "batch",
+        "complete": complete,
         "rows": rows,
     }
     if args.out is not None:
