@@ -300,12 +300,17 @@ class EngineLoop:
         prompt_tokens = generated = 0
         for request_id, trackers in list(self._live.items()):
             deltas: list[tuple] | None = []
+            final = True  # NOTE: one pass over the sequences (no generator): it runs per stream
             for tracker in trackers:
                 if tracker.req.finish_reason == "error":  # a step failed on this sequence
                     deltas = None
                     break
                 if (d := tracker.delta()) is not None:
                     deltas.append(d)
+                    generated += len(d[TOKEN_IDS])
+                    if d[FIRST_TOKEN] is not None:  # its prefill is done: its prompt counts
+                        prompt_tokens += tracker.req.prompt_len
+                final = final and tracker.done
             if deltas is None:
                 del self._live[request_id]
                 items.append((request_id, self._failure(request_id, trackers), True))
@@ -313,11 +318,6 @@ class EngineLoop:
                 continue
             if not deltas:
                 continue
-            for d in deltas:
-                generated += len(d[TOKEN_IDS])
-                if d[FIRST_TOKEN] is not None:  # its prefill is done: its prompt counts
-                    prompt_tokens += trackers[0].req.prompt_len
-            final = all(t.done for t in trackers)
             if final:
                 del self._live[request_id]
             items.append((request_id, deltas, final))
