@@ -415,3 +415,56 @@ def test_the_engine_loop_publishes_after_steps_and_aborts_with_snapshots_by_time
     loop._step()  # nothing left to run: the engine goes idle, counters go out
     ((kind, items, snapshot),) = sent
     assert [i[0] for i in items] == ["other"] and snapshot.stats == {"num_running": 0}
+
+
+class _GroupEngine(_StepEngine):
+    """``_StepEngine`` whose adds are groups of ``n`` sequences (``params.n``), each with its
+    first-token times once it has a token; an abort ends a group's unfinished sequences."""
+
+    def add_request(self, prompt_ids, params, request_id):
+        reqs = [_request(request_id, i, params) for i in range(params.n)]
+        for req in reqs:
+            req.scheduled_time = req.first_token_time = req.arrival_time
+            self.running[req.request_id] = req
+        return reqs
+
+    def abort(self, request_id: str) -> bool:
+        group = [k for k, r in self.running.items() if r.group_id == request_id]
+        for key in group:
+            self.running.pop(key).finish("abort")
+        return bool(group)
+
+
+def test_a_publish_sends_one_error_for_a_group_one_sequence_of_which_failed():
+    """A group of three: the first publish carries every sequence's first token (each counts
+    its prompt once); when a sequence fails while a sibling finishes and another gets a token,
+    the group gets its one error (final, with counters), its running sequence is aborted, and
+    none of that publish's tokens count."""
+    from pcgspec.server.engine_loop import EngineLoop, RequestFailedError, ThreadChannel
+
+    sent: list[tuple] = []
+    engine = _GroupEngine()
+    loop = EngineLoop(engine, ThreadChannel(sent.append))
+    counted: list[tuple[int, int]] = []
+    loop._throughput.count = lambda prompt, generated: counted.append((prompt, generated))
+    loop._add("g", [1, 2, 3], SamplingParams(n=3, max_tokens=5))
+    sent.clear()
+
+    loop._step()
+    ((kind, items, _),) = sent
+    ((request_id, deltas, final),) = items
+    assert (kind, request_id, final, len(deltas)) == ("deltas", "g", False, 3)
+    assert counted == [(3 * 3, 3)]  # three prompts of 3 tokens, a token each
+    sent.clear()
+
+    first, failing, running = (engine.running[f"g-{i}"] for i in range(3))
+    first.finish("stop")
+    failing.fail("ValueError: boom")
+    running.append_token(ord("b"), frozenset())
+    loop._publish(snapshot=False)
+    ((kind, items, snapshot),) = sent
+    ((request_id, error, final),) = items
+    assert (kind, request_id, final) == ("deltas", "g", True) and snapshot is not None
+    assert isinstance(error, RequestFailedError) and "boom" in str(error)
+    assert running.finish_reason == "abort" and not loop._live and not engine.running
+    assert counted[-1] == (0, 0)

@@ -41,7 +41,11 @@ class SeqDelta(NamedTuple):
     first_token: FirstTokenTimes | None = None  # on the delta with the sequence's first token
 
 
-TOKEN_IDS = SeqDelta._fields.index("token_ids")  # fields of a delta's wire form
+# A delta's wire form: ``SeqDelta``'s fields in order (the round-trip test holds them together).
+WireDelta = tuple[
+    int, str, tuple[int, ...], tuple[TokenLogprobs, ...], str | None, int, FirstTokenTimes | None
+]
+TOKEN_IDS = SeqDelta._fields.index("token_ids")  # indices of fields in a wire form
 FIRST_TOKEN = SeqDelta._fields.index("first_token")
 
 
@@ -63,7 +67,7 @@ class SeqTracker:
         stops = req.params.stop_strings
         self._holdback = max(map(len, stops)) - 1 if stops else 0
 
-    def delta(self) -> tuple | None:
+    def delta(self) -> WireDelta | None:
         """What is new since the last call, in wire form (``SeqDelta``'s fields); None when
         nothing is (or the sequence is done)."""
         if self.done:
@@ -98,6 +102,6 @@ class SeqTracker:
         return delta
 
 
-def from_wire_form(deltas: list[tuple]) -> list[SeqDelta]:
+def from_wire_form(deltas: list[WireDelta]) -> list[SeqDelta]:
     """The deltas ``SeqTracker.delta`` built."""
     return [SeqDelta._make(d) for d in deltas]

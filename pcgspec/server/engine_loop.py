@@ -39,7 +39,7 @@ from pcgspec.engine.collector import freeze_start_up
 from pcgspec.engine.engine import Engine
 from pcgspec.engine.isolation import device_unusable
 from pcgspec.runners.refusals import GraphStats
-from pcgspec.server.deltas import FIRST_TOKEN, TOKEN_IDS, SeqTracker
+from pcgspec.server.deltas import FIRST_TOKEN, TOKEN_IDS, SeqTracker, WireDelta
 from pcgspec.server.logs import ThroughputLog
 
 logger = logging.getLogger("pcgspec")
@@ -299,25 +299,29 @@ class EngineLoop:
         items: list[tuple[str, Any, bool]] = []
         prompt_tokens = generated = 0
         for request_id, trackers in list(self._live.items()):
-            deltas: list[tuple] | None = []
-            final = True  # NOTE: one pass over the sequences (no generator): it runs per stream
+            deltas: list[WireDelta] = []
+            failed: SeqTracker | None = None
+            final = True  # NOTE: decided in the same pass (no all() generator): per stream and step
             for tracker in trackers:
                 if tracker.req.finish_reason == "error":  # a step failed on this sequence
-                    deltas = None
+                    failed = tracker
                     break
                 if (d := tracker.delta()) is not None:
                     deltas.append(d)
-                    generated += len(d[TOKEN_IDS])
-                    if d[FIRST_TOKEN] is not None:  # its prefill is done: its prompt counts
-                        prompt_tokens += tracker.req.prompt_len
                 final = final and tracker.done
-            if deltas is None:
+            if failed is not None:
+                self.engine.abort(request_id)  # NOTE: its other sequences end with it
                 del self._live[request_id]
-                items.append((request_id, self._failure(request_id, trackers), True))
+                error = RequestFailedError(f"the request failed: {failed.req.error}")
+                items.append((request_id, error, True))
                 snapshot = True
                 continue
             if not deltas:
                 continue
+            for d in deltas:
+                generated += len(d[TOKEN_IDS])
+                if d[FIRST_TOKEN] is not None:  # its prefill is done: its prompt counts
+                    prompt_tokens += trackers[0].req.prompt_len
             if final:
                 del self._live[request_id]
             items.append((request_id, deltas, final))
@@ -332,13 +336,6 @@ class EngineLoop:
             self.channel.send(("deltas", items, self._snapshot()))
         elif items:
             self.channel.send(("deltas", items, None))
-
-    def _failure(self, request_id: str, trackers: list[SeqTracker]) -> RequestFailedError:
-        """The error of a request a step failed on (one of its sequences); its other sequences
-        are aborted."""
-        self.engine.abort(request_id)
-        error = next(t.req.error for t in trackers if t.req.finish_reason == "error")
-        return RequestFailedError(f"the request failed: {error}")
 
     def fail_all(self, error: EngineDeadError) -> None:
         items = [(request_id, error, True) for request_id in self._live]

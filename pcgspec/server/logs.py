@@ -63,8 +63,8 @@ class ThroughputLog:
             self._open(now, logged=False)
 
     def count(self, prompt_tokens: int, generation_tokens: int) -> None:
-        """Tokens a step's deltas carry; a sequence's prompt counts when its first token comes
-        (its prefill is done), as vLLM counts it."""
+        """Tokens a publish's deltas carry: the caller counts a sequence's prompt with its
+        first token (its prefill is done), as vLLM counts it."""
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += generation_tokens
 
