@@ -15,7 +15,7 @@
 # The default model's tokenizer must be in PCGSPEC_CACHE_DIR (the tests' prompts use it; its
 # weights are not needed). NVLink multicast stays off. Writes tp_gpu_tests.log, bench_tp.log,
 # bench_tp_one_shot.log, tp_bench_qwen3-8b-shape_<label>_<date>[_one_shot].json, tp_spec_step.log
-# and profile_spec_step_eagle3_tp_qwen3-8b-shape_<label>_<date>.json under --out. Allow about 35
+# and profile_spec_step_eagle3_tp_qwen3-8b-shape_<label>_<date>.json under --out. Allow about 20
 # minutes on two GPUs, so start it in the background and poll:
 #
 #   (setsid nohup bash scripts/gpu_tp.sh --out /tmp/tp --device-label h100x2 > /tmp/tp.log 2>&1 &)
