@@ -414,8 +414,6 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"tp": tp, **profile_batch(llm, method, batch, args, tp)}
             same = {"tp": tp, "engine": "none", "batch": batch}  # plain decoding, this TP size
             row["step_vs_plain_step"] = _step_over(row, rows, same)
-            if tp != 1 and 1 in args.tp_sizes:
-                row["step_vs_tp1"] = _step_over(row, rows, {**row, "tp": 1})
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "spec"}), flush=True)
         llm.shutdown()
@@ -427,7 +425,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _result(args: argparse.Namespace, rows: list[dict], complete: bool) -> dict:
-    """The rows so far, written to ``--out``."""
+    """The rows so far, written to ``--out``; each row at TP > 1 over its TP=1 row, once that
+    has run (``--tp-sizes`` may list 1 after the others)."""
+    for row in rows if 1 in args.tp_sizes else ():
+        if row["tp"] != 1:
+            row["step_vs_tp1"] = _step_over(row, rows, {**row, "tp": 1})
     result = {
         "date": datetime.now(timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

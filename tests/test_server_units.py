@@ -431,7 +431,9 @@ class _GroupEngine(_StepEngine):
     def abort(self, request_id: str) -> bool:
         group = [k for k, r in self.running.items() if r.group_id == request_id]
         for key in group:
-            self.running.pop(key).finish("abort")
+            req = self.running.pop(key)
+            if not req.finished:  # NOTE: as the scheduler, which holds unfinished ones only
+                req.finish("abort")
         return bool(group)
 
 
