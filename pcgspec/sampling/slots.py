@@ -118,6 +118,7 @@ class SamplingSlots:
         self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._version = 0  # bumped by every write: rows expanded before it are stale
         self._rows: dict[int, _Rows] = {}  # the last rows per rows-per-request
+        self._layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._flags: tuple[object, dict[str, bool | int | None]] = ((), {})  # (key, flags)
 
     @property
@@ -154,27 +155,28 @@ class SamplingSlots:
         its tokens (with a history).
         """
         self._version += 1
-        floats: list[float] = []  # row-major [n, 6]
-        ints: list[int] = []  # row-major [n, 4 + slot]
+        values = []
         for req, slot in zip(reqs, slots):
-            values = self._values[slot] = row_values(req.params, self.vocab_size)
-            floats += [values[name] for name in FLOAT_FIELDS]
-            ints += [
-                values["top_k"],
-                as_int64(req.seed),
-                len(req.output_token_ids),
-                len(req.prompt_token_ids),
-                slot,
-            ]
+            values.append(row_values(req.params, self.vocab_size))
+            self._values[slot] = values[-1]
+        # NOTE: the tables' own layout, field by field ([6, n] float32, [4, n] int64), so the
+        # copies take the uploaded rows as they are; the slots go last, as int64
+        floats = [v[name] for name in FLOAT_FIELDS for v in values]
+        ints = [v["top_k"] for v in values]
+        ints += [as_int64(req.seed) for req in reqs]
+        ints += [len(req.output_token_ids) for req in reqs]
+        ints += [len(req.prompt_token_ids) for req in reqs]
+        ints += slots
         n = len(reqs)
-        # NOTE: one upload: the float32 columns' bytes, then the int64 ones' (24n: aligned)
+        # NOTE: one upload: the float32 rows' bytes, then the int64 ones' (24n: aligned)
         float_bytes = array.array("f", floats).tobytes()
         packed = self._upload_bytes(float_bytes + array.array("q", ints).tobytes())
-        columns = packed[: len(float_bytes)].view(torch.float32).view(n, -1)
-        int_columns = packed[len(float_bytes) :].view(torch.int64).view(n, -1)
-        index = int_columns[:, 4]
-        self._floats.index_copy_(1, index, columns.T)
-        self._ints[:4].index_copy_(1, index, int_columns[:, :4].T)
+        int_rows = packed[len(float_bytes) :].view(torch.int64)
+        index = int_rows[4 * n :]
+        self._floats.index_copy_(
+            1, index, packed[: len(float_bytes)].view(torch.float32).view(-1, n)
+        )
+        self._ints[:4].index_copy_(1, index, int_rows[: 4 * n].view(4, n))
         for req, slot in zip(reqs, slots):
             if req.params.needs_penalties and self.output_counts is None:
                 self._allocate_penalty_tables()
@@ -274,11 +276,12 @@ class SamplingSlots:
                 position.add_(rows.offsets)
             return rows
         num_rows = len(reqs) * per_request
+        counts, starts = self._row_layout(len(reqs), per_request)
         build = build_sampling_params if self._triton else build_sampling_params_ref
-        tensors = build(self.table, torch.full_like(slots, per_request), num_rows, req_slots=slots)
-        row_slots = slots[:, None].expand(-1, per_request).reshape(-1)  # [R]
-        offsets = None
+        tensors = build(self.table, counts, num_rows, req_slots=slots, row_start=starts)
+        row_slots, offsets = slots, None  # [R]
         if per_request > 1:
+            row_slots = slots[:, None].expand(-1, per_request).reshape(-1)
             offsets = torch.arange(per_request, device=self.device).repeat(len(reqs))  # [R] j
         values = [self._values[self._slot_of[r]] for r in reqs]
         rows = _Rows(
@@ -291,6 +294,20 @@ class SamplingSlots:
         )
         self._rows[per_request] = rows
         return rows
+
+    def _row_layout(self, num_requests: int, per_request: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``build_sampling_params``' rows per request and first rows for ``num_requests`` of
+        ``per_request`` rows each, kept on the device per pair: a batch's rows are rebuilt every
+        step its requests change (each arrival and finish), and building these two small
+        tensors (a fill and a cumsum) cost about as much host time as the kernel's launch."""
+        layout = self._layouts.get((num_requests, per_request))
+        if layout is None:
+            starts = torch.arange(0, num_requests * per_request, per_request, device=self.device)
+            layout = self._layouts[num_requests, per_request] = (
+                torch.full_like(starts, per_request),
+                starts,
+            )
+        return layout
 
     def flags(self, reqs: Sequence[SlotRequest]) -> dict[str, bool | int | None]:
         """The host flags of ``rows(reqs)`` (``host_flags``) without building the rows, kept
