@@ -294,11 +294,11 @@ def test_the_engine_loops_pipe_channel_speaks_connection_bytes():
     assert not channel.poll()
     message = ("ready", EngineInfo("/m", 10, 20, 30))
     channel.send(message)
-    channel.send(("accepted", "r1", ValueError("prompt too long")))
+    channel.send(("refused", "r1", ValueError("prompt too long")))
     assert theirs.recv() == message
     kind, request_id, error = theirs.recv()
     assert (kind, request_id, type(error), str(error)) == (
-        "accepted",
+        "refused",
         "r1",
         ValueError,
         "prompt too long",
@@ -380,10 +380,10 @@ class _StepEngine:
 
 
 def test_the_engine_loop_publishes_after_steps_and_aborts_with_snapshots_by_time(monkeypatch):
-    """An add publishes nothing until a step; a step publishes every stream's delta, with the
-    counters on the first step of a busy spell and then only every ``SNAPSHOT_INTERVAL`` (a
-    finish among running streams brings none); an abort publishes at once, with the counters,
-    and so does the step that leaves the engine idle."""
+    """An add publishes nothing until a step, whose message accepts it; a step publishes every
+    stream's delta, with the counters on the first step of a busy spell and then only every
+    ``SNAPSHOT_INTERVAL`` (a finish among running streams brings none); an abort publishes at
+    once, with the counters, and so does the step that leaves the engine idle."""
     from pcgspec.server import engine_loop
     from pcgspec.server.engine_loop import EngineLoop, ThreadChannel
 
@@ -394,27 +394,64 @@ def test_the_engine_loop_publishes_after_steps_and_aborts_with_snapshots_by_time
     for request_id, max_tokens in (("short", 2), ("long", 50), ("other", 50)):
         channel.inbox.put(("add", request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens)))
     loop._apply_commands(wait=False)
-    assert [m[0] for m in sent] == ["accepted"] * 3
-    sent.clear()
+    assert sent == []
 
     loop._step()  # the first step of a busy spell: counters
     loop._step()  # "short" ends, two streams run on: no counters
-    (first, snapshot), (second, none) = [m[1:] for m in sent]
+    (accepted, first, snapshot), (none_accepted, second, none) = [m[1:] for m in sent]
+    assert accepted == ["short", "long", "other"] and none_accepted == []
     assert [i[0] for i in first] == ["short", "long", "other"] and snapshot is not None
     assert ("short", True) in [(i[0], i[2]) for i in second] and none is None
     sent.clear()
 
     channel.inbox.put(("abort", "long"))
     loop._apply_commands(wait=False)
-    ((kind, items, snapshot),) = sent
+    ((kind, _, items, snapshot),) = sent
     assert kind == "deltas" and snapshot is not None
     assert [(i[0], i[1][-1][4], i[2]) for i in items] == [("long", "abort", True)]
     sent.clear()
 
     loop.engine.abort("other")
     loop._step()  # nothing left to run: the engine goes idle, counters go out
-    ((kind, items, snapshot),) = sent
+    ((kind, _, items, snapshot),) = sent
     assert [i[0] for i in items] == ["other"] and snapshot.stats == {"num_running": 0}
+
+
+class _RefusingEngine(_StepEngine):
+    """``_StepEngine`` that refuses an empty prompt and ends a request of ``max_tokens=1`` at
+    its add, as an engine may finish a request no step needs to run."""
+
+    def add_request(self, prompt_ids, params, request_id):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if params.max_tokens == 1:
+            req = _request(request_id, 0, params)
+            req.finish("length")
+            return [req]
+        return super().add_request(prompt_ids, params, request_id)
+
+
+def test_an_add_is_refused_at_once_and_one_no_step_follows_is_accepted_at_once():
+    """A refused add answers with its error before any step; an add that leaves the engine
+    without work (no step follows) is accepted, and its final delta sent, right away: its
+    client is never left waiting for a step that does not come."""
+    from pcgspec.server.engine_loop import EngineLoop, ThreadChannel
+
+    sent: list[tuple] = []
+    channel = ThreadChannel(sent.append)
+    loop = EngineLoop(_RefusingEngine(), channel)
+    channel.inbox.put(("add", "empty", [], SamplingParams()))
+    loop._apply_commands(wait=False)
+    ((kind, request_id, error),) = sent
+    assert (kind, request_id, str(error)) == ("refused", "empty", "the prompt is empty")
+    sent.clear()
+
+    channel.inbox.put(("add", "done", [1, 2], SamplingParams(max_tokens=1)))
+    loop._apply_commands(wait=False)
+    ((kind, accepted, items, snapshot),) = sent
+    assert (kind, accepted, snapshot is not None) == ("deltas", ["done"], True)
+    ((request_id, deltas, final),) = items
+    assert (request_id, final, deltas[-1][4]) == ("done", True, "length")
 
 
 class _GroupEngine(_StepEngine):
@@ -453,7 +490,8 @@ def test_a_publish_sends_one_error_for_a_group_one_sequence_of_which_failed():
     sent.clear()
 
     loop._step()
-    ((kind, items, _),) = sent
+    ((kind, accepted, items, _),) = sent
+    assert accepted == ["g"]
     ((request_id, deltas, final),) = items
     assert (kind, request_id, final, len(deltas)) == ("deltas", "g", False, 3)
     assert counted == [(3 * 3, 3)]  # three prompts of 3 tokens, a token each
@@ -464,7 +502,7 @@ def test_a_publish_sends_one_error_for_a_group_one_sequence_of_which_failed():
     failing.fail("ValueError: boom")
     running.append_token(ord("b"), frozenset())
     loop._publish(snapshot=False)
-    ((kind, items, snapshot),) = sent
+    ((kind, _, items, snapshot),) = sent
     ((request_id, error, final),) = items
     assert (kind, request_id, final) == ("deltas", "g", True) and snapshot is not None
     assert isinstance(error, RequestFailedError) and "boom" in str(error)

@@ -235,17 +235,18 @@ class AsyncEngine:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind, *payload = message
         if kind == "deltas":
-            items, snapshot = payload
+            accepted, items, snapshot = payload
+            for request_id in accepted:
+                if (stream := self._accepting.pop(request_id, None)) is not None:
+                    stream.settle(None)
             if snapshot is not None:
                 self.snapshot = snapshot
             self._deliver(items)
-        elif kind == "accepted":
+        elif kind == "refused":
             request_id, error = payload
-            stream = self._accepting.pop(request_id, None)
-            if stream is not None and error is not None:
+            if (stream := self._accepting.pop(request_id, None)) is not None:
                 self.streams.pop(request_id, None)
                 stream.finished = True
-            if stream is not None:
                 stream.settle(error)
         elif kind == "flushed" and payload[0] in self._flushes:
             _settle_future(self._flushes.pop(payload[0]), None)
