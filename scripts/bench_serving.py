@@ -39,10 +39,13 @@ Requests whose phase ended are awaited, not cut, so a phase may run past its sec
 ``--compare-engine`` (with ``--launch``) then runs the same prompts with the same sampling
 through ``LLM.generate`` in this process, with the server's engine flags (``--server-args``;
 with ``--max-concurrency`` the engine runs at most that many requests at once), and prints the
-served throughput against the engine's own and each side's steps by kind. With ``--repeats N``
-both sides run the load N times (the served runs first: the engine cannot start while the
-server holds the device) and the ratio of each pair is printed with their median: one run's
-noise is of the order of the differences sought.
+served throughput against the engine's own and each side's steps by kind. The engine is built
+before the server starts and both stay up (on CUDA the engine takes at most
+``ENGINE_SIDE_MEM_FRACTION`` of the device, the server's share is counted after it), so each
+served run is followed at once by the engine's run of the same load. With ``--repeats N`` both
+sides run the load N times, in pairs, and the ratio of each pair is printed with their median:
+one run's noise is of the order of the differences sought, and a pair seconds apart shares the
+host's speed of the moment.
 
 ``--random-weights SHAPE`` (with ``--launch``) serves random weights of a named shape
 (``pcgspec.models.random_weights.SHAPES``) with the default model's tokenizer and its
@@ -109,6 +112,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -727,8 +731,13 @@ CACHE_DATASETS = ("shared-prefix", "multi-turn")
 COMPARED = ("ttft_p50_ms", "request_throughput", "prefill_tokens_computed", "duration_s")
 
 
-def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str, Any]:
-    """One load run (launching the server first with --launch); the summary."""
+def run_once(
+    args: argparse.Namespace,
+    extra_server_args: list[str],
+    after_each: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """One load run (launching the server first with --launch), ``after_each`` called after
+    every repeat (the engine's run of the same load); the summary."""
     server = launch(args, extra_server_args) if args.launch else None
     try:
         model = args.model or _get_json(args.base_url, "/v1/models", args.api_key)["data"][0]["id"]
@@ -740,17 +749,21 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
         steps0, accepted0 = spec_counters(args.base_url, args.api_key)
         histograms = server_histograms(args.base_url)
         step_times0 = server_step_times(args.base_url, args.api_key)
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall = cpu = 0.0  # NOTE: of the served repeats only, not of ``after_each``
         repeats = []
         for i in range(args.repeats):
             if i:
                 _post(args.base_url, "/flush_cache", args.api_key)
+            wall0, cpu0 = time.perf_counter(), time.process_time()
             if args.dataset == "multi-turn":
                 repeats.append(asyncio.run(run_chats(args, model)))
             else:
                 repeats.append(asyncio.run(run_load(args, model, prompts)))
+            wall, cpu = wall + time.perf_counter() - wall0, cpu + time.process_time() - cpu0
+            if after_each is not None:
+                after_each()
         # NOTE: a client near 1.0 delays its own sends and reads: its TTFT is not the server's.
-        client_busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
+        client_busy = cpu / wall
         counters = spec_counters(args.base_url, args.api_key)
         steps, accepted = (a - b for a, b in zip(counters, (steps0, accepted0)))
         times = server_times(histograms, server_histograms(args.base_url))
@@ -774,53 +787,69 @@ def run_once(args: argparse.Namespace, extra_server_args: list[str]) -> dict[str
     return summary
 
 
-def engine_run(args: argparse.Namespace) -> dict[str, Any]:
+ENGINE_SIDE_MEM_FRACTION = 0.4  # CUDA: the in-process engine's share, taken before the server's
+
+
+class EngineSide:
     """The load's prompts through ``LLM.generate`` in this process, with the launched server's
     engine flags and the requests' sampling: the engine's own throughput (``--compare-engine``).
+    Built and warmed before the server starts; ``run`` runs the load once, ``record`` sums the
+    runs. At 16 streams the KV pool of either side holds every request many times over, so the
+    engine's smaller share of the device changes none of its steps.
     """
-    from pcgspec import LLM, SamplingParams
-    from pcgspec.cli import serve_engine_config
-    from pcgspec.engine.collector import freeze_start_up
 
-    model = ["--model-path", str(random_weights_dir(args))] if args.random_weights else []
-    config = serve_engine_config([*shlex.split(args.server_args), *model])
-    if args.max_concurrency:  # NOTE: the server had at most this many requests in flight
-        config = replace(
-            config, max_running_requests=min(args.max_concurrency, config.max_running_requests)
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pcgspec import LLM, SamplingParams
+        from pcgspec.cli import serve_engine_config
+        from pcgspec.engine.collector import freeze_start_up
+
+        model = ["--model-path", str(random_weights_dir(args))] if args.random_weights else []
+        config = serve_engine_config([*shlex.split(args.server_args), *model])
+        if args.max_concurrency:  # NOTE: the server had at most this many requests in flight
+            config = replace(
+                config, max_running_requests=min(args.max_concurrency, config.max_running_requests)
+            )
+        if config.torch_device.type == "cuda":  # NOTE: the server starts after this engine
+            share = min(config.mem_fraction_static, ENGINE_SIDE_MEM_FRACTION)
+            config = replace(config, mem_fraction_static=share)
+        self.llm = LLM(**vars(config))
+        freeze_start_up()  # NOTE: as the server's processes do theirs
+        self.params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
         )
-    llm = LLM(**vars(config))
-    freeze_start_up()  # NOTE: as the server's processes do theirs
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
-    )
-    raw = load_prompts(args)
-    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in raw]
-    warm = _warmup_prompt(args, raw)
-    for _ in range(args.warmup):  # NOTE: as the served side warms up: one at a time, then flush
-        one = {"prompt_token_ids": warm} if isinstance(warm, list) else warm
-        llm.generate(one, params, use_tqdm=False)
-    steps0 = llm.engine.step_stats()
-    runs = []  # NOTE: as many as the served side's repeats, each from an empty prefix cache
-    for _ in range(args.repeats):
-        llm.engine.flush_cache()
+        raw = load_prompts(args)
+        self.prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in raw]
+        warm = _warmup_prompt(args, raw)
+        for _ in range(args.warmup):  # NOTE: as the served side warms up: one at a time
+            one = {"prompt_token_ids": warm} if isinstance(warm, list) else warm
+            self.llm.generate(one, self.params, use_tqdm=False)
+        self.steps0 = self.llm.engine.step_stats()
+        self.runs: list[tuple[float, int, int]] = []  # seconds, requests, output tokens
+
+    def run(self) -> None:
+        """The load once, from an empty prefix cache (as each served repeat starts)."""
+        self.llm.engine.flush_cache()
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append((time.perf_counter() - start, len(outs), sum(len(o.token_ids) for o in outs)))
-    duration, requests, tokens = (sum(column) for column in zip(*runs))
-    record = {
-        "duration_s": duration,
-        "successful_requests": requests,
-        "total_output_tokens": tokens,
-        "request_throughput": requests / duration,
-        "output_token_throughput": tokens / duration,
-        "step_times": step_times_between(steps0, llm.engine.step_stats()),
-    }
-    if args.repeats > 1:
-        record["repeats"] = [
-            {"duration_s": t, "request_throughput": n / t, "output_token_throughput": k / t}
-            for t, n, k in runs
-        ]
-    return record
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        took = time.perf_counter() - start
+        self.runs.append((took, len(outs), sum(len(o.token_ids) for o in outs)))
+
+    def record(self) -> dict[str, Any]:
+        duration, requests, tokens = (sum(column) for column in zip(*self.runs))
+        record = {
+            "duration_s": duration,
+            "successful_requests": requests,
+            "total_output_tokens": tokens,
+            "request_throughput": requests / duration,
+            "output_token_throughput": tokens / duration,
+            "step_times": step_times_between(self.steps0, self.llm.engine.step_stats()),
+        }
+        if len(self.runs) > 1:
+            record["repeats"] = [
+                {"duration_s": t, "request_throughput": n / t, "output_token_throughput": k / t}
+                for t, n, k in self.runs
+            ]
+        return record
 
 
 def compare_engine(served: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
@@ -833,7 +862,7 @@ def compare_engine(served: dict[str, Any], engine: dict[str, Any]) -> dict[str, 
         print(f"{key:<28}{a:>12.2f}{b:>12.2f}{a / b if b else float('nan'):>7.3f}x")
     pairs = zip(served.get("repeats", []), engine.get("repeats", []))
     ratios = [a["output_token_throughput"] / b["output_token_throughput"] for a, b in pairs]
-    if ratios:  # NOTE: the served repeats ran one after another, then the engine's
+    if ratios:  # NOTE: each pair ran back to back: served, then the engine
         out["output_token_throughput"]["repeat_ratios"] = ratios
         out["output_token_throughput"]["median_ratio"] = statistics.median(ratios)
         shown = " ".join(f"{r:.3f}" for r in ratios)
@@ -892,18 +921,20 @@ def single_run(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset == "mixed":
         return mixed_run(args)
     modes = args.cache_modes if args.launch and args.dataset in CACHE_DATASETS else [None]
+    engine = EngineSide(args) if args.compare_engine else None
     runs = {}
     for mode in modes:
         if mode is not None:
             print(f"--- radix cache {mode} ---")
-        runs[mode] = run_once(args, ["--disable-radix-cache"] if mode == "off" else [])
+        pair = engine.run if engine is not None and mode == modes[0] else None
+        runs[mode] = run_once(args, ["--disable-radix-cache"] if mode == "off" else [], pair)
     record = dict(runs[modes[0]])
     if len(runs) > 1:
         record["runs"] = {f"radix_cache_{m}": s for m, s in runs.items()}
     if {"on", "off"} <= set(runs):
         record["cache_comparison"] = compare(runs["on"], runs["off"])
-    if args.compare_engine:
-        record["engine"] = engine_run(args)
+    if engine is not None:
+        record["engine"] = engine.record()
         record["engine_comparison"] = compare_engine(runs[modes[0]], record["engine"])
     return record
 

@@ -474,8 +474,8 @@ def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatc
 
 
 def test_bench_serving_compares_with_the_engine(server, monkeypatch):
-    """--compare-engine: after the (faked) launch's load, the same prompts through
-    LLM.generate with the server's engine flags, and served / engine throughput."""
+    """--compare-engine: the same prompts through LLM.generate with the server's engine flags,
+    beside the (faked) launch's load, and served / engine throughput."""
     spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_serving", bench)
@@ -532,8 +532,33 @@ def test_bench_serving_compares_with_the_engine(server, monkeypatch):
         )
         == 2
     )
-    # --repeats: both sides run the load twice; the ratio of each pair and their median
+    # --repeats: both sides run the load twice, in pairs (the engine built before the server
+    # starts, each served run followed by the engine's); the ratio of each pair and their median
+    order: list[str] = []
+    run_load, engine_init, engine_run = (
+        bench.run_load,
+        bench.EngineSide.__init__,
+        bench.EngineSide.run,
+    )
+
+    async def served(*a):
+        order.append("served")
+        return await run_load(*a)
+
+    def built(self, a):
+        engine_init(self, a)
+        order.append("engine built")
+
+    def ran(self):
+        order.append("engine")
+        engine_run(self)
+
+    monkeypatch.setattr(bench, "launch", lambda args, extra: order.append("launch") or FakeServer())
+    monkeypatch.setattr(bench, "run_load", served)
+    monkeypatch.setattr(bench.EngineSide, "__init__", built)
+    monkeypatch.setattr(bench.EngineSide, "run", ran)
     record = bench.main([*args, "--repeats", "2"])
+    assert order == ["engine built", "launch", "served", "engine", "served", "engine"]
     row = record["engine_comparison"]["output_token_throughput"]
     engine_runs, served_runs = record["engine"]["repeats"], record["repeats"]
     assert (
