@@ -176,13 +176,13 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
             "--methods",
             "NGRAM",
             "--batch-sizes",
-            "8,16",
+            "2,4",
             "--max-tokens",
             "6",
             "--repeats",
             "1",
             "--prompts",
-            "chat",
+            "general",
             "--out",
             str(out),
         ]
@@ -192,10 +192,10 @@ def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
     for key in ("date", "device", "torch", "command", "model", "num_steps", "policy"):
         assert key in written, key
     rows = {(r["batch"], r["method"]): r for r in written["rows"]}
-    assert sorted(rows) == [(8, "NGRAM"), (8, "none"), (16, "NGRAM"), (16, "none")]
-    for batch in (8, 16):
+    assert sorted(rows) == [(2, "NGRAM"), (2, "none"), (4, "NGRAM"), (4, "none")]
+    for batch in (2, 4):
         plain, ngram = rows[(batch, "none")], rows[(batch, "NGRAM")]
-        assert plain["batches"] == ngram["batches"] == 16 // batch  # 16 chat prompts covered
+        assert plain["batches"] == ngram["batches"] == 4 // batch  # 4 general prompts covered
         assert plain["speedup"] == 1.0 and plain["tok_s"] > 0 and plain["decode_step_ms"] > 0
         assert math.isclose(ngram["speedup"], ngram["tok_s"] / plain["tok_s"])
         for key in ("spec_step_ms", "synced_step_ms", "draft_ms", "verify_ms"):
@@ -366,9 +366,11 @@ def test_profile_spec_step_writes_json(tmp_path, smollm2_path):
     ]
 
 
-def test_profile_spec_step_at_two_tp_sizes(tmp_path, smollm2_path):
+def test_profile_spec_step_at_two_tp_sizes(tmp_path, smollm2_path, monkeypatch):
     """--tp-sizes 1,2: every engine at both sizes (EAGLE3 drafting on rank 0 at TP=2); each row
     over plain decoding at its own size, and a TP=2 row over the same engine at TP=1."""
+    # NOTE: the decode steps, not the piecewise path (traced per engine, per rank): prefill eager
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
     profile = load_script("profile_spec_step")
     argv = ["--shape", "tiny", "--methods", "EAGLE3", "--batch-sizes", "1", "--max-tokens", "6"]
     result = profile.main([*argv, "--repeats", "1", "--tp-sizes", "1,2", "--num-steps", "2"])
@@ -480,16 +482,44 @@ def test_profile_spec_step_in_flight_splits_host_stages_by_kind(tmp_path, smollm
         assert every["calls"] == 1.0 and math.isclose(every["us"] * steps, us, rel_tol=0.01)
 
 
-TP_SMOKE = "--device cpu --shape tiny --prefill-tokens 64 --context 64 --warmup 1 --repeats 2"
+TP_SMOKE = "--device cpu --shape tiny --prefill-tokens 64 --context 64 --whole-tokens 16,32"
+TP_SMOKE += " --warmup 1 --repeats 2"
 
 
-def test_bench_tp_writes_json(tmp_path, monkeypatch):
-    """TP=1 and TP=2 engines, then the SPMD part (whole vs piecewise, decode without the
-    broadcast), each in fresh processes over gloo; ratios and diagnostics from their medians."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # its imports, here and in the spawned ranks
+@pytest.fixture(scope="module")
+def tp_stopped(tmp_path_factory) -> tuple[dict, dict[int, dict]]:
+    """bench_tp's smoke run stopped in its SPMD part (a time limit, a failure): what it wrote,
+    and its engine parts' results by TP size, each from its fresh process (reused below)."""
+    out, parts = tmp_path_factory.mktemp("tp") / "tp.json", {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(SCRIPTS))  # its imports, here and in the spawned ranks
+        bench = load_script("bench_tp")
+        run = bench.run
+
+        def recorded(target, args, tp):  # noqa: ANN001, ANN202
+            parts[tp] = run(target, args, tp)
+            return parts[tp]
+
+        def stopped(args):  # noqa: ANN001, ANN202
+            raise TimeoutError("stopped in the SPMD part")
+
+        patch.setattr(bench, "run", recorded)
+        patch.setattr(bench, "run_spmd", stopped)
+        with pytest.raises(TimeoutError):
+            bench.main([*TP_SMOKE.split(), "--out", str(out)])
+    return json.loads(out.read_text()), parts
+
+
+def test_bench_tp_writes_json(tmp_path, monkeypatch, tp_stopped):
+    """TP=1 and TP=2 engines (the stopped run's, above), then the SPMD part (whole vs
+    piecewise, decode without the broadcast), each in fresh processes over gloo; ratios and
+    diagnostics from their medians."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     bench = load_script("bench_tp")
+    parts = tp_stopped[1]
+    monkeypatch.setattr(bench, "run", lambda target, args, tp: parts[tp])
     out = tmp_path / "tp.json"
-    result = bench.main([*TP_SMOKE.split(), "--whole-tokens", "16,32", "--out", str(out)])
+    result = bench.main([*TP_SMOKE.split(), "--out", str(out)])
     written = json.loads(out.read_text())
     assert written["complete"]
     assert written["ratios"] == pytest.approx(result["ratios"])
@@ -655,7 +685,7 @@ def test_bench_spec_runs_tree_drafting(tmp_path, smollm2_path, monkeypatch):
     out = tmp_path / "tree.json"
     args = ["--model", str(smollm2_path), "--methods", "EAGLE3:untrained,EAGLE3:2/3/6"]
     args += ["--num-steps", "3", "--eagle-topk", "2", "--num-draft-tokens", "5"]
-    args += ["--batch-sizes", "2", "--max-tokens", "6", "--repeats", "1", "--prompts", "general"]
+    args += ["--batch-sizes", "4", "--max-tokens", "6", "--repeats", "1", "--prompts", "general"]
     result = bench.main(
         [*args, "--out", str(out), "--policy", "always", "--eagle3-draft-vocab", "1024"]
     )
@@ -710,20 +740,10 @@ def test_check_spec_ties_scores_a_served_text_check(tmp_path):
     assert json.loads(out.read_text())["served"] == str(served)
 
 
-def test_bench_tp_keeps_the_engine_parts_of_a_run_stopped_in_the_spmd_part(tmp_path, monkeypatch):
+def test_bench_tp_keeps_the_engine_parts_of_a_run_stopped_in_the_spmd_part(tp_stopped):
     """The engine parts' ratios are written before the slow SPMD part starts: a run stopped
     in it (a time limit, a failure) still leaves them, marked incomplete."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    bench = load_script("bench_tp")
-
-    def stopped(args):  # noqa: ANN001, ANN202
-        raise TimeoutError("stopped in the SPMD part")
-
-    monkeypatch.setattr(bench, "run_spmd", stopped)
-    out = tmp_path / "tp.json"
-    with pytest.raises(TimeoutError):
-        bench.main([*TP_SMOKE.split(), "--whole-tokens", "16", "--out", str(out)])
-    written = json.loads(out.read_text())
+    written = tp_stopped[0]
     assert not written["complete"] and written["diagnostics"] == {}
     assert [run["tp"] for run in written["runs"]] == [1, 2]
     assert set(written["ratios"]) == {"startup", "decode", "decode_bs32", "prefill"}

@@ -7,10 +7,12 @@ CPU) that a warm-up launch already had. The ``gpu`` test counts real compilation
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
 import random
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -116,8 +118,8 @@ def _key(fn, args: tuple, kwargs: dict) -> tuple:  # noqa: ANN001
     return (*key, options)
 
 
-@pytest.fixture
-def record(monkeypatch: pytest.MonkeyPatch):
+@contextlib.contextmanager
+def _recording() -> Iterator[Callable[[], dict[str, set[tuple]]]]:
     """``record()`` -> a context collecting each kernel launch's specialization key by name."""
     from pcgspec.kernels import extend_attention
 
@@ -130,13 +132,32 @@ def record(monkeypatch: pytest.MonkeyPatch):
             current[-1][self.fn.__name__].add(_key(self, args, kwargs))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-    monkeypatch.setattr(kernel_type, "run", recording_run)
-
     def start() -> dict[str, set[tuple]]:
         current.append(collections.defaultdict(set))
         return current[-1]
 
-    return start
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_type, "run", recording_run)
+        yield start
+
+
+@pytest.fixture
+def record() -> Iterator[Callable[[], dict[str, set[tuple]]]]:
+    with _recording() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def served_attention() -> dict[int | None, dict[str, set[tuple]]]:
+    """The keys of ``_serve_attention_like`` per window (None: a full-attention layer), served
+    once for every model below: the kernels see a layer's window, not the model's ``sliding``.
+    """
+    with _recording() as record:
+        served = {}
+        for window in (None, 6):
+            served[window] = record()
+            _serve_attention_like(TINY, window)
+    return served
 
 
 def _qkv(rows: int, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
@@ -315,7 +336,9 @@ def _serve_sampling_like(page: int) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
 @pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
-def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> None:
+def test_warmup_covers_every_serving_specialization(
+    record, served_attention, sliding: bool
+) -> None:
     """A model with sliding-window layers warms each attention kernel's windowed variant too."""
     shape, kinds = dataclasses.replace(TINY, sliding=sliding), 1 + sliding
     warmed = record()
@@ -329,7 +352,10 @@ def test_warmup_covers_every_serving_specialization(record, sliding: bool) -> No
     attention = 3 * 3 * kinds + 2 * (1 + 2 * kinds)
     assert run_warmup(warmup, torch.device("cpu")) == 3 + 4 + attention + 2 * 2 + 3 + 1
     served = record()
-    _serve_like(shape)
+    _serve_sampling_like(shape.page_size)
+    for window in shape.windows:  # what _serve_like(shape) launches
+        for name, keys in served_attention[window and 6].items():
+            served[name] |= keys
     assert (
         set(served)
         == set(warmed)

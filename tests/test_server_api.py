@@ -476,6 +476,8 @@ def test_bench_serving_prefix_datasets_with_and_without_cache(server, monkeypatc
 def test_bench_serving_compares_with_the_engine(server, monkeypatch):
     """--compare-engine: the same prompts through LLM.generate with the server's engine flags,
     beside the (faked) launch's load, and served / engine throughput."""
+    # NOTE: the engine side starts sooner (the running server's flags are what it takes)
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
     spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_serving", bench)
