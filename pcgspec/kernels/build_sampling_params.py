@@ -202,8 +202,9 @@ class SamplingTensors:
         # NOTE: rows of two allocations, not six (a batch's rows are built every step it
         # changes), each row 16-byte aligned like an allocation (Triton specializes on it)
         m = -(-n // 4) * 4
-        temperature, top_p, min_p = torch.empty(3, m, device=device)[:, :n].unbind()
-        top_k, seed, position = torch.empty(3, m, dtype=torch.int64, device=device)[:, :n].unbind()
+        f32 = torch.empty(3, m, dtype=torch.float32, device=device)[:, :n]
+        i64 = torch.empty(3, m, dtype=torch.int64, device=device)[:, :n]
+        (temperature, top_p, min_p), (top_k, seed, position) = f32.unbind(), i64.unbind()
         return cls(temperature, top_p, top_k, min_p, seed, position)
 
     def __len__(self) -> int:
