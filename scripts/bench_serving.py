@@ -36,7 +36,7 @@ prompts: how many were sent and completed and their TTFT. Then mixed / baseline 
 streams' ITL p99, ITL max and TTFT p99. A warm-up of one short and one long request comes first.
 Requests whose phase ended are awaited, not cut, so a phase may run past its seconds.
 
-``--compare-engine`` (with ``--launch``) then runs the same prompts with the same sampling
+``--compare-engine`` (with ``--launch``) also runs the same prompts with the same sampling
 through ``LLM.generate`` in this process, with the server's engine flags (``--server-args``;
 with ``--max-concurrency`` the engine runs at most that many requests at once), and prints the
 served throughput against the engine's own and each side's steps by kind. The engine is built
