@@ -12,8 +12,8 @@ cache) and loads all of them. Every launch writes no KV (slots -1) and no engine
 Per family: ``warm_extend`` (per ``BLOCK_M`` that ``plan_extend`` can choose for the head config,
 one launch whole and one with its prefix split, and its merge), ``warm_split_kv`` (KV store +
 split-KV decode and reduce per tokens per request), ``warm_pad_batch`` (with and without request
-starts, and with an extend graph's padded requests), ``warm_sampling`` (build_sampling_params,
-advance_positions, the token draw),
+starts, and with an extend graph's padded requests), ``warm_sampling`` (advance_positions, the
+verify rows' build_sampling_params, the token draw),
 ``warm_verify`` (GREEDY and TARGET_MATCH verification, the strategies the speculative worker
 uses, the accept kernel, and the padded rows of verify passes, in place for a verify graph or
 not, and of draft catch-ups), for draft trees ``warm_verify_tree`` (their walk),
@@ -266,10 +266,11 @@ def warm_sampling(
     history: bool = False,
     vocab_size: int | None = None,
 ) -> int:
-    """``build_sampling_params`` and ``advance_positions`` as ``SamplingSlots`` calls them: the
-    commit of a decode step's one token per request and, with speculation, of a verify step's
-    k+1, into a token history where prompt lookup keeps one; with ``vocab_size`` the token
-    draw of sampled rows (``sample_tokens``) over float32 rows.
+    """``advance_positions`` as ``SamplingSlots`` calls it: the commit of a decode step's one
+    token per request and, with speculation, of a verify step's k+1, into a token history where
+    prompt lookup keeps one; with speculation the k+1 rows per request of a verify step
+    (``build_sampling_params``); with ``vocab_size`` the token draw of sampled rows
+    (``sample_tokens``) over float32 rows.
     """
     s = _Scratch(device)
     drew = 0
@@ -280,8 +281,10 @@ def warm_sampling(
         drew = 1
     table = SamplingTensors(*(t.zero_() for t in SamplingTensors.empty(1, device).tensors()))
     slots = s.zeros(1)
-    build_sampling_params(table, torch.ones_like(slots), 1, req_slots=slots)
     rows = (1,) if num_steps is None else (1, num_steps + 1)
+    if num_steps is not None:
+        verify_rows = slots + num_steps + 1  # [1] k+1 rows
+        build_sampling_params(table, verify_rows, num_steps + 1, req_slots=slots, row_start=slots)
     for n in rows:
         advance_positions(
             s.zeros(1),
@@ -292,7 +295,7 @@ def warm_sampling(
             history=s.zeros(1, 2, dtype=torch.int32) if history else None,
             prompt_len=s.zeros(1) if history else None,
         )
-    return drew + 1 + len(rows)
+    return drew + (num_steps is not None) + len(rows)
 
 
 def warm_verify(num_steps: int, vocab_size: int, device: torch.device) -> int:
