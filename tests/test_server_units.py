@@ -16,8 +16,9 @@ from pcgspec.engine.kv_pool import PagePool
 from pcgspec.engine.request import Request, RequestStatus
 from pcgspec.engine.scheduler import Scheduler
 from pcgspec.sampling_params import SamplingParams
-from pcgspec.server.async_engine import AsyncEngine, exit_reason
-from pcgspec.server.deltas import SeqTracker, from_wire_form
+from pcgspec.server.async_engine import AsyncEngine, Generation, exit_reason
+from pcgspec.server.deltas import SeqDelta, SeqTracker, from_wire_form
+from pcgspec.server.engine_loop import EngineDeadError
 from pcgspec.server.protocol import (
     ApiError,
     Limits,
@@ -259,6 +260,60 @@ def test_engine_death_is_an_error_line_but_a_stop_is_not(caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == ["the engine process was killed by SIGKILL"]
     assert not dead.alive and not stopped.alive
+
+
+class _AcceptingEngine:
+    """``AsyncEngine.submit`` that accepts at once; the test feeds the deltas itself."""
+
+    def submit(self, stream, prompt_ids, params) -> None:
+        stream.settle(None)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+def _delta(token: int, text: str, finish: str | None = None) -> SeqDelta:
+    return SeqDelta(0, text, (token,), (), finish)
+
+
+def test_updates_take_what_piled_up_at_once_and_raise_after_it():
+    """A consumer that fell behind takes every queued delta in one batch (the stream writes
+    them at once); the batch with the last final delta sets ``done``; an engine error ends the
+    updates after the deltas queued before it."""
+
+    async def texts(updates) -> list[tuple[str, list[str]]]:
+        return [(s.request_id, [d.text for d in ds]) for s, ds in await anext(updates)]
+
+    async def run() -> None:
+        params = SamplingParams(max_tokens=2)
+        gen = Generation(_AcceptingEngine())
+        await gen.add("a", [1], params)
+        await gen.add("b", [1], params)
+        a, b = gen.streams
+        gen.queue.put_nowait((a, [_delta(1, "x")], False))
+        gen.queue.put_nowait((b, [_delta(2, "y")], False))
+        gen.queue.put_nowait((a, [_delta(3, "z", "length")], True))
+        updates = gen.updates()
+        assert await texts(updates) == [("a", ["x"]), ("b", ["y"]), ("a", ["z"])]
+        assert not gen.done
+        gen.queue.put_nowait((b, [_delta(4, "w", "length")], True))
+        assert await texts(updates) == [("b", ["w"])]
+        assert gen.done
+        with pytest.raises(StopAsyncIteration):
+            await anext(updates)
+
+        failing = Generation(_AcceptingEngine())
+        await failing.add("c", [1], params)
+        await failing.add("d", [1], params)
+        c, d = failing.streams
+        failing.queue.put_nowait((c, [_delta(1, "x")], False))
+        failing.queue.put_nowait((d, EngineDeadError("the engine failed"), True))
+        updates = failing.updates()
+        assert await texts(updates) == [("c", ["x"])]
+        with pytest.raises(EngineDeadError, match="the engine failed"):
+            await anext(updates)
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize("chat", [True, False])

@@ -82,6 +82,7 @@ class Generation:
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.streams: list[RequestStream] = []
+        self._remaining = 0  # streams whose final delta has not been taken
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue one prompt; raises the engine's ``ValueError`` if it refuses it."""
@@ -89,18 +90,34 @@ class Generation:
             request_id, len(self.streams), len(prompt_ids), self.queue, self.arrival
         )
         self.streams.append(stream)
+        self._remaining += 1
         self.engine.submit(stream, prompt_ids, params)
         await stream.accepted
 
-    async def updates(self) -> AsyncIterator[tuple[RequestStream, list[SeqDelta]]]:
-        """Deltas as they come, until every sequence finished; an engine error raises."""
-        remaining = len(self.streams)
-        while remaining:
+    async def updates(self) -> AsyncIterator[list[tuple[RequestStream, list[SeqDelta]]]]:
+        """Deltas as they come, until every sequence finished (then ``done``): each time all
+        that is queued, so a consumer that fell behind (an event loop busy with many streams)
+        takes the steps that piled up at once and writes them in one go, as vLLM's output
+        collector merges them. An engine error raises after the deltas queued before it."""
+        while not self.done:
+            batch: list[tuple[RequestStream, list[SeqDelta]]] = []
             stream, item, final = await self.queue.get()
-            if isinstance(item, BaseException):  # an EngineDeadError (RequestFailedError)
-                raise item
-            remaining -= final
-            yield stream, item
+            while True:
+                if isinstance(item, BaseException):  # an EngineDeadError (RequestFailedError)
+                    if batch:
+                        yield batch
+                    raise item
+                self._remaining -= final
+                batch.append((stream, item))
+                if self.done or self.queue.empty():
+                    break
+                stream, item, final = self.queue.get_nowait()
+            yield batch
+
+    @property
+    def done(self) -> bool:
+        """Every sequence finished (the last batch of ``updates`` is out)."""
+        return self._remaining == 0
 
     def abort(self) -> None:
         for stream in self.streams:

@@ -133,13 +133,14 @@ async def _collect(
     choices: dict[int, Choice] = {}
     n = req.params.n
     try:
-        async for stream, deltas in gen.updates():
-            for d in deltas:
-                c = choices.setdefault(stream.prompt_index * n + d.index, Choice())
-                c.text += d.text
-                c.num_tokens += len(d.token_ids)
-                c.logprobs += d.logprobs
-                c.finish_reason = d.finish_reason or c.finish_reason
+        async for batch in gen.updates():
+            for stream, deltas in batch:
+                for d in deltas:
+                    c = choices.setdefault(stream.prompt_index * n + d.index, Choice())
+                    c.text += d.text
+                    c.num_tokens += len(d.token_ids)
+                    c.logprobs += d.logprobs
+                    c.finish_reason = d.finish_reason or c.finish_reason
     except EngineDeadError as e:
         raise ApiError(500, str(e), type="internal_error") from None
     want = req.params.logprobs is not None
@@ -167,29 +168,36 @@ async def _stream(
         roles = [
             chunk_choice(True, i, "", None, None, role=True) for i in range(n * len(gen.streams))
         ]
-        for choice in roles:
-            await resp.write(header.chunk_event(choice, with_usage))
+        await resp.write(b"".join(header.chunk_event(choice, with_usage) for choice in roles))
     offsets: dict[int, TextOffsets] = {}  # completions logprobs: text so far per choice
     num_tokens = 0
+    # NOTE: one write per batch of deltas, the last one with the end of the stream: each write
+    # is a system call (with its wake-up of the client), the dearest part of a served token
+    tail: list[bytes] = []
     try:
-        async for stream, deltas in gen.updates():
-            for d in deltas:
-                num_tokens += len(d.token_ids)
-                index = stream.prompt_index * n + d.index
-                lps = _delta_logprobs(state, req, d.logprobs, offsets, index)
-                if not d.text and lps is None and d.finish_reason is None:
-                    continue  # text held back (an incomplete character or a stop string)
-                text = d.text if d.text or not chat else None
-                choice = chunk_choice(chat, index, text, lps, d.finish_reason)
-                await resp.write(header.chunk_event(choice, with_usage))
+        async for batch in gen.updates():
+            events = []
+            for stream, deltas in batch:
+                for d in deltas:
+                    num_tokens += len(d.token_ids)
+                    index = stream.prompt_index * n + d.index
+                    lps = _delta_logprobs(state, req, d.logprobs, offsets, index)
+                    if not d.text and lps is None and d.finish_reason is None:
+                        continue  # text held back (an incomplete character or a stop string)
+                    text = d.text if d.text or not chat else None
+                    choice = chunk_choice(chat, index, text, lps, d.finish_reason)
+                    events.append(header.chunk_event(choice, with_usage))
+            if gen.done:
+                tail = events
+            elif events:
+                await resp.write(b"".join(events))
     except EngineDeadError as e:
-        await resp.write(sse(ApiError(500, str(e), type="internal_error").body()))
+        tail.append(sse(ApiError(500, str(e), type="internal_error").body()))
     if with_usage:
         num_prompt = sum(s.num_prompt_tokens for s in gen.streams)
         num_cached = sum(s.num_cached_tokens for s in gen.streams)
-        await resp.write(sse(header.chunk([], usage(num_prompt, num_tokens, num_cached))))
-    await resp.write(DONE)
-    await resp.write_eof()
+        tail.append(sse(header.chunk([], usage(num_prompt, num_tokens, num_cached))))
+    await resp.write_eof(b"".join([*tail, DONE]))
     return resp
 
 
