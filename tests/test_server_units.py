@@ -320,7 +320,8 @@ def test_updates_take_what_piled_up_at_once_and_raise_after_it():
 @pytest.mark.parametrize("with_usage", [True, False])
 def test_a_stream_chunk_is_the_generic_event_byte_for_byte(chat, with_usage):
     """A stream's per-token chunk, its constant part encoded once per response, is exactly the
-    server-sent event of the whole chunk object (non-ASCII text and a finish reason too)."""
+    server-sent event of the whole chunk object (non-ASCII text and a finish reason too), and
+    so is a text-only token's event written around its text."""
     from pcgspec.server.responses import ResponseHeader, chunk_choice, sse
 
     header = ResponseHeader("cmpl-ü1", 1764400000, "Smol\u00e9-\U0001f600", chat)
@@ -331,6 +332,9 @@ def test_a_stream_chunk_is_the_generic_event_byte_for_byte(chat, with_usage):
     ):
         want = sse(header.chunk([choice], with_usage_field=with_usage))
         assert header.chunk_event(choice, with_usage) == want
+    for index, text in ((0, " the"), (12, 'naïve \u4e2d\n"q"\\')):  # a text-only choice
+        want = sse(header.chunk([chunk_choice(chat, index, text, None, None)], None, with_usage))
+        assert header.text_event(index, text, with_usage) == want
 
 
 def test_the_engine_loops_pipe_channel_speaks_connection_bytes():

@@ -184,6 +184,9 @@ async def _stream(
                     lps = _delta_logprobs(state, req, d.logprobs, offsets, index)
                     if not d.text and lps is None and d.finish_reason is None:
                         continue  # text held back (an incomplete character or a stop string)
+                    if lps is None and d.finish_reason is None:  # text only: most tokens
+                        events.append(header.text_event(index, d.text, with_usage))
+                        continue
                     text = d.text if d.text or not chat else None
                     choice = chunk_choice(chat, index, text, lps, d.finish_reason)
                     events.append(header.chunk_event(choice, with_usage))
