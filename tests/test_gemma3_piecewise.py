@@ -78,7 +78,8 @@ def test_tiny_gemma_piecewise_equals_eager(
     )
     assert llm.engine.runner.attn_backend.sliding_windows == (WINDOW, None, WINDOW)
     prompts = [random_ids(5 * WINDOW, seed=21), random_ids(3, seed=22), random_ids(11, seed=23)]
-    check_piecewise_equals_eager(llm, [{"prompt_token_ids": p} for p in prompts], 12, monkeypatch)
+    # NOTE: 8 new tokens take even the 3-token prompt's decode past the window
+    check_piecewise_equals_eager(llm, [{"prompt_token_ids": p} for p in prompts], 8, monkeypatch)
 
 
 def test_gemma3_270m_piecewise_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
