@@ -231,9 +231,10 @@ LATE_PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def late_want(plain_llm) -> list:
-    """Plain decoding of the good requests of the cases below (the same in every case)."""
-    return plain_llm.generate(LATE_PROMPTS[:3], LATE_PARAMS[:3], use_tqdm=False)
+def late_want(llm) -> list:
+    """Plain decoding of the good requests of the cases below (the same in every case), by
+    this module's eager engine: no piecewise trace is built for it."""
+    return llm.generate(LATE_PROMPTS[:3], LATE_PARAMS[:3], use_tqdm=False)
 
 
 CASES = [
