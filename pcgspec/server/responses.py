@@ -106,23 +106,24 @@ class ResponseHeader:
     def chunk_event(self, choice: dict[str, Any], with_usage_field: bool = False) -> bytes:
         """``sse(self.chunk([choice], with_usage_field=...))``, byte for byte, with the part
         every chunk of the response repeats encoded once: a stream sends one per token."""
-        usage_field = b', "usage": null' if with_usage_field else b""
-        choice_json = json.dumps(choice, ensure_ascii=False).encode()
-        return b"".join((self._chunk_prefix, choice_json, b"]", usage_field, b"}\n\n"))
+        return self._event(json.dumps(choice, ensure_ascii=False).encode(), with_usage_field)
 
     def text_event(self, index: int, text: str, with_usage_field: bool = False) -> bytes:
         """``chunk_event`` of a choice with text only (no logprobs, no finish reason): the event
         of almost every streamed token, with only its text through ``json.dumps``: 2.3-3.5 us
         against 5.8-6.6 for ``chunk_choice`` and ``chunk_event`` on a 2-core x86-64 host, where
         the server spends about 80 us per streamed token."""
-        usage_field = b', "usage": null' if with_usage_field else b""
         text_json = json.dumps(text, ensure_ascii=False).encode()
         if self.chat:
             choice = b'{"index": %d, "delta": {"content": %s}, ' % (index, text_json)
         else:
             choice = b'{"index": %d, "text": %s, ' % (index, text_json)
-        rest = b'"logprobs": null, "finish_reason": null}]'
-        return b"".join((self._chunk_prefix, choice, rest, usage_field, b"}\n\n"))
+        return self._event(choice + b'"logprobs": null, "finish_reason": null}', with_usage_field)
+
+    def _event(self, choice_json: bytes, with_usage_field: bool) -> bytes:
+        """The chunk event of one choice's JSON."""
+        usage_field = b', "usage": null' if with_usage_field else b""
+        return b"".join((self._chunk_prefix, choice_json, b"]", usage_field, b"}\n\n"))
 
     @functools.cached_property
     def _chunk_prefix(self) -> bytes:
