@@ -40,6 +40,13 @@ _PENALTY_FIELDS = slice(3, 6)  # repetition, presence, frequency in FLOAT_FIELDS
 SLOT_INDEX_CACHE = 4  # slot lists kept on the device (``SamplingSlots._indices``)
 
 
+def _sampling_tensors(floats: torch.Tensor, ints: torch.Tensor) -> SamplingTensors:
+    """``SamplingTensors`` of columns laid out as the slot tables are: ``floats`` [6, N] in
+    ``FLOAT_FIELDS`` order, ``ints`` [>= 3, N] top_k, seed, position."""
+    f = dict(zip(FLOAT_FIELDS, floats))
+    return SamplingTensors(f["temperature"], f["top_p"], ints[0], f["min_p"], ints[1], ints[2])
+
+
 @dataclass(frozen=True)
 class _Rows:
     """One ``rows`` expansion, kept for the next call with the same requests."""
@@ -93,10 +100,7 @@ class SamplingSlots:
         self._before_commit = torch.zeros_like(self._moved)  # them before the newest commit
         self._undo: tuple[torch.Tensor, tuple | None] | None = None  # the newest commit's
         self.num_commits = 0
-        f = dict(zip(FLOAT_FIELDS, self._floats))
-        self.table = SamplingTensors(
-            f["temperature"], f["top_p"], self._ints[0], f["min_p"], self._ints[1], self._ints[2]
-        )
+        self.table = _sampling_tensors(self._floats, self._ints)
         self._prompt_len = self._ints[3]
         # NOTE: the column past the end takes the writes that fall outside a row (never read).
         self._history: torch.Tensor | None = None  # [S, history_len + 1] int32
@@ -311,10 +315,7 @@ class SamplingSlots:
         ints = torch.empty(3, m, dtype=torch.int64, device=self.device)[:, :n]
         torch.index_select(self._floats, 1, slots, out=floats)  # [6, B]
         torch.index_select(self._ints[:3], 1, slots, out=ints)  # [3, B] top_k, seed, position
-        f = dict(zip(FLOAT_FIELDS, floats))
-        top_k, seed, position = ints
-        tensors = SamplingTensors(f["temperature"], f["top_p"], top_k, f["min_p"], seed, position)
-        return tensors, floats[_PENALTY_FIELDS]
+        return _sampling_tensors(floats, ints), floats[_PENALTY_FIELDS]
 
     def _row_layout(
         self, num_requests: int, per_request: int
