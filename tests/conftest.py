@@ -5,7 +5,9 @@ tested without one.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import os
 
 import torch
@@ -21,6 +23,18 @@ if _WORKERS > 1:  # NOTE: pytest-xdist workers share the cores: each takes its p
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 import pytest  # noqa: E402
+
+# The libraries' objects live as long as the process: kept out of the collector's sweeps (each
+# engine build runs a full collection, 0.5 s over them on the CI machine), and handed back at
+# exit so that the interpreter's last collection sees them.
+import transformers  # noqa: E402, F401
+
+import pcgspec.llm  # noqa: E402, F401
+import pcgspec.server.app  # noqa: E402, F401
+
+gc.collect()
+gc.freeze()
+atexit.register(gc.unfreeze)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

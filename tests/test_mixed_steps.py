@@ -1,6 +1,7 @@
-"""Mixed steps on the real SmolLM2 (CPU, float32): running requests decode beside every prefill
-chunk of a long prompt, a short prompt that arrives behind it is prefilled at once, and every
-output equals the request's own run alone (plain and speculative, synchronous and overlapped).
+"""Mixed steps on SmolLM2 cut to its first layers (CPU, float32; its own weights and tokenizer):
+running requests decode beside every prefill chunk of a long prompt, a short prompt that arrives
+behind it is prefilled at once, and every output equals the request's own run alone (plain and
+speculative, synchronous and overlapped).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from oracle import PROMPTS, assert_all_pages_free, assert_greedy_match, greedy
 from pcgspec import LLM
 from pcgspec.engine.request import Request
 from pcgspec.engine.scheduler import ScheduledBatch
-from pcgspec.models.eagle3 import write_eagle3_checkpoint
-from pcgspec.models.loader import load_config
 
 LONG_PROMPT = "\n".join(PROMPTS)  # about 130 tokens: eight or more chunks of 16
 CHUNK = 16
@@ -82,16 +81,16 @@ def _check(llm: LLM, reqs: list[Request], batches: list[ScheduledBatch], hf_mode
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_decode_runs_beside_every_chunk_and_outputs_equal_alone(
-    smollm2_path, hf_model, monkeypatch, overlap
+    cut_smollm2_path, cut_hf_model, monkeypatch, overlap
 ):
-    llm = _llm(smollm2_path, overlap)
+    llm = _llm(cut_smollm2_path, overlap)
     reqs, batches = _staggered(llm, monkeypatch)
-    _check(llm, reqs, batches, hf_model)
+    _check(llm, reqs, batches, cut_hf_model)
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3", "EAGLE3-tree"])
 def test_speculative_requests_decode_beside_chunks(
-    smollm2_path, hf_model, monkeypatch, tmp_path, algorithm
+    cut_smollm2_path, cut_hf_model, cut_drafts, monkeypatch, algorithm
 ):
     """Speculating requests take plain decode rows in mixed steps, and the drafter catches up
     from them (EAGLE3: their hidden states; a tree drafter too) once speculative steps resume.
@@ -101,10 +100,9 @@ def test_speculative_requests_decode_beside_chunks(
         algorithm = "EAGLE3"
         draft = {"speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
     if algorithm == "EAGLE3":
-        write_eagle3_checkpoint(tmp_path, load_config(smollm2_path), seed=0, draft_vocab_size=4096)
-        draft["speculative_draft_model_path"] = str(tmp_path)
+        draft["speculative_draft_model_path"] = cut_drafts["EAGLE3"]
     llm = _llm(
-        smollm2_path,
+        cut_smollm2_path,
         True,
         speculative_algorithm=algorithm,
         speculative_num_steps=3,
@@ -113,5 +111,5 @@ def test_speculative_requests_decode_beside_chunks(
         **draft,
     )
     reqs, batches = _staggered(llm, monkeypatch)
-    _check(llm, reqs, batches, hf_model)
+    _check(llm, reqs, batches, cut_hf_model)
     assert llm.engine.spec_worker.policy.speculative_steps > 0
