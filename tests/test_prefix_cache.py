@@ -1,7 +1,8 @@
-"""Prefix caching end to end on the real SmolLM2 (CPU, float32): greedy output with the cache
-equals output without it (shared system prompts, multi-turn histories, prefixes ending
-mid-page, a prefix evicted between turns, hits during chunked prefill, ``n`` > 1, NGRAM and
-model drafters), hits are counted, and the pool is whole afterwards.
+"""Prefix caching end to end on SmolLM2 cut to its first layers (CPU, float32; its own weights
+and tokenizer): greedy output with the cache equals output without it (shared system prompts,
+multi-turn histories, prefixes ending mid-page, a prefix evicted between turns, hits during
+chunked prefill, ``n`` > 1, NGRAM and model drafters), hits are counted, and the pool is whole
+afterwards.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ def _llm(path, **kw) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2_path) -> LLM:
-    return _llm(smollm2_path, disable_radix_cache=True)
+def plain(cut_smollm2_path) -> LLM:
+    return _llm(cut_smollm2_path, disable_radix_cache=True)
 
 
 @pytest.fixture(scope="module")
-def cached(smollm2_path) -> LLM:
-    return _llm(smollm2_path)
+def cached(cut_smollm2_path) -> LLM:
+    return _llm(cut_smollm2_path)
 
 
 def _ids(llm: LLM, text: str) -> list[int]:
@@ -48,10 +49,10 @@ def _gen(llm: LLM, prompts: list[list[int]], max_tokens: int = 12, **kw) -> list
     )
 
 
-def _same(hf_model, prompts, want, got) -> None:
+def _same(cut_hf_model, prompts, want, got) -> None:
     for prompt, w, g in zip(prompts, want, got):
         assert len(g.token_ids) == len(w.token_ids)
-        assert_greedy_match(hf_model, prompt, g.token_ids, w.token_ids)
+        assert_greedy_match(cut_hf_model, prompt, g.token_ids, w.token_ids)
 
 
 def _turns(llm: LLM, first: list[int], num_turns: int, max_tokens: int = 8) -> list:
@@ -65,22 +66,22 @@ def _turns(llm: LLM, first: list[int], num_turns: int, max_tokens: int = 8) -> l
     return turns
 
 
-def _same_turns(hf_model, want: list, got: list) -> None:
+def _same_turns(cut_hf_model, want: list, got: list) -> None:
     """Turn by turn, up to the first (near-tie) divergence, after which the histories differ."""
     for (prompt, w), (_, g) in zip(want, got):
-        assert_greedy_match(hf_model, prompt, g, w)
+        assert_greedy_match(cut_hf_model, prompt, g, w)
         if g != w:
             return
 
 
-def test_shared_system_prompt_hits_whole_pages(plain, cached, hf_model):
+def test_shared_system_prompt_hits_whole_pages(plain, cached, cut_hf_model):
     prompts = [_ids(cached, SYSTEM + q) for q in QUESTIONS]
     shared = len(_ids(cached, SYSTEM))
     assert shared % PAGE and shared > PAGE  # the shared prefix ends mid-page
     want = _gen(plain, prompts)
     first = _gen(cached, prompts[:1])
     got = _gen(cached, prompts[1:])
-    _same(hf_model, prompts, want, first + got)
+    _same(cut_hf_model, prompts, want, first + got)
     assert first[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens == shared // PAGE * PAGE for o in got)
     again = _gen(cached, prompts[:1])[0]  # its own whole prompt is cached: a page recomputed
@@ -91,12 +92,12 @@ def test_shared_system_prompt_hits_whole_pages(plain, cached, hf_model):
     assert_all_pages_free(cached)
 
 
-def test_multi_turn_history_and_n_sequences(plain, cached, hf_model):
+def test_multi_turn_history_and_n_sequences(plain, cached, cut_hf_model):
     first = _ids(cached, SYSTEM + QUESTIONS[0])
     want = _turns(plain, first, 3)
     before = cached.engine.cache_stats()["cached_tokens"]
     got = _turns(cached, first, 3)
-    _same_turns(hf_model, want, got)
+    _same_turns(cut_hf_model, want, got)
     assert cached.engine.cache_stats()["cached_tokens"] - before >= 2 * PAGE * 2
     prompt = _ids(cached, SYSTEM + QUESTIONS[3] + " Think about it.")
     alone = _gen(plain, [prompt])[0].token_ids
@@ -109,10 +110,10 @@ def test_multi_turn_history_and_n_sequences(plain, cached, hf_model):
     assert_all_pages_free(cached)
 
 
-def test_prefix_evicted_between_turns_and_chunked_hits(smollm2_path, plain, hf_model):
+def test_prefix_evicted_between_turns_and_chunked_hits(cut_smollm2_path, plain, cut_hf_model):
     """A pool of 12 pages: unrelated prompts evict the chat's pages between its turns. A
     chunked prefill of 16 tokens continues after a hit."""
-    small = _llm(smollm2_path, max_total_tokens=12 * PAGE, chunked_prefill_size=PAGE)
+    small = _llm(cut_smollm2_path, max_total_tokens=12 * PAGE, chunked_prefill_size=PAGE)
     first = _ids(small, SYSTEM + QUESTIONS[1])
     turn1 = _gen(small, [first], 8)[0]
     assert turn1.token_ids == _gen(plain, [first], 8)[0].token_ids
@@ -126,13 +127,13 @@ def test_prefix_evicted_between_turns_and_chunked_hits(smollm2_path, plain, hf_m
     long = _ids(small, SYSTEM + QUESTIONS[1] + " Explain it at length, in three parts.")
     chunked = _gen(small, [long], 8)[0]
     assert chunked.num_cached_tokens >= PAGE and len(long) - chunked.num_cached_tokens > PAGE
-    _same(hf_model, [second, long], _gen(plain, [second, long], 8), [got, chunked])
+    _same(cut_hf_model, [second, long], _gen(plain, [second, long], 8), [got, chunked])
     assert_all_pages_free(small)
 
 
-def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
+def test_ngram_speculation_with_hits(cut_smollm2_path, plain, cut_hf_model):
     spec = _llm(
-        smollm2_path,
+        cut_smollm2_path,
         speculative_algorithm="NGRAM",
         speculative_num_steps=3,
         speculative_policy="always",
@@ -143,7 +144,7 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
         SYSTEM + "Repeat exactly: the old lighthouse keeper climbed the stairs. "
         "The old lighthouse keeper",
     )
-    _same_turns(hf_model, _turns(plain, first, 3), _turns(spec, first, 3))
+    _same_turns(cut_hf_model, _turns(plain, first, 3), _turns(spec, first, 3))
     assert spec.engine.cache_stats()["cached_tokens"] > 0
     assert spec.engine.spec_stats()["verify_steps"] > 0
     assert_all_pages_free(spec)
@@ -152,10 +153,10 @@ def test_ngram_speculation_with_hits(smollm2_path, plain, hf_model):
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
 def test_model_drafter_hits_pages_with_its_draft_kv(
-    smollm2_path,
-    drafts,
+    cut_smollm2_path,
+    cut_drafts,
     plain,
-    hf_model,
+    cut_hf_model,
     algorithm,
     overlap,
 ):
@@ -165,10 +166,10 @@ def test_model_drafter_hits_pages_with_its_draft_kv(
     finishes with a speculative step in flight on its pages, which writes past what is cached.
     """
     spec = _llm(
-        smollm2_path,
+        cut_smollm2_path,
         speculative_algorithm=algorithm,
         speculative_num_steps=3,
-        speculative_draft_model_path=drafts[algorithm],
+        speculative_draft_model_path=cut_drafts[algorithm],
         speculative_policy="always",
         disable_overlap_schedule=not overlap,
         disable_piecewise_cuda_graph=True,
@@ -176,7 +177,7 @@ def test_model_drafter_hits_pages_with_its_draft_kv(
     prompts = [_ids(spec, SYSTEM + q) for q in QUESTIONS[:3]]
     want = _gen(plain, prompts, 10)
     got = _gen(spec, prompts[:1], 10) + _gen(spec, prompts[1:], 10)
-    _same(hf_model, prompts, want, got)
+    _same(cut_hf_model, prompts, want, got)
     assert all(o.num_cached_tokens > 0 for o in got[1:])
     assert all(o.metrics.spec_verify_steps > 0 for o in got)
     assert_all_pages_free(spec)
