@@ -1,4 +1,7 @@
-"""A step that fails on one request's data fails that request only; the others go on."""
+"""A step that fails on one request's data fails that request only; the others go on. The
+engine cases run on conftest's cut SmolLM2 (its first layers) and its drafts: they compare with
+plain decoding of the same model, not with a text.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ FAIL_AT = 2  # ... from this output position on, so the request streams a few to
 NEW_TOKENS = 5
 LATE, LATE_TOKENS = 6, 16  # a fault after the commit hits from the 6th token (of 16) on
 REPEATED = "a b c d e f g h a b c d e f g h a b"  # prompt lookup finds drafts here
+K = 3  # speculative steps
 
 
 # --- run_isolated on fake runs --------------------------------------------------------------
@@ -113,8 +117,10 @@ def test_a_device_error_is_raised_without_bisecting() -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_path) -> LLM:
-    return LLM(str(smollm2_path), dtype="float32", device="cpu", disable_piecewise_cuda_graph=True)
+def llm(cut_smollm2_path) -> LLM:
+    return LLM(
+        str(cut_smollm2_path), dtype="float32", device="cpu", disable_piecewise_cuda_graph=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +146,7 @@ def faulty_sampling(monkeypatch):
 
 
 def test_a_failing_request_ends_with_an_error_while_the_others_finish(
-    llm, hf_model, refs, faulty_sampling
+    llm, cut_hf_model, refs, faulty_sampling
 ):
     tok = llm.get_tokenizer()
     good = PROMPTS[:3]
@@ -151,31 +157,27 @@ def test_a_failing_request_ends_with_an_error_while_the_others_finish(
     assert bad.finish_reason == "error" and len(bad.token_ids) == FAIL_AT
     for prompt, out in zip(good, outs):
         assert out.finish_reason == "length"
-        assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])
+        assert_greedy_match(cut_hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])
     assert_all_pages_free(llm)
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
 def test_a_failing_request_in_a_speculative_step_ends_alone(
-    smollm2_path, hf_model, refs, faulty_sampling, tmp_path, algorithm
+    cut_smollm2_path, cut_hf_model, cut_drafts, refs, faulty_sampling, algorithm
 ):
     """Verify fails after the drafts were proposed: the retried halves propose again from the
     same draft state (EAGLE3: with the same target hidden states). Prompt lookup takes a plain
     step while no request matches, so there the failing step may be a plain one.
     """
-    from pcgspec.models.eagle3 import write_eagle3_checkpoint
-    from pcgspec.models.loader import load_config
-
     draft = {}
     if algorithm == "EAGLE3":
-        path = write_eagle3_checkpoint(tmp_path, load_config(smollm2_path), seed=0)
-        draft = {"speculative_draft_model_path": str(path)}
+        draft = {"speculative_draft_model_path": cut_drafts[algorithm]}
     spec = LLM(
-        str(smollm2_path),
+        str(cut_smollm2_path),
         dtype="float32",
         device="cpu",
         speculative_algorithm=algorithm,
-        speculative_num_steps=3,
+        speculative_num_steps=K,
         speculative_policy="always",
         disable_piecewise_cuda_graph=True,
         **draft,
@@ -187,7 +189,7 @@ def test_a_failing_request_in_a_speculative_step_ends_alone(
     assert bad.finish_reason == "error" and len(bad.token_ids) <= FAIL_AT
     for prompt, out in zip(good, outs):
         assert out.finish_reason == "length" and out.metrics.spec_verify_steps > 0
-        assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])
+        assert_greedy_match(cut_hf_model, tok.encode(prompt), out.token_ids, refs[prompt][0])
     assert_all_pages_free(spec)
 
 
@@ -233,8 +235,10 @@ LATE_PARAMS = [
 @pytest.fixture(scope="module")
 def late_want(llm) -> list:
     """Plain decoding of the good requests of the cases below (the same in every case), by
-    this module's eager engine: no piecewise trace is built for it."""
-    return llm.generate(LATE_PROMPTS[:3], LATE_PARAMS[:3], use_tqdm=False)
+    this module's eager engine: no piecewise trace is built for it; then greedy decoding of
+    the sampled request's prompt (its sample differs)."""
+    prompts, params = [*LATE_PROMPTS[:3], LATE_PROMPTS[2]], [*LATE_PARAMS[:3], LATE_PARAMS[0]]
+    return llm.generate(prompts, params, use_tqdm=False)
 
 
 CASES = [
@@ -249,10 +253,10 @@ CASES = [
     ids=["-".join((a, "overlap" if o else "sync", s)) for a, o, s in CASES],
 )
 def test_a_step_failing_after_its_commit_advances_the_others_once(
-    smollm2_path,
+    cut_smollm2_path,
     late_want,
-    hf_model,
-    drafts,
+    cut_hf_model,
+    cut_drafts,
     monkeypatch,
     algorithm,
     overlap,
@@ -267,15 +271,17 @@ def test_a_step_failing_after_its_commit_advances_the_others_once(
     those of the other half kept.
     """
     _fault_after_commit(monkeypatch, site)
-    # NOTE: SmolLM2 drafting for itself: every draft is accepted, unless a catch-up went wrong
-    path = str(smollm2_path) if algorithm == "STANDALONE" else drafts.get(algorithm)
+    # NOTE: the target drafting for itself: every greedy draft is accepted, unless a catch-up
+    # went wrong
+    target = str(cut_smollm2_path)
+    path = target if algorithm == "STANDALONE" else cut_drafts.get(algorithm)
     draft = {} if path is None else {"speculative_draft_model_path": path}
     spec = LLM(
-        str(smollm2_path),
+        target,
         dtype="float32",
         device="cpu",
         speculative_algorithm=algorithm,
-        speculative_num_steps=3,
+        speculative_num_steps=K,
         speculative_policy="always",
         disable_piecewise_cuda_graph=True,
         disable_overlap_schedule=not overlap,
@@ -287,12 +293,17 @@ def test_a_step_failing_after_its_commit_advances_the_others_once(
     tok = spec.get_tokenizer()
     for prompt, w, got in zip(prompts[:2], late_want, outs):
         assert got.finish_reason == "length" and got.metrics.spec_verify_steps > 0
-        assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, w.token_ids)
-    assert outs[2].token_ids == late_want[2].token_ids
+        assert_greedy_match(cut_hf_model, tok.encode(prompt), got.token_ids, w.token_ids)
+    assert outs[2].token_ids == late_want[2].token_ids != late_want[3].token_ids  # sampled
     monkeypatch.undo()  # the same requests without the failing one: the same drafts accepted
     clean = spec.generate(prompts[:3], params[:3], use_tqdm=False)
     for got, ref in zip(outs, clean):
         assert got.metrics.spec_accepted_per_position == ref.metrics.spec_accepted_per_position
+    if algorithm == "STANDALONE":
+        assert all(
+            ref.metrics.spec_accepted_per_position == (ref.metrics.spec_verify_steps,) * K
+            for ref in clean[:2]
+        )
     assert_all_pages_free(spec)
 
 
@@ -314,7 +325,7 @@ def test_extreme_sampling_values_are_refused_or_sample():
             SamplingParams(**value)
 
 
-def test_extreme_sampling_values_that_pass_sample_next_to_others(llm, hf_model, refs):
+def test_extreme_sampling_values_that_pass_sample_next_to_others(llm, cut_hf_model, refs):
     tok = llm.get_tokenizer()
     odd = [
         {"repetition_penalty": 1.2e-38, "top_p": 0.5},
@@ -326,7 +337,8 @@ def test_extreme_sampling_values_that_pass_sample_next_to_others(llm, hf_model, 
         *(SamplingParams(max_tokens=NEW_TOKENS, seed=1, ignore_eos=True, **kw) for kw in odd),
     ]
     outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
-    assert_greedy_match(hf_model, tok.encode(PROMPTS[0]), outs[0].token_ids, refs[PROMPTS[0]][0])
+    prompt_ids = tok.encode(PROMPTS[0])
+    assert_greedy_match(cut_hf_model, prompt_ids, outs[0].token_ids, refs[PROMPTS[0]][0])
     assert all(o.finish_reason == "length" and len(o.token_ids) == NEW_TOKENS for o in outs)
 
 

@@ -1,8 +1,9 @@
 """Model drafters (STANDALONE, EAGLE3, NEXTN) and prompt lookup under the overlap schedule on
-the real SmolLM2 (CPU, float32): speculative steps launched before the host read the one
-before, the policy's plain steps between them, requests joining, finishing, aborted and
-preempted mid-run; output equals plain decoding and the drafts equal those of synchronous
-steps. The drafts are those of test_spec_models (conftest's ``drafts``).
+conftest's cut SmolLM2 (its first layers, real weights; CPU, float32): speculative steps
+launched before the host read the one before, the policy's plain steps between them, requests
+joining, finishing, aborted and preempted mid-run; output equals plain decoding of the same
+model and the drafts equal those of synchronous steps. The drafts are conftest's
+``cut_drafts``; the GPU tests run the whole SmolLM2 with ``drafts``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,16 @@ from spec_setup import greedy_params as _greedy
 from pcgspec import LLM, SamplingParams
 from pcgspec.speculative.model_proposer import ModelProposer
 
+# NOTE: a stop string the cut model's greedy text holds mid-run (SmolLM2's holds " the")
+CUT_STOP = "  and"
+
 
 @pytest.fixture(scope="module")
-def llm(plain_llm) -> MemoizedPlain:
-    return MemoizedPlain(plain_llm)  # conftest: one build for the session
+def llm(cut_smollm2_path) -> MemoizedPlain:
+    plain = LLM(
+        str(cut_smollm2_path), dtype="float32", device="cpu", disable_piecewise_cuda_graph=True
+    )
+    return MemoizedPlain(plain)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +47,12 @@ def cuda_plain(smollm2_path) -> LLM:
     return LLM(str(smollm2_path), **GPU_KW)
 
 
-def _overlapped(smollm2_path, drafts, algorithm: str, **kw) -> LLM:
+def _overlapped(target, drafts, algorithm: str, **kw) -> LLM:
     """A speculative engine of ``algorithm`` (conftest's draft for a model drafter) under the
     overlap schedule, 4 requests at a time, prefilling eagerly."""
     draft = {} if algorithm == "NGRAM" else {"speculative_draft_model_path": drafts[algorithm]}
     return LLM(
-        str(smollm2_path),
+        str(target),
         dtype="float32",
         device="cpu",
         speculative_algorithm=algorithm,
@@ -60,64 +67,70 @@ def _overlapped(smollm2_path, drafts, algorithm: str, **kw) -> LLM:
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("algorithm", ["EAGLE3"])
-def test_preemption_restarts_the_draft(smollm2_path, drafts, llm, hf_model, algorithm, overlap):
+def test_preemption_restarts_the_draft(
+    cut_smollm2_path, cut_drafts, llm, cut_hf_model, algorithm, overlap
+):
     """10 pages of 16 tokens for 4 requests: steps fall back or preempt, and a preempted
     request's draft starts over from its new prefill (EAGLE3: with fresh hidden states). Under
     the overlap schedule a request is preempted with a speculative step in flight.
     """
     small = spec_llm(
-        smollm2_path,
+        cut_smollm2_path,
         algorithm,
-        drafts[algorithm],
+        cut_drafts[algorithm],
         max_total_tokens=160,
         disable_overlap_schedule=not overlap,
     )
     prompts = PROMPTS[-4:]
     want = llm.generate(prompts, _greedy(32), use_tqdm=False)
     outs = small.generate(prompts, _greedy(32), use_tqdm=False)
-    _assert_same_greedy(llm, hf_model, prompts, want, outs)
+    _assert_same_greedy(llm, cut_hf_model, prompts, want, outs)
     assert small.engine.scheduler.num_preemptions > 0
     assert_all_pages_free(small)
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE", "NGRAM"])
 def test_overlapped_plain_steps_between_speculative_ones_equal_plain(
-    smollm2_path, drafts, llm, hf_model, algorithm
+    cut_smollm2_path, cut_drafts, llm, cut_hf_model, algorithm
 ):
     """Under the overlap schedule the policy's plain steps are launched ahead of their tokens,
     and a speculative step after one is launched before the host read it (a drafter catches
     up with the newest tokens from the device).
     """
-    spec = _overlapped(smollm2_path, drafts, algorithm)  # the policy chooses plain steps too
-    _assert_mixed_steps_equal_plain(spec, llm, hf_model)
+    spec = _overlapped(cut_smollm2_path, cut_drafts, algorithm)  # the policy's plain steps too
+    _assert_mixed_steps_equal_plain(spec, llm, cut_hf_model, CUT_STOP)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
-    smollm2_path, drafts, llm, algorithm
+    cut_smollm2_path, cut_drafts, llm, algorithm
 ):
     """Under the overlap schedule a speculative step is launched before the host read the one
     before it: its verify batch comes from the lengths on the device, and the draft catches up
     from the previous verify step's rows on the device. Every request gets the same drafts,
     step by step, as under synchronous steps (a wrong catch-up row would change them, though
     verification keeps the output right), and greedy (with a stop string and a repetition
-    penalty) and seeded output equal plain decoding; nothing is left held.
+    penalty) and seeded output equal plain decoding; nothing is left held. STANDALONE's drafts
+    are accepted and rejected.
     """
 
     prompts = PROMPTS[-4:] + PROMPTS[:2]
     params = [
         _greedy(16),
-        _greedy(12, stop=[" the"]),
+        _greedy(12, stop=[CUT_STOP]),
         _greedy(16, repetition_penalty=1.2),
         SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
         SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=14, ignore_eos=True),
         _greedy(K + 1),
     ]
     want = llm.generate(prompts, params, use_tqdm=False)
+    greedy_want = llm.generate(prompts[3:5], [_greedy(16), _greedy(14)], use_tqdm=False)
+    assert want[1].finish_reason == "stop"
+    assert all(w.token_ids != g.token_ids for w, g in zip(want[3:5], greedy_want))  # sampled
     drafted, from_device = {}, {}
     for overlap in (False, True):
         spec = spec_llm(
-            smollm2_path, algorithm, drafts[algorithm], disable_overlap_schedule=not overlap
+            cut_smollm2_path, algorithm, cut_drafts[algorithm], disable_overlap_schedule=not overlap
         )
         engine, proposer = spec.engine, spec.engine.spec_worker.proposer
         drafted[overlap], from_device[overlap] = defaultdict(list), 0
@@ -145,6 +158,9 @@ def test_overlapped_speculative_steps_draft_and_emit_like_synchronous_ones(
         assert [g.text for g in got] == [w.text for w in want]
         assert not engine.in_flight and engine.slots.num_free == engine.slots.num_slots
         assert_all_pages_free(spec)
+        if algorithm == "STANDALONE":
+            accepted = sum(sum(g.metrics.spec_accepted_per_position) for g in got)
+            assert 0 < accepted < K * sum(g.metrics.spec_verify_steps for g in got)
     assert from_device == {False: 0, True: from_device[True]} and from_device[True] > 0
     for request_id, rows in drafted[False].items():
         # NOTE: overlapped, a request takes part in one more step once it finished (dropped)
@@ -211,20 +227,21 @@ def test_verify_rows_carry_only_requests_that_run_again():
     assert new.hidden[:, 0].tolist() == [100, 101, 102, 3, 4, 5]
 
 
-def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model) -> None:
+def _assert_mixed_steps_equal_plain(spec: LLM, plain: LLM, hf_model, stop: str) -> None:
     """A fixed pattern of the policy's choices covers every switch (plain after speculative,
-    speculative after a run of launched plain steps, after a prefill), with stops and
-    max_tokens landing on pending tokens, and requests joining (``spec`` runs 4 at a time):
-    output equals plain decoding, nothing is left held. Decode and mixed steps are launched
-    over a speculative step the host has not read (their decode rows' lengths come from the
-    device). A model drafter's catch-up rows through the host hold the requests' tokens, the
-    newest taken from the device while the plain step that sampled it is in flight.
+    speculative after a run of launched plain steps, after a prefill), with stops (``stop``, in
+    the model's greedy text mid-run) and max_tokens landing on pending tokens, and requests
+    joining (``spec`` runs 4 at a time): output equals plain decoding, nothing is left held.
+    Decode and mixed steps are launched over a speculative step the host has not read (their
+    decode rows' lengths come from the device). A model drafter's catch-up rows through the
+    host hold the requests' tokens, the newest taken from the device while the plain step that
+    sampled it is in flight.
     """
     engine, pattern = spec.engine, itertools.cycle([True, False, False, True, True, False, False])
     assert engine.overlap and engine.config.max_running_requests == 4
     engine.spec_worker.policy.choose = lambda reqs: next(pattern)
     over_spec = _count_plain_steps_over_spec(engine)
-    params = [_greedy(NEW_TOKENS), _greedy(9), _greedy(NEW_TOKENS, stop=[" the"])] * 2
+    params = [_greedy(NEW_TOKENS), _greedy(9), _greedy(NEW_TOKENS, stop=[stop])] * 2
     prompts = PROMPTS[: len(params)]
     proposer, rows, pending = engine.spec_worker.proposer, [], []
     if isinstance(proposer, ModelProposer):
@@ -286,18 +303,20 @@ def test_cuda_overlapped_plain_steps_between_speculative_ones_equal_plain(
         **SPEC_KW,
         **GPU_KW,
     )
-    _assert_mixed_steps_equal_plain(spec, cuda_plain, hf_model)
+    _assert_mixed_steps_equal_plain(spec, cuda_plain, hf_model, " the")
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
-def test_overlapped_requests_join_finish_and_abort_mid_run(smollm2_path, drafts, llm, algorithm):
+def test_overlapped_requests_join_finish_and_abort_mid_run(
+    cut_smollm2_path, cut_drafts, llm, algorithm
+):
     """Under the overlap schedule requests join, finish and are aborted while speculative steps
     are in flight (an abort drops the results of its step in flight): the others' greedy
     output equals plain decoding, and at the end every sampling slot and page is free. A
     joining prompt's prefill runs in a mixed step launched over the speculative step in flight
     (the decode rows' lengths come from the device).
     """
-    spec = _overlapped(smollm2_path, drafts, algorithm, speculative_policy="always")
+    spec = _overlapped(cut_smollm2_path, cut_drafts, algorithm, speculative_policy="always")
     engine, tok = spec.engine, spec.get_tokenizer()
     over_spec = _count_plain_steps_over_spec(engine)
     prompts = PROMPTS[:8]
