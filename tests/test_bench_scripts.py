@@ -164,15 +164,16 @@ def test_bench_ttft_sliding_windows(tmp_path, monkeypatch):
         assert row["ratios"]["piecewise/bound"] > 0
 
 
-def test_bench_spec_writes_json(tmp_path, smollm2_path, monkeypatch):
-    # NOTE: the rows, not the piecewise path (traced twice, one per engine): prefill eager
+def test_bench_spec_writes_json(tmp_path, cut_smollm2_path, monkeypatch):
+    # NOTE: the rows, not the piecewise path (traced twice, one per engine): prefill eager; nor
+    # the model's text: a --model folder, SmolLM2 cut to its first layers (conftest)
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
     bench = load_script("bench_spec")
     out = tmp_path / "spec.json"
     result = bench.main(
         [
             "--model",
-            str(smollm2_path),
+            str(cut_smollm2_path),
             "--methods",
             "NGRAM",
             "--batch-sizes",
@@ -432,9 +433,10 @@ def test_profile_spec_step_ranks_gpu_activities_by_time():
     assert profile._top_counts(events, steps=2) == {"attn": 1.5, "gemm": 1.0}
 
 
-def test_profile_spec_step_profiles_a_tree_beside_the_chain(tmp_path, smollm2_path):
+def test_profile_spec_step_profiles_a_tree_beside_the_chain(tmp_path, smollm2_path, monkeypatch):
     """``EAGLE3:D/K/N`` is an EAGLE3 engine drafting a tree of that shape, profiled beside the
     chain; a malformed tree is refused before any engine starts."""
+    monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")  # NOTE: the decode steps: prefill eager
     profile = load_script("profile_spec_step")
     argv = ["--shape", "tiny", "--batch-sizes", "1", "--max-tokens", "6", "--repeats", "1"]
     result = profile.main([*argv, "--methods", "EAGLE3,EAGLE3:2/2/4", "--num-steps", "3"])
@@ -676,14 +678,14 @@ def test_bench_extend_prefix_writes_json(tmp_path):
         assert row["max_abs_diff_vs_whole"] < 1e-5
 
 
-def test_bench_spec_runs_tree_drafting(tmp_path, smollm2_path, monkeypatch):
+def test_bench_spec_runs_tree_drafting(tmp_path, cut_smollm2_path, monkeypatch):
     """``--eagle-topk`` / ``--num-draft-tokens`` shape every EAGLE3 engine's tree, a method
     ``EAGLE3:D/K/N`` one engine's (beside the others in the same run); rows name their shapes
-    and report accept lengths. Untrained heads."""
+    and report accept lengths. Untrained heads, on SmolLM2 cut to its first layers."""
     monkeypatch.setenv("PCGSPEC_CPU_PIECEWISE", "0")
     bench = load_script("bench_spec")
     out = tmp_path / "tree.json"
-    args = ["--model", str(smollm2_path), "--methods", "EAGLE3:untrained,EAGLE3:2/3/6"]
+    args = ["--model", str(cut_smollm2_path), "--methods", "EAGLE3:untrained,EAGLE3:2/3/6"]
     args += ["--num-steps", "3", "--eagle-topk", "2", "--num-draft-tokens", "5"]
     args += ["--batch-sizes", "4", "--max-tokens", "6", "--repeats", "1", "--prompts", "general"]
     result = bench.main(

@@ -19,6 +19,14 @@ def llm(plain_llm) -> LLM:
 
 
 @pytest.fixture(scope="module")
+def cut_llm(cut_smollm2_path) -> LLM:
+    """The plain engine of SmolLM2 cut to its first layers (conftest), piecewise prefill as
+    ``llm``'s: the target of the tests of mechanics (batching, preemption, seeded sampling),
+    which compare the engine with itself or with the cut model's oracle, not with a text."""
+    return LLM(str(cut_smollm2_path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
 def greedy_refs(llm, hf_model):
     tok = llm.get_tokenizer()
     return {p: hf_greedy(hf_model, tok.encode(p), NEW_TOKENS) for p in PROMPTS}
@@ -37,24 +45,25 @@ def test_greedy_matches_transformers(llm, hf_model, greedy_refs):
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
 
 
-def test_batch_invariance_alone_vs_batch_of_16(llm, hf_model, greedy_refs):
-    tok = llm.get_tokenizer()
+def test_batch_invariance_alone_vs_batch_of_16(cut_llm, cut_hf_model):
+    tok = cut_llm.get_tokenizer()
     target = PROMPTS[2]
-    alone = llm.generate(target, _greedy(), use_tqdm=False)[0].token_ids
+    alone = cut_llm.generate(target, _greedy(), use_tqdm=False)[0].token_ids
     others = [p * (1 + i % 3) for i, p in enumerate(ALL_PROMPTS) if p != target]
     assert len(others) == 15
-    batch = llm.generate(others[:7] + [target] + others[7:], _greedy(), use_tqdm=False)
-    assert_greedy_match(hf_model, tok.encode(target), batch[7].token_ids, alone)
-    assert_greedy_match(hf_model, tok.encode(target), alone, greedy_refs[target])
+    batch = cut_llm.generate(others[:7] + [target] + others[7:], _greedy(), use_tqdm=False)
+    ids = tok.encode(target)
+    assert_greedy_match(cut_hf_model, ids, batch[7].token_ids, alone)
+    assert_greedy_match(cut_hf_model, ids, alone, hf_greedy(cut_hf_model, ids, NEW_TOKENS))
 
 
-def test_preempted_request_finishes_with_same_tokens(smollm2_path, llm, hf_model):
-    tok = llm.get_tokenizer()
+def test_preempted_request_finishes_with_same_tokens(cut_smollm2_path, cut_llm, cut_hf_model):
+    tok = cut_llm.get_tokenizer()
     prompts = PROMPTS[:4]
-    ref = [o.token_ids for o in llm.generate(prompts, _greedy(40), use_tqdm=False)]
+    ref = [o.token_ids for o in cut_llm.generate(prompts, _greedy(40), use_tqdm=False)]
     # 4 pages of 16 tokens per request cannot hold 4 requests growing to ~50 tokens each.
     small = LLM(
-        str(smollm2_path),
+        str(cut_smollm2_path),
         dtype="float32",
         device="cpu",
         max_total_tokens=160,
@@ -63,19 +72,19 @@ def test_preempted_request_finishes_with_same_tokens(smollm2_path, llm, hf_model
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     for prompt, out, want in zip(prompts, outs, ref):
-        assert_greedy_match(hf_model, tok.encode(prompt), out.token_ids, want)
+        assert_greedy_match(cut_hf_model, tok.encode(prompt), out.token_ids, want)
     assert_pool_whole(small.engine)
 
 
-def test_seeded_sampling_reproduces_alone_and_in_batch(llm):
+def test_seeded_sampling_reproduces_alone_and_in_batch(cut_llm):
     params = SamplingParams(
         temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True
     )
-    alone = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].token_ids
+    alone = cut_llm.generate(PROMPTS[0], params, use_tqdm=False)[0].token_ids
     mixed = [SamplingParams(temperature=1.0, max_tokens=8 + i, ignore_eos=True) for i in range(5)]
-    batch = llm.generate(PROMPTS[1:6] + [PROMPTS[0]], mixed + [params], use_tqdm=False)
+    batch = cut_llm.generate(PROMPTS[1:6] + [PROMPTS[0]], mixed + [params], use_tqdm=False)
     assert batch[-1].token_ids == alone
-    other = llm.generate(
+    other = cut_llm.generate(
         PROMPTS[0],
         SamplingParams(
             temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=24, ignore_eos=True

@@ -119,22 +119,27 @@ def _key(fn, args: tuple, kwargs: dict) -> tuple:  # noqa: ANN001
 
 
 @contextlib.contextmanager
-def _recording() -> Iterator[Callable[[], dict[str, set[tuple]]]]:
-    """``record()`` -> a context collecting each kernel launch's specialization key by name."""
+def _recording() -> Iterator[Callable[..., dict[str, set[tuple]]]]:
+    """``record()`` -> a context collecting each kernel launch's specialization key by name;
+    ``record(run=False)`` keys the launches without running them (the serving side: a key is
+    the arguments', and no launch's output is read, so the interpreter's minutes buy nothing).
+    """
     from pcgspec.kernels import extend_attention
 
     kernel_type = type(extend_attention._extend_kernel)
     run = kernel_type.run
-    current: list[dict[str, set[tuple]]] = []
+    current: list[tuple[dict[str, set[tuple]], bool]] = []
 
     def recording_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202
         if current:
-            current[-1][self.fn.__name__].add(_key(self, args, kwargs))
+            current[-1][0][self.fn.__name__].add(_key(self, args, kwargs))
+            if not current[-1][1]:
+                return None
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-    def start() -> dict[str, set[tuple]]:
-        current.append(collections.defaultdict(set))
-        return current[-1]
+    def start(*, run: bool = True) -> dict[str, set[tuple]]:
+        current.append((collections.defaultdict(set), run))
+        return current[-1][0]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel_type, "run", recording_run)
@@ -142,7 +147,7 @@ def _recording() -> Iterator[Callable[[], dict[str, set[tuple]]]]:
 
 
 @pytest.fixture
-def record() -> Iterator[Callable[[], dict[str, set[tuple]]]]:
+def record() -> Iterator[Callable[..., dict[str, set[tuple]]]]:
     with _recording() as start:
         yield start
 
@@ -155,7 +160,7 @@ def served_attention() -> dict[int | None, dict[str, set[tuple]]]:
     with _recording() as record:
         served = {}
         for window in (None, 6):
-            served[window] = record()
+            served[window] = record(run=False)
             _serve_attention_like(TINY, window)
     return served
 
@@ -454,27 +459,11 @@ def test_first_concurrent_wave_compiles_nothing(smollm2_path, speculative, monke
     assert not counts, f"Triton compiled after start-up: {dict(counts)}"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
-def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
-    """With draft trees: the masked split-KV passes (N nodes per request in verify, topk beams
-    over growing levels in drafting), the tree walk and the drafting's top-k, at every batch
-    size."""
-    from pcgspec.speculative import tree
-
-    monkeypatch.setattr(tree, "_use_kernels", lambda x: True)  # as on CUDA
-    depth, nodes, topk = 3, 8, 3
-    draft_vocab, dtypes = CHUNK + 300, (torch.float32, torch.bfloat16)  # two chunks: a merge
-    tree_warmup = KernelWarmup(
-        attention=(TINY,),
-        split_kv_tokens=(1, K + 1),
-        verify=(K, VOCAB),
-        tree=(depth, nodes, topk),
-        tree_vocab=(draft_vocab, dtypes),
-        draft_levels=(depth - 1, topk),
-    )
-    warmed = record()
-    run_warmup(tree_warmup, torch.device("cpu"))
-    served = record()
+def _serve_draft_tree_like(
+    depth: int, nodes: int, topk: int, draft_vocab: int, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """A tree's passes at every batch size: masked split-KV verify and drafting, the tree
+    walk, KV moves, draft levels, and the drafting's top-k and expansion (as on CUDA)."""
     page = TINY.page_size
     cache = [torch.zeros(65 * page + 1, TINY.num_kv_heads, TINY.head_dim) for _ in range(2)]
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
@@ -522,6 +511,30 @@ def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
                 level = torch.randn(b * topk, draft_vocab).to(dtype)
                 expansion.expand(*top_tokens(level, topk))
             expansion.select(nodes, depth)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="launches on CPU tensors: interpreter only")
+def test_warmup_covers_draft_tree_passes(record, monkeypatch) -> None:
+    """With draft trees: the masked split-KV passes (N nodes per request in verify, topk beams
+    over growing levels in drafting), the tree walk and the drafting's top-k, at every batch
+    size."""
+    from pcgspec.speculative import tree
+
+    monkeypatch.setattr(tree, "_use_kernels", lambda x: True)  # as on CUDA
+    depth, nodes, topk = 3, 8, 3
+    draft_vocab, dtypes = CHUNK + 300, (torch.float32, torch.bfloat16)  # two chunks: a merge
+    tree_warmup = KernelWarmup(
+        attention=(TINY,),
+        split_kv_tokens=(1, K + 1),
+        verify=(K, VOCAB),
+        tree=(depth, nodes, topk),
+        tree_vocab=(draft_vocab, dtypes),
+        draft_levels=(depth - 1, topk),
+    )
+    warmed = record()
+    run_warmup(tree_warmup, torch.device("cpu"))
+    served = record(run=False)
+    _serve_draft_tree_like(depth, nodes, topk, draft_vocab, dtypes)
     names = (
         "_split_kv_kernel",
         "_split_kv_reduce_kernel",
