@@ -120,3 +120,10 @@ def spec_graphs(llm: LLM, whole_steps: bool = True) -> Iterator[LLM]:
         runner.verify_graphs = worker.step_graphs = None
         if drafter:
             proposer.graphs = proposer.step_rows = None
+
+
+def plain_cpu_llm(path, **kw) -> LLM:
+    """A plain float32 CPU engine of the model at ``path``, prefill eager by default (the
+    reference of a cut target's speculative engines)."""
+    kw.setdefault("disable_piecewise_cuda_graph", True)
+    return LLM(str(path), dtype="float32", device="cpu", **kw)

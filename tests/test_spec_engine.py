@@ -1,5 +1,8 @@
-"""NGRAM speculative decoding end to end on the real SmolLM2 (CPU, eager verify): lossless
-against plain decoding, stop handling, KV bookkeeping, metrics and config validation.
+"""NGRAM speculative decoding end to end (CPU, eager verify): lossless against plain decoding
+and stop handling on the real SmolLM2; on SmolLM2 cut to its first layers (conftest's ``cut_*``:
+the engine's mechanics, ~3x cheaper per token; its degenerate text repeats, so prompt lookup's
+drafts are accepted) seeded sampling, KV bookkeeping, fallbacks, metrics, the policy's timing;
+config validation.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import pytest
 import torch
 from oracle import PROMPTS as ALL_PROMPTS
 from oracle import assert_all_pages_free, assert_greedy_match, greedy
+from spec_setup import plain_cpu_llm
 
 from pcgspec import LLM, SamplingParams
 from pcgspec.config import EngineConfig
@@ -37,13 +41,33 @@ def llm(plain_llm) -> LLM:
 
 @pytest.fixture(scope="module")
 def spec_llm(smollm2_path) -> LLM:
+    """Prompt lookup on the real SmolLM2 (prefill eager: ``cut_spec`` covers piecewise)."""
+    return _ngram(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def cut_llm(cut_smollm2_path) -> LLM:
+    """Plain decoding of the cut target: the reference of ``cut_spec``."""
+    return plain_cpu_llm(cut_smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def cut_spec(cut_smollm2_path) -> LLM:
+    """Prompt lookup on the cut target, behind piecewise prefill."""
+    return _ngram(cut_smollm2_path, disable_piecewise_cuda_graph=False)
+
+
+def _ngram(path, **kw) -> LLM:
+    """A prompt-lookup engine (4 draft tokens, always speculating; prefill eager by default)."""
+    kw.setdefault("disable_piecewise_cuda_graph", True)
     return LLM(
-        str(smollm2_path),
+        str(path),
         dtype="float32",
         device="cpu",
         speculative_algorithm="NGRAM",
         speculative_num_steps=4,
         speculative_policy="always",
+        **kw,
     )
 
 
@@ -51,10 +75,10 @@ def _greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
     return greedy(max_tokens, **kw)
 
 
-def _overlapped_ngram(smollm2_path, num_steps: int) -> LLM:
+def _overlapped_ngram(path, num_steps: int) -> LLM:
     """A prompt-lookup engine under the overlap schedule, with the default (auto) policy."""
     return LLM(
-        str(smollm2_path),
+        str(path),
         dtype="float32",
         device="cpu",
         speculative_algorithm="NGRAM",
@@ -64,24 +88,38 @@ def _overlapped_ngram(smollm2_path, num_steps: int) -> LLM:
     )
 
 
-@pytest.mark.parametrize("repetition_penalty", [1.0, 1.2])
-def test_greedy_equals_plain_decoding(llm, spec_llm, hf_model, repetition_penalty):
-    params = _greedy(repetition_penalty=repetition_penalty)
-    plain = llm.generate(PROMPTS, params, use_tqdm=False)
-    spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+def _assert_greedy_equals_plain(llm, spec_llm, hf_model, prompts, params) -> list:
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
     tok = llm.get_tokenizer()
-    for prompt, want, got in zip(PROMPTS, plain, spec):
+    for prompt, want, got in zip(prompts, plain, spec):
         assert len(got.token_ids) == NEW_TOKENS
         assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, want.token_ids)
         assert got.metrics.spec_verify_steps > 0
-    if repetition_penalty == 1.0:  # the penalty makes the model avoid repeating the prompt
-        for out in spec[-len(REPEAT_PROMPTS) :]:
-            assert out.metrics.avg_spec_accept_length > 1.0, out.text
     assert_all_pages_free(spec_llm)
+    return spec
 
 
-def test_accept_metrics(spec_llm):
-    out = spec_llm.generate(REPEAT_PROMPTS[1], _greedy(32), use_tqdm=False)[0]
+def test_greedy_equals_plain_decoding(llm, spec_llm, hf_model):
+    """On the real SmolLM2: half the varied prompts (prose, code, a translation, a count) and
+    both texts to copy, which the model copies: their drafts are accepted."""
+    prompts = ALL_PROMPTS[:8:2] + REPEAT_PROMPTS
+    spec = _assert_greedy_equals_plain(llm, spec_llm, hf_model, prompts, _greedy())
+    for out in spec[-len(REPEAT_PROMPTS) :]:
+        assert out.metrics.avg_spec_accept_length > 1.0, out.text
+
+
+def test_penalized_greedy_equals_plain_decoding(cut_llm, cut_spec, cut_hf_model):
+    """With a repetition penalty, on the cut target (every prompt), whose penalized text varies:
+    drafts both accepted and rejected."""
+    params = _greedy(repetition_penalty=1.2)
+    spec = _assert_greedy_equals_plain(cut_llm, cut_spec, cut_hf_model, PROMPTS, params)
+    assert any(o.metrics.spec_accepted_draft_tokens for o in spec)
+    assert any(o.metrics.spec_verify_steps > o.metrics.spec_accepted_draft_tokens for o in spec)
+
+
+def test_accept_metrics(cut_spec):
+    out = cut_spec.generate(REPEAT_PROMPTS[1], _greedy(32), use_tqdm=False)[0]
     m = out.metrics
     assert m.avg_spec_accept_length == pytest.approx(
         (m.spec_accepted_draft_tokens + m.spec_verify_steps) / m.spec_verify_steps
@@ -89,11 +127,11 @@ def test_accept_metrics(spec_llm):
     assert len(m.spec_accepted_per_position) == 4
     assert sum(m.spec_accepted_per_position) == m.spec_accepted_draft_tokens > 0
     assert list(m.spec_accepted_per_position) == sorted(m.spec_accepted_per_position, reverse=True)
-    stats = spec_llm.engine.spec_stats()
+    stats = cut_spec.engine.spec_stats()
     assert stats["verify_steps"] >= m.spec_verify_steps and stats["avg_spec_accept_length"] > 1
 
 
-def test_seeded_sampling_equals_plain(llm, spec_llm):
+def test_seeded_sampling_equals_plain(cut_llm, cut_spec):
     prompts = [ALL_PROMPTS[0], REPEAT_PROMPTS[0], REPEAT_PROMPTS[1], ALL_PROMPTS[6]]
     params = [
         SamplingParams(
@@ -105,8 +143,8 @@ def test_seeded_sampling_equals_plain(llm, spec_llm):
         )
         for i in range(3)
     ] + [_greedy(40)]  # a greedy request in a sampled batch
-    plain = llm.generate(prompts, params, use_tqdm=False)
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    plain = cut_llm.generate(prompts, params, use_tqdm=False)
+    spec = cut_spec.generate(prompts, params, use_tqdm=False)
     for want, got in zip(plain, spec):
         assert got.token_ids == want.token_ids
     assert spec[2].metrics.spec_accepted_draft_tokens > 0
@@ -127,46 +165,37 @@ def test_stop_string_and_max_tokens_inside_accepted_runs(llm, spec_llm):
     assert_all_pages_free(spec_llm)
 
 
-def test_every_page_free_after_200_requests(spec_llm):
+def test_every_page_free_after_200_requests(cut_spec):
     prompts = [REPEAT_PROMPTS[i % 2] if i % 3 else ALL_PROMPTS[i % 16] for i in range(200)]
     params = [
         _greedy(1 + i % 8) if i % 2 else SamplingParams(temperature=0.8, max_tokens=8)
         for i in range(200)
     ]
-    outs = spec_llm.generate(prompts, params, use_tqdm=False)
+    outs = cut_spec.generate(prompts, params, use_tqdm=False)
     assert all(o.finished and len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params))
-    assert_all_pages_free(spec_llm)
+    assert_all_pages_free(cut_spec)
 
 
-def test_fallbacks_logprobs_and_small_kv_pool(smollm2_path, llm, spec_llm, hf_model):
-    before = spec_llm.engine.spec_stats()["fallback_steps"]
+def test_fallbacks_logprobs_and_small_kv_pool(cut_smollm2_path, cut_llm, cut_spec, cut_hf_model):
+    before = cut_spec.engine.spec_stats()["fallback_steps"]
     params = _greedy(6, logprobs=2)
-    want = llm.generate(ALL_PROMPTS[0], params, use_tqdm=False)[0]
-    got = spec_llm.generate(ALL_PROMPTS[0], params, use_tqdm=False)[0]
+    want = cut_llm.generate(ALL_PROMPTS[0], params, use_tqdm=False)[0]
+    got = cut_spec.generate(ALL_PROMPTS[0], params, use_tqdm=False)[0]
     assert got.token_ids == want.token_ids and len(got.logprobs) == 6
-    assert spec_llm.engine.spec_stats()["fallback_steps"] > before
+    assert cut_spec.engine.spec_stats()["fallback_steps"] > before
     # 10 pages of 16 tokens: verify slots often do not fit, so steps fall back or preempt.
-    small = LLM(
-        str(smollm2_path),
-        dtype="float32",
-        device="cpu",
-        max_total_tokens=160,
-        speculative_algorithm="NGRAM",
-        speculative_num_steps=4,
-        speculative_policy="always",
-        disable_piecewise_cuda_graph=True,
-    )
+    small = _ngram(cut_smollm2_path, max_total_tokens=160)
     prompts = PROMPTS[-4:]
-    ref = llm.generate(prompts, _greedy(40), use_tqdm=False)
+    ref = cut_llm.generate(prompts, _greedy(40), use_tqdm=False)
     outs = small.generate(prompts, _greedy(40), use_tqdm=False)
-    tok = llm.get_tokenizer()
+    tok = cut_llm.get_tokenizer()
     for prompt, want, got in zip(prompts, ref, outs):
-        assert_greedy_match(hf_model, tok.encode(prompt), got.token_ids, want.token_ids)
+        assert_greedy_match(cut_hf_model, tok.encode(prompt), got.token_ids, want.token_ids)
     assert small.engine.spec_stats()["fallback_steps"] > 0
     assert_all_pages_free(small)
 
 
-def test_config_validation(smollm2_path):
+def test_config_validation(cut_smollm2_path):
     with pytest.raises(ValueError, match="speculative_algorithm must be one of"):
         EngineConfig(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="set without speculative_algorithm"):
@@ -175,7 +204,7 @@ def test_config_validation(smollm2_path):
         EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=0)
     for algorithm in ("EAGLE3", "NEXTN", "STANDALONE"):
         config = EngineConfig(
-            model=str(smollm2_path),
+            model=str(cut_smollm2_path),
             speculative_algorithm=algorithm,
             speculative_draft_model_path="/no/such/draft",
         )
@@ -183,14 +212,14 @@ def test_config_validation(smollm2_path):
             Engine(config)
 
 
-def test_the_policy_times_every_step_but_switches(smollm2_path):
+def test_the_policy_times_every_step_but_switches(cut_smollm2_path):
     """The policy's cost model learns from every decode step, whatever batch ran before it or
     finished in it, but for a switch: a plain step launched over a speculative one pays for
     the rest of it when reading it (not steady); a speculative step after plain ones waits
     for nothing (prompt lookup reads the device's history). A step's time is its whole cycle:
     the caller's work before the next step counts.
     """
-    llm = _overlapped_ngram(smollm2_path, num_steps=4)
+    llm = _overlapped_ngram(cut_smollm2_path, num_steps=4)
     engine, records = llm.engine, []
     policy = engine.spec_worker.policy
     record = policy.record_step
@@ -230,15 +259,15 @@ def test_the_policy_times_every_step_but_switches(smollm2_path):
 
 @pytest.mark.parametrize("speculate", [True, False], ids=["speculative", "plain"])
 def test_a_mixed_step_s_launch_is_in_neither_kind_of_step(
-    smollm2_path, llm, monkeypatch, speculate
+    cut_smollm2_path, cut_llm, monkeypatch, speculate
 ):
     """A step with prefill work launched over a decode step of either kind ends that step's
     time when it was ready, later by its read of it (the wait for the device, here only in
     the mixed step's read), but not by its own launch, host work while the device ran it."""
     launch, wait = 2.0, 0.5  # NOTE: well above a CPU step's time, on a loaded machine too
-    spec = _overlapped_ngram(smollm2_path, num_steps=3)
+    spec = _overlapped_ngram(cut_smollm2_path, num_steps=3)
     engine, prompt = spec.engine, spec.get_tokenizer().encode(PROMPTS[0])
-    assert engine.scheduler.hold_arrivals and not llm.engine.scheduler.hold_arrivals
+    assert engine.scheduler.hold_arrivals and not cut_llm.engine.scheduler.hold_arrivals
     engine.spec_worker.policy.choose = lambda reqs: speculate
     step_class = worker_module.LaunchedSpecStep if speculate else overlap_module.LaunchedStep
     read, mixing = step_class.read, [False]
@@ -278,13 +307,13 @@ def test_a_mixed_step_s_launch_is_in_neither_kind_of_step(
     assert closed and all(kind is speculate and wait <= t < launch for kind, t in closed)
 
 
-def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(smollm2_path, llm):
+def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(cut_smollm2_path, cut_llm):
     """A plain step launched over a speculative step in flight whose decode rows are all of
     requests that step did not run (their tokens all read: here R, left out of A's
     speculative step at its worst-case length, then decoding alone once A's worst case
     reaches its limit) takes its input tokens from the device like the others: output equals
     plain decoding."""
-    spec = _overlapped_ngram(smollm2_path, num_steps=3)
+    spec = _overlapped_ngram(cut_smollm2_path, num_steps=3)
     engine, prompt = spec.engine, spec.get_tokenizer().encode(PROMPTS[0])
     (a,) = engine.add_request(prompt, _greedy(6))
     (r,) = engine.add_request(prompt, _greedy(3))
@@ -300,7 +329,7 @@ def test_a_plain_step_over_a_speculative_step_it_shares_no_request_with(smollm2_
     while engine.has_unfinished:
         engine.step()
     assert any(alone)
-    want = llm.generate([PROMPTS[0]] * 2, [_greedy(6), _greedy(3)], use_tqdm=False)
+    want = cut_llm.generate([PROMPTS[0]] * 2, [_greedy(6), _greedy(3)], use_tqdm=False)
     assert [a.output_token_ids, r.output_token_ids] == [w.outputs[0].token_ids for w in want]
     assert (a.finish_reason, r.finish_reason) == ("length", "length")
 
