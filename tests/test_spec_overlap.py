@@ -22,6 +22,7 @@ from spec_setup import (
     SPEC_KW,
     K,
     MemoizedPlain,
+    plain_cpu_llm,
     spec_llm,
 )
 from spec_setup import assert_same_greedy as _assert_same_greedy
@@ -36,10 +37,7 @@ CUT_STOP = "  and"
 
 @pytest.fixture(scope="module")
 def llm(cut_smollm2_path) -> MemoizedPlain:
-    plain = LLM(
-        str(cut_smollm2_path), dtype="float32", device="cpu", disable_piecewise_cuda_graph=True
-    )
-    return MemoizedPlain(plain)
+    return MemoizedPlain(plain_cpu_llm(cut_smollm2_path))
 
 
 @pytest.fixture(scope="module")
